@@ -1,0 +1,32 @@
+# The two set-up commands: `make run` and `make test`. Both are idempotent.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.yaml
+RUN_DIR ?= runs/demo
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# No GPU driver here: take the CPU torch build so pip does not pull CUDA wheels.
+	command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m workflow demo-data data/demo
+	$(PY) -m workflow run --config $(CONFIG) --set run.source=data/demo --set run.dir=$(RUN_DIR)
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) -m benchmarks all
+
+clean:
+	rm -rf $(VENV) runs data/demo
