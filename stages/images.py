@@ -1,0 +1,99 @@
+"""Decoding untrusted image bytes, shared by ETL, training, batch inference and serving.
+
+One function decides what a "bad image" is, so the ETL quarantine and the HTTP 4xx codes agree.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+__all__ = ["BadImage", "open_image", "decode_rgb", "encode", "REASONS"]
+
+# Pillow's own guard raises only above 2x MAX_IMAGE_PIXELS; we check our limit ourselves
+# before decoding, so lift Pillow's and silence its warning.
+Image.MAX_IMAGE_PIXELS = None
+warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+
+REASONS = ("empty_file", "too_large", "not_an_image", "unsupported_format", "truncated",
+           "decompression_bomb", "corrupt", "read_error", "outside_class_folder")
+
+
+class BadImage(ValueError):
+    """Bytes that are not a usable image; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -> Image.Image:
+    """Parse the header only: format and size are checked before any pixel is decoded."""
+    if not data:
+        raise BadImage("empty_file", "0 bytes")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise BadImage("not_an_image", "no known image signature") from None
+    except Exception as e:  # Pillow raises many types on malformed headers
+        raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
+    if img.format not in allowed_formats:
+        raise BadImage("unsupported_format", f"{img.format}; allowed: {', '.join(allowed_formats)}")
+    width, height = img.size
+    if width * height > max_pixels:
+        raise BadImage("decompression_bomb", f"{width}x{height} px exceeds {max_pixels} px")
+    return img
+
+
+def decode_rgb(data: bytes, size: int, *, resize: str = "crop",
+               allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP"),
+               max_pixels: int = 89_478_485) -> np.ndarray:
+    """Decode to an RGB uint8 array of shape (size, size, 3).
+
+    crop: scale the shorter side to `size` and take the centre square; stretch: ignore aspect.
+    JPEGs use libjpeg's draft mode, which decodes at 1/2, 1/4 or 1/8 scale when that still
+    covers the target: about 2x faster for large photos and the same output quality.
+    """
+    img = open_image(data, allowed_formats, max_pixels)
+    try:
+        if img.format == "JPEG":
+            img.draft("RGB", (size, size))
+        img.load()
+    except Exception as e:
+        reason = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
+        raise BadImage(reason, f"{type(e).__name__}: {e}") from None
+    img = _to_rgb(img)
+    width, height = img.size
+    if resize == "crop":
+        side = min(width, height)
+        box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
+    else:
+        box = (0, 0, width, height)
+    if img.size != (size, size) or box != (0, 0, width, height):
+        img = img.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    # Transparent pixels become white, not whatever colour the encoder left under alpha 0.
+    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def encode(array: np.ndarray, codec: str, jpeg_quality: int = 90) -> bytes:
+    """Encode an RGB uint8 array as JPEG or PNG (deterministic bytes for the same input)."""
+    buf = io.BytesIO()
+    img = Image.fromarray(array, "RGB")
+    if codec == "jpeg":
+        img.save(buf, format="JPEG", quality=jpeg_quality)
+    elif codec == "png":
+        img.save(buf, format="PNG", compress_level=1)
+    else:
+        raise ValueError(f"unknown codec '{codec}'; use jpeg or png")
+    return buf.getvalue()

@@ -1,0 +1,86 @@
+"""Artifacts: what a stage returns, and the `manifest.json` that makes every output folder explain itself."""
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import platform
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from workflow import storage
+
+__all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
+           "base_manifest", "config_hash"]
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A published stage output: its folder URI and its manifest."""
+    stage: str
+    path: str
+    manifest: dict[str, Any] = field(repr=False)
+
+    def uri(self, relative: str) -> str:
+        return storage.join(self.path, relative)
+
+
+@functools.cache
+def code_version() -> dict[str, str]:
+    """raymill version plus the git commit when running from a checkout (provenance)."""
+    try:
+        version = metadata.version("raymill")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    info = {"raymill": version, "python": platform.python_version()}
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        if sha:
+            info["git_commit"] = sha
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def new_run_id() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def config_hash(section: dict[str, Any]) -> str:
+    return storage.sha256_bytes(json.dumps(section, sort_keys=True).encode())[:16]
+
+
+def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": f"raymill.{stage}", "schema_version": 1,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "code": code_version(), "config": config, "config_hash": config_hash(config),
+            "inputs": inputs}
+
+
+def write_manifest(out: str, manifest: dict[str, Any], s3: Any | None = None) -> None:
+    """Write `out/manifest.json` atomically. It is the publish step: write it last."""
+    fs, path = storage.filesystem(out, s3)
+    data = json.dumps(manifest, indent=2, sort_keys=False).encode()
+    storage.write_bytes_atomic(fs, storage.join(path, MANIFEST), data)
+
+
+def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) -> Artifact:
+    """Load a published output folder; a folder without a manifest was never published."""
+    fs, root = storage.filesystem(path, s3)
+    manifest_path = storage.join(root, MANIFEST)
+    if not fs.exists(manifest_path):
+        raise FileNotFoundError(f"no {MANIFEST} in '{path}': not a published raymill output "
+                                f"(run the stage that makes it first)")
+    manifest = storage.read_json(fs, manifest_path)
+    kind = manifest.get("kind", "")
+    if stage and kind != f"raymill.{stage}":
+        raise ValueError(f"'{path}' holds a {kind or 'unknown'} output, not raymill.{stage}")
+    return Artifact(kind.removeprefix("raymill."), str(path).rstrip("/"), manifest)

@@ -1,0 +1,294 @@
+"""One typed, frozen config tree for every stage, loaded from YAML plus `a.b=value` overrides.
+
+Each stage receives only its own section. Unknown or mistyped keys raise `ConfigError`
+with the full key path and the fix; the CLI turns that into exit code 2.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
+    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "load_config", "parse_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix; the message names the key and the fix."""
+
+
+class Section(BaseModel):
+    # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RayConfig(Section):
+    address: str | None = None  # None: embedded local Ray; "auto" or "host:port" joins a cluster
+    num_cpus: float | None = None  # local Ray only; None = all cores of this machine
+    num_gpus: int | None = None  # local Ray only
+    object_store_memory_mb: int | None = None  # local Ray only; None = Ray's default
+    include_dashboard: bool = False  # the dashboard is an RCE surface (CVE-2023-48022); off unless asked
+    dashboard_host: str = "127.0.0.1"
+    # CPUs kept free for Ray Data read/decode tasks while trainers or trials hold the rest;
+    # without it 2 workers x 1 CPU on 2 CPUs deadlocks (see README, "Resource plan").
+    data_reserved_cpus: float = Field(0.5, gt=0)
+
+
+class S3Config(Section):
+    # Credentials stay in the environment (AWS_ACCESS_KEY_ID, ...), never in config files.
+    endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for MinIO/moto; env AWS_ENDPOINT_URL also works
+    region: str | None = None
+    anon: bool = False
+
+
+class RunSection(Section):
+    name: str = "demo"
+    dir: str = "runs/demo"  # run folder: local path or s3:// URI
+    source: str = "data/demo"  # ImageFolder tree: local path or s3:// prefix
+    seed: int = 0
+    force: bool = False  # recompute stages even when their inputs and config are unchanged
+
+
+class SplitFractions(Section):
+    train: float = Field(0.8, ge=0, le=1)
+    val: float = Field(0.1, ge=0, le=1)
+    test: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> "SplitFractions":
+        total = self.train + self.val + self.test
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            raise ValueError(f"train+val+test must sum to 1, got {total:g}; adjust etl.split.*")
+        return self
+
+
+class EtlConfig(Section):
+    image_size: int = Field(64, ge=8, le=4096)  # output side length, px (square)
+    resize: Literal["crop", "stretch"] = "crop"  # crop: shorter side to size then centre crop
+    formats: tuple[Literal["parquet", "tar"], ...] = ("parquet", "tar")
+    # encoded: small shards, decode cost at train time; raw: uint8 HWC, ~10x bytes, no decode.
+    parquet_encoding: Literal["encoded", "raw"] = "encoded"
+    codec: Literal["jpeg", "png"] = "jpeg"  # codec of stored encoded images (tar always encoded)
+    jpeg_quality: int = Field(90, ge=1, le=100)
+    shard_max_rows: int = Field(1000, ge=1)
+    shard_max_mb: float = Field(64.0, gt=0)
+    split: SplitFractions = SplitFractions()
+    max_bad_fraction: float = Field(0.5, ge=0, le=1)  # more bad files than this fails the job
+    max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
+    max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread
+    allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP")  # Pillow format names
+    files_per_task: int = Field(256, ge=1)  # files one Ray Data task decodes (bounds its memory)
+    cpus_per_task: float = Field(1.0, gt=0)
+
+
+class AugmentConfig(Section):
+    random_resized_crop: bool = True
+    scale_min: float = Field(0.6, gt=0, le=1)  # min area fraction kept by the random crop
+    flip: bool = True
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.25, 0.25, 0.25)
+
+
+class TrainConfig(Section):
+    model: str = "small_cnn"
+    width: int = Field(32, ge=4)  # base channel width (small_cnn only)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)  # per worker
+    lr: float = Field(0.05, gt=0)
+    weight_decay: float = Field(5e-4, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    warmup_epochs: float = Field(0.5, ge=0)
+    num_workers: int = Field(2, ge=1)
+    min_workers: int | None = Field(None, ge=1)  # set for elastic training: (min_workers, num_workers)
+    use_gpu: bool = False
+    cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by workflow.session
+    gpus_per_worker: float = Field(1.0, gt=0)
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    channels_last: bool = False
+    pin_memory: bool = True  # GPU only: pinned host buffers + non_blocking copies
+    data_format: Literal["parquet", "tar"] = "parquet"
+    shuffle_buffer_rows: int = Field(512, ge=1)
+    prefetch_batches: int = Field(4, ge=0)
+    decode_threads: int = Field(2, ge=1)
+    augment: AugmentConfig = AugmentConfig()
+    checkpoint_every_steps: int = Field(0, ge=0)  # 0: only at epoch ends
+    num_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(3, ge=0)
+    storage_path: str | None = None  # Ray Train storage (local or s3://); None: <run dir>/ray
+    cache_dir: str = "~/.cache/raymill/shards"  # local copies of remote shards
+    cache_max_gb: float = Field(20.0, gt=0)
+    ledger: bool = False  # record every consumed sample key (tests, audits)
+    max_steps: int | None = Field(None, ge=1)  # stop early (benchmarks, smoke runs)
+
+
+class Distribution(Section):
+    type: Literal["loguniform", "uniform", "choice", "randint"]
+    lower: float | None = None
+    upper: float | None = None
+    values: tuple[Any, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_args(self) -> "Distribution":
+        if self.type == "choice":
+            if not self.values:
+                raise ValueError("type 'choice' needs a non-empty 'values' list")
+        elif self.lower is None or self.upper is None or self.lower >= self.upper:
+            raise ValueError(f"type '{self.type}' needs 'lower' < 'upper'")
+        elif self.type == "loguniform" and self.lower <= 0:
+            raise ValueError("type 'loguniform' needs 'lower' > 0")
+        return self
+
+
+class TuneConfig(Section):
+    enabled: bool = False
+    num_samples: int = Field(8, ge=1)
+    metric: str = "val_acc"
+    mode: Literal["max", "min"] = "max"
+    scheduler: Literal["asha", "fifo", "pbt"] = "asha"
+    max_epochs: int = Field(6, ge=1)
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: int = Field(3, ge=2)
+    seed: int = 0
+    workers_per_trial: int = Field(1, ge=1)
+    max_concurrent_trials: int | None = Field(None, ge=1)  # None: computed from resources
+    max_failures: int = Field(1, ge=0)  # retries per trial
+    handoff: Literal["reuse", "retrain"] = "reuse"  # reuse best trial's checkpoint, or retrain it
+    search_space: dict[str, Distribution] = Field(default_factory=lambda: {
+        "lr": Distribution(type="loguniform", lower=0.005, upper=0.2),
+        "weight_decay": Distribution(type="loguniform", lower=1e-5, upper=1e-3),
+    })
+
+    @field_validator("search_space")
+    @classmethod
+    def _known_params(cls, space: dict[str, Distribution]) -> dict[str, Distribution]:
+        known = set(TrainConfig.model_fields)
+        for key in space:
+            if key.split(".")[0] not in known:
+                raise ValueError(f"search_space key '{key}' is not a train.* field; valid: {sorted(known)}")
+        return space
+
+
+class InferConfig(Section):
+    split: Literal["train", "val", "test"] = "test"
+    batch_size: int = Field(128, ge=1)
+    num_actors: int = Field(1, ge=1)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    top_k: int = Field(3, ge=1)
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"  # other interfaces only when asked explicitly
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: bool = False
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    cpus_per_replica: float = Field(0.5, gt=0)
+    use_gpu: bool = False
+    batching: bool = True
+    max_batch_size: int = Field(16, ge=1)
+    batch_wait_timeout_s: float = Field(0.005, ge=0)
+    max_ongoing_requests: int = Field(32, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    request_timeout_s: float = Field(10.0, gt=0)
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
+    top_k: int = Field(3, ge=1)
+    app_name: str = "raymill"
+
+
+class Config(Section):
+    ray: RayConfig = RayConfig()
+    s3: S3Config = S3Config()
+    run: RunSection = RunSection()
+    etl: EtlConfig = EtlConfig()
+    train: TrainConfig = TrainConfig()
+    tune: TuneConfig = TuneConfig()
+    infer: InferConfig = InferConfig()
+    serve: ServeConfig = ServeConfig()
+
+
+def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn ["etl.image_size=64", ...] into a nested dict; values are parsed as YAML scalars."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override '{item}' is not key=value; write e.g. --set etl.image_size=64")
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return nested
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            parent = _section_at(item["loc"][:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "see README"
+            lines.append(f"unknown config key '{path}'; valid keys here: {valid}")
+        else:
+            lines.append(f"config key '{path}': {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(lines)
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (or defaults when `path` is None) and apply `a.b=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' not found; pass --config with an existing YAML file")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections (ray, etl, train, ...)")
+    data = _merge(data, parse_overrides(overrides))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def section_dict(section: BaseModel) -> dict[str, Any]:
+    """JSON-ready dict of a config section, for manifests."""
+    return section.model_dump(mode="json")

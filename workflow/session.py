@@ -1,0 +1,128 @@
+"""The one place Ray is started, and where CPUs/GPUs are planned so no stage can deadlock.
+
+The trap this module exists for: TorchTrainer with 2 workers x 1 CPU on a 2-CPU Ray holds every
+CPU, and Ray Data's read tasks then wait forever. Every plan here keeps `data_reserved_cpus` free.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from workflow.config import ConfigError, RayConfig, TrainConfig, TuneConfig
+
+__all__ = ["start", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials", "TrialPlan"]
+
+log = logging.getLogger(__name__)
+
+# Credentials reach Ray workers on other nodes only through the job's runtime env.
+_FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                  "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+
+def start(cfg: RayConfig) -> dict[str, float]:
+    """Start (or join) Ray once per process and return the cluster's resources.
+
+    Embedded local Ray by default; `ray.address` joins a running cluster. Token authentication
+    is Ray 2.60's default and is left on; the dashboard, when enabled, binds to 127.0.0.1.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+        kwargs: dict = {"runtime_env": {"env_vars": env} if env else None,
+                        "include_dashboard": cfg.include_dashboard,
+                        "dashboard_host": cfg.dashboard_host, "logging_level": logging.WARNING}
+        if cfg.address:
+            kwargs["address"] = cfg.address
+        else:
+            kwargs.update(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
+                          object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
+        ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+    resources = cluster_resources()
+    log.info("ray: %s CPUs, %s GPUs (address=%s)", resources["CPU"], resources["GPU"],
+             cfg.address or "local")
+    return resources
+
+
+def cluster_resources() -> dict[str, float]:
+    import ray
+
+    res = ray.cluster_resources()
+    return {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0))}
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """Resources for one TorchTrainer run: what each worker holds, and what stays free."""
+    num_workers: int
+    min_workers: int | None
+    cpus_per_worker: float
+    gpus_per_worker: float
+    use_gpu: bool
+    data_reserved_cpus: float
+    total_cpus: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
+                 slots: int = 1) -> WorkerPlan:
+    """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`.
+
+    CPUs per worker default to an equal share of what is left after the Ray Data reserve,
+    capped at 1 (extra CPUs help ingest more than a second intra-op thread helps a worker).
+    """
+    total_cpus, total_gpus = resources["CPU"], resources["GPU"]
+    workers = train.num_workers * slots
+    free = total_cpus - data_reserved_cpus
+    if free <= 0:
+        raise ConfigError(f"the cluster has {total_cpus:g} CPUs, all needed by ray.data_reserved_cpus="
+                          f"{data_reserved_cpus:g}; lower ray.data_reserved_cpus or add CPUs")
+    cpus = train.cpus_per_worker or math.floor(min(1.0, free / workers) * 100) / 100
+    if cpus <= 0 or cpus * workers > free + 1e-9:
+        raise ConfigError(
+            f"train.num_workers={train.num_workers} x {slots} trainer(s) x {cpus:g} CPU needs "
+            f"{cpus * workers:g} CPUs but only {free:g} of {total_cpus:g} are free after "
+            f"ray.data_reserved_cpus={data_reserved_cpus:g}; lower train.num_workers or "
+            f"train.cpus_per_worker, or add nodes")
+    if train.use_gpu and train.gpus_per_worker * workers > total_gpus + 1e-9:
+        raise ConfigError(
+            f"train.use_gpu with train.num_workers={train.num_workers} x {slots} needs "
+            f"{train.gpus_per_worker * workers:g} GPUs but the cluster has {total_gpus:g}; lower "
+            f"train.num_workers, set train.gpus_per_worker below 1, or set train.use_gpu=false")
+    if train.min_workers is not None and train.min_workers > train.num_workers:
+        raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
+                          f"{train.num_workers}; set min_workers <= num_workers")
+    plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
+                      train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu,
+                      data_reserved_cpus, total_cpus)
+    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %.2f CPU kept for Ray Data",
+             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, data_reserved_cpus)
+    return plan
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    concurrent_trials: int
+    workers: WorkerPlan
+
+
+def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float],
+                data_reserved_cpus: float) -> TrialPlan:
+    """How many Tune trials (each a TorchTrainer) run at once without starving Ray Data."""
+    per_trial = train.model_copy(update={"num_workers": tune.workers_per_trial, "min_workers": None})
+    free = resources["CPU"] - data_reserved_cpus
+    cpus = per_trial.cpus_per_worker or min(1.0, free / tune.workers_per_trial)
+    fit = int(free // (cpus * tune.workers_per_trial) + 1e-9) if cpus > 0 else 0
+    if train.use_gpu:
+        fit = min(fit, int(resources["GPU"] // (train.gpus_per_worker * tune.workers_per_trial)))
+    concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
+    if concurrent < 1:
+        raise ConfigError(
+            f"one trial needs tune.workers_per_trial={tune.workers_per_trial} x {cpus:g} CPU but only "
+            f"{free:g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
+            f"tune.workers_per_trial or train.cpus_per_worker")
+    return TrialPlan(concurrent, plan_workers(per_trial, resources, data_reserved_cpus, slots=concurrent))

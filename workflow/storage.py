@@ -1,0 +1,109 @@
+"""Local and s3:// paths through one fsspec interface, plus atomic writes and checksums."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+__all__ = ["is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
+           "sha256_bytes", "s3_options", "local_path"]
+
+CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in str(uri) and not str(uri).startswith("file://")
+
+
+def local_path(uri: str) -> str:
+    """Absolute local path of a non-remote URI (expands ~)."""
+    uri = str(uri)
+    if uri.startswith("file://"):
+        uri = uri[len("file://"):]
+    return str(Path(uri).expanduser().resolve())
+
+
+def s3_options(s3: Any | None) -> dict[str, Any]:
+    """Plain-dict S3 settings (picklable, for Ray tasks). Credentials stay in the environment."""
+    endpoint = getattr(s3, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL") \
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+    return {"endpoint_url": endpoint, "region": getattr(s3, "region", None),
+            "anon": bool(getattr(s3, "anon", False))}
+
+
+def filesystem(uri: str, s3: Any | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Return (filesystem, path-within-it) for a local path or s3:// URI.
+
+    `s3` is an S3Config or the dict from `s3_options` (what Ray tasks receive).
+    """
+    uri = str(uri)
+    if uri.startswith("s3://"):
+        import s3fs
+
+        opts = s3 if isinstance(s3, dict) else s3_options(s3)
+        client_kwargs = {k: v for k, v in (("endpoint_url", opts.get("endpoint_url")),
+                                           ("region_name", opts.get("region"))) if v}
+        # skip_instance_cache: tests start and stop endpoints; a cached client would outlive them.
+        fs = s3fs.S3FileSystem(anon=opts.get("anon", False), client_kwargs=client_kwargs,
+                               skip_instance_cache=True)
+        return fs, uri[len("s3://"):].rstrip("/")
+    if is_remote(uri):
+        raise ValueError(f"unsupported URI scheme in '{uri}'; use a local path or s3://bucket/prefix")
+    return fsspec.filesystem("file"), local_path(uri)
+
+
+def join(uri: str, *parts: str) -> str:
+    uri = str(uri).rstrip("/")
+    return "/".join([uri, *[p.strip("/") for p in parts]])
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write so readers see the old object or the whole new one, never a prefix.
+
+    Local: temp file in the same folder + os.replace. S3: one PUT is already atomic.
+    """
+    if _is_local(fs):
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    else:
+        fs.pipe_file(path, data)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    with fs.open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(fs: fsspec.AbstractFileSystem, path: str) -> tuple[str, int]:
+    """(sha256 hex, size in bytes) of a file, streamed in chunks."""
+    digest, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
