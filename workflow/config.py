@@ -82,7 +82,6 @@ class EtlConfig(Section):
     max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
     max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP")  # Pillow format names
-    files_per_task: int = Field(256, ge=1)  # files one Ray Data task decodes (bounds its memory)
     cpus_per_task: float = Field(1.0, gt=0)
 
 

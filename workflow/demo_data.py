@@ -179,8 +179,10 @@ def _render(rng: np.random.Generator, cls: str, w: int, h: int) -> Image.Image:
 
     short = min(w, h)
     r = 0.5 * short * rng.uniform(0.45, 0.8)  # shape diameter 45-80% of the short side
-    cx = rng.uniform(r, w - r)
-    cy = rng.uniform(r, h - r)
+    # keep the shape inside the centred short-side square, so a centre-crop loader
+    # (stages.images.decode_rgb's default) never cuts it off
+    cx = rng.uniform((w - short) / 2 + r, (w + short) / 2 - r)
+    cy = rng.uniform((h - short) / 2 + r, (h + short) / 2 - r)
     theta = math.radians(rng.uniform(-MAX_ROTATION_DEG, MAX_ROTATION_DEG))
     sx, sy = rng.uniform(0.85, 1.15, size=2)
 
@@ -215,9 +217,9 @@ def _encode(rng: np.random.Generator, im: Image.Image, png: bool) -> bytes:
         return buf.getvalue()
     mode = rng.choice(3, p=(0.6, 0.2, 0.2))  # RGB, RGBA, palette
     if mode == 1:
-        # constant, partly transparent alpha: a loader doing .convert("RGB") sees the same picture
+        # opaque alpha (like most RGBA photos/screenshots): any RGBA->RGB conversion, whether it
+        # drops alpha or composites onto white, yields the same picture and keeps the contrast
         im = im.convert("RGBA")
-        im.putalpha(int(rng.integers(160, 256)))
     elif mode == 2:
         ncol = int(rng.choice((64, 128, 256)))
         im = im.quantize(colors=ncol, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)

@@ -1,0 +1,184 @@
+"""Shared fixtures: one local Ray per session, a loopback S3 (moto server), image factories."""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+# Fake credentials for the loopback S3, set before Ray starts so its workers inherit them.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (start-up costs ~6 s). 2 logical CPUs."""
+    import ray
+
+    from workflow import session
+    from workflow.config import RayConfig
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield session.start(RayConfig())
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 endpoint on 127.0.0.1 (moto server mode). Yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket per test; yields (endpoint_url, bucket_name)."""
+    import boto3
+
+    name = "raymill-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    client.create_bucket(Bucket=name)
+    yield s3_server, name
+
+
+def _jpeg(array: np.ndarray, quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+def _png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_bytes(seed: int, size=(80, 60), fmt: str = "jpeg") -> bytes:
+    # Smooth gradients plus mild noise: like photos, they survive JPEG re-encoding at small sizes.
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    base = rng.uniform(0, 1, 3) * 200 + np.stack([x / size[0], y / size[1], (x + y) / sum(size)], -1) * 55
+    array = np.clip(base + rng.normal(0, 4, base.shape), 0, 255).astype(np.uint8)
+    return _jpeg(array) if fmt == "jpeg" else _png(array)
+
+
+def bomb_png() -> bytes:
+    """A tiny file that declares 20000x20000 px: a decompression bomb."""
+    buf = io.BytesIO()
+    Image.new("1", (20000, 20000)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+BAD_FILES = {
+    # relative path -> (bytes, expected quarantine reason)
+    "cat/zero.jpg": (b"", "empty_file"),
+    "cat/truncated.jpg": (None, "truncated"),  # filled in by make_tree
+    "dog/random.jpg": (bytes(np.random.default_rng(7).integers(0, 255, 4000, dtype=np.uint8)), "not_an_image"),
+    "dog/notes.jpg": (b"this is a text file, not a photo\n" * 20, "not_an_image"),
+    "bird/bomb.png": (None, "decompression_bomb"),
+    "bird/scan.tiff": (None, "unsupported_format"),
+}
+
+
+def make_tree(root: Path, per_class: int = 8, bad: bool = True, classes=("bird", "cat", "dog")) -> dict:
+    """Write a small ImageFolder tree with real JPEG/PNG files (and broken ones when `bad`)."""
+    written = {}
+    for c_index, name in enumerate(classes):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            fmt = "png" if i % 3 == 2 else "jpeg"
+            rel = f"{name}/{name}_{i:03d}.{'png' if fmt == 'png' else 'jpg'}"
+            data = image_bytes(1000 * c_index + i, size=(60 + 7 * i, 50 + 5 * c_index), fmt=fmt)
+            (root / rel).write_bytes(data)
+            written[rel] = "ok"
+    if bad:
+        good_jpeg = image_bytes(99, size=(200, 150))
+        tiff = io.BytesIO()
+        Image.new("RGB", (30, 30)).save(tiff, format="TIFF")
+        fill = {"cat/truncated.jpg": good_jpeg[: len(good_jpeg) // 2], "bird/bomb.png": bomb_png(),
+                "bird/scan.tiff": tiff.getvalue()}
+        for rel, (data, reason) in BAD_FILES.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_bytes(fill.get(rel, data))
+            written[rel] = reason
+    return written
+
+
+class FlakyS3Proxy:
+    """A TCP proxy in front of the S3 endpoint that drops every PUT after the first `allow_puts`.
+
+    Models an endpoint failing mid-write; GET/LIST/DELETE still pass so cleanup can be checked.
+    """
+
+    def __init__(self, target_port: int, allow_puts: int):
+        self.target_port, self.allow_puts, self.puts = target_port, allow_puts, 0
+        self.lock = threading.Lock()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+        try:
+            while data := client.recv(65536):
+                if data.startswith(b"PUT "):
+                    with self.lock:
+                        self.puts += 1
+                        if self.puts > self.allow_puts:
+                            break  # the endpoint "dies" for this request
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.server.close()

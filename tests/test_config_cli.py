@@ -1,0 +1,79 @@
+"""Config loading and the CLI's exit codes (in-process where Ray is needed, subprocess where not)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workflow.__main__ import main
+from workflow.config import ConfigError, load_config
+from tests.conftest import REPO, make_tree
+
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.etl.image_size > 0
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("etl.image_sise=32", "unknown config key 'etl.image_sise'"),
+    ("trian.epochs=2", "unknown config key 'trian'"),
+    ("train.epochs=two", "config key 'train.epochs'"),
+    ("etl.formats=[zip]", "config key 'etl.formats.0'"),
+    ("tune.search_space.lr.type=gaussian", "config key 'tune.search_space.lr.type'"),
+])
+def test_bad_keys_name_the_path(override, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
+        load_config(REPO / "configs/smoke.yaml", [override])
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.etl.image_size = 3
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workflow", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+
+
+def test_config_error_exits_2_with_key_path():
+    proc = _cli("run", "--config", "configs/smoke.yaml", "--set", "etl.image_sise=3")
+    assert proc.returncode == 2
+    assert "etl.image_sise" in proc.stderr and "valid keys" in proc.stderr
+
+
+def test_help_and_usage_errors():
+    for cmd in ("demo-data", "etl", "verify", "run"):
+        assert _cli(cmd, "--help").returncode == 0
+    assert _cli("etl").returncode == 2  # argparse: missing --input/--output
+    assert _cli("nonsense").returncode == 2
+
+
+def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):
+    proc = _cli("demo-data", str(tmp_path / "d"), "--images", "20")
+    assert proc.returncode == 0, proc.stderr
+    assert _cli("verify", str(tmp_path / "d")).returncode == 1  # no manifest: not published
+
+
+def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
+    src = tmp_path / "src"
+    make_tree(src, per_class=3)
+    out = tmp_path / "out"
+    assert main(["etl", "--input", str(src), "--output", str(out), "--format", "tar",
+                 "--set", "etl.image_size=16"]) == 0
+    assert "quarantined=6" in capsys.readouterr().out
+    assert all(p.suffix != ".parquet" for p in out.rglob("*"))
+    assert main(["etl", "--input", str(src), "--output", str(out)]) == 2  # exists
+    assert main(["etl", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o2")]) == 2
+    assert main(["verify", str(out)]) == 0
+    shard = next(out.glob("shards/*.tar"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    assert main(["verify", str(out)]) == 1
+    assert shard.name in capsys.readouterr().out
