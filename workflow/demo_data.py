@@ -43,7 +43,7 @@ CLASS_NAMES: tuple[str, ...] = (
 MIN_SIDE, MAX_SIDE = 48, 160  # random image side range (inclusive) when size is None
 JPEG_QUALITY = 90
 PNG_COMPRESS_LEVEL = 6
-MAX_ROTATION_DEG = 15.0  # small, so square/diamond and hstripes/vstripes stay distinct
+MAX_ROTATION_DEG = 10.0  # small, so square/diamond and hstripes/vstripes stay distinct
 
 _FILE_RE = re.compile(r"^(?P<cls>[a-z]+)_(?P<idx>\d{5,})\.(?:jpg|png)$")
 
@@ -141,50 +141,61 @@ assert tuple(_SHAPES) == CLASS_NAMES
 # --------------------------------------------------------------------------------------------
 
 
-def _background(rng: np.random.Generator, w: int, h: int) -> tuple[Image.Image, np.ndarray]:
-    """Random RGB background (solid, gradient or low-frequency noise) and its mean colour."""
+_LUMA = np.array([0.299, 0.587, 0.114])
+
+
+def _tone(rng: np.random.Generator, light: bool) -> np.ndarray:
+    """Random colour of any hue and saturation with a dark (luma 10-85) or light (170-245) tone.
+
+    Dark and light tones are >= 85 luma apart, which keeps every shape clearly visible
+    whatever the hues; both polarities occur, so the class is the shape, not the brightness.
+    """
+    c = rng.uniform(0, 255, size=3)
+    c *= 255.0 / max(c.max(), 1.0)  # full-brightness version of a random hue/saturation
+    luma = float(_LUMA @ c)
+    target = rng.uniform(170, 245) if light else rng.uniform(10, 85)
+    if luma >= target:
+        return c * (target / luma)  # darken
+    return 255.0 - (255.0 - c) * ((255.0 - target) / (255.0 - luma))  # lighten towards white
+
+
+def _background(rng: np.random.Generator, w: int, h: int, light: bool) -> Image.Image:
+    """Random dark or light RGB background: solid, gradient or low-frequency noise."""
     kind = rng.integers(3)  # 0 solid, 1 gradient, 2 low-frequency noise
-    base = rng.uniform(0, 255, size=3)
+    base = _tone(rng, light)
     if kind == 0:
         grid = base.reshape(1, 1, 3)
     elif kind == 1:
         # a linear ramp between two colours; bilinear upscaling of the 2x2 corner grid is exact
-        other = np.clip(base + rng.uniform(-80, 80, size=3), 0, 255)
+        other = _tone(rng, light)
         ang = rng.uniform(0, 2 * math.pi)
         t = np.array([[0.0, math.cos(ang)], [math.sin(ang), math.cos(ang) + math.sin(ang)]])
         t = (t - t.min()) / (t.max() - t.min())
         grid = base + t[..., None] * (other - base)
     else:
         cells = int(rng.integers(3, 9))
-        grid = np.clip(base + rng.uniform(20, 50) * rng.uniform(-1, 1, size=(cells, cells, 3)), 0, 255)
+        grid = np.clip(base + rng.uniform(15, 35) * rng.uniform(-1, 1, size=(cells, cells, 3)), 0, 255)
     grid8 = np.ascontiguousarray(np.rint(grid), dtype=np.uint8)
     if grid8.shape[:2] == (1, 1):
-        img = Image.new("RGB", (w, h), tuple(int(c) for c in grid8[0, 0]))
-    else:
-        img = Image.fromarray(grid8, "RGB").resize((w, h), Image.BILINEAR)
-    return img, grid8.reshape(-1, 3).mean(axis=0)
-
-
-def _foreground_colour(rng: np.random.Generator, bg_mean: np.ndarray) -> tuple[int, int, int]:
-    """Random colour far from the background mean: best of 16 random candidates."""
-    cand = rng.integers(0, 256, size=(16, 3))
-    d = np.linalg.norm(cand - bg_mean, axis=1)
-    return tuple(int(c) for c in cand[int(np.argmax(d))])
+        return Image.new("RGB", (w, h), tuple(int(c) for c in grid8[0, 0]))
+    return Image.fromarray(grid8, "RGB").resize((w, h), Image.BILINEAR)
 
 
 def _render(rng: np.random.Generator, cls: str, w: int, h: int) -> Image.Image:
     """RGB image of a ``cls`` shape on a random background (heavy lifting in Pillow's C code)."""
-    img, bg_mean = _background(rng, w, h)
-    fg = _foreground_colour(rng, bg_mean)
+    # strong luminance contrast, either polarity, any hues
+    light_bg = bool(rng.random() < 0.5)
+    img = _background(rng, w, h, light_bg)
+    fg = tuple(int(round(c)) for c in _tone(rng, not light_bg))
 
     short = min(w, h)
-    r = 0.5 * short * rng.uniform(0.45, 0.8)  # shape diameter 45-80% of the short side
+    r = 0.5 * short * rng.uniform(0.55, 0.85)  # shape diameter 55-85% of the short side
     # keep the shape inside the centred short-side square, so a centre-crop loader
     # (stages.images.decode_rgb's default) never cuts it off
     cx = rng.uniform((w - short) / 2 + r, (w + short) / 2 - r)
     cy = rng.uniform((h - short) / 2 + r, (h + short) / 2 - r)
     theta = math.radians(rng.uniform(-MAX_ROTATION_DEG, MAX_ROTATION_DEG))
-    sx, sy = rng.uniform(0.85, 1.15, size=2)
+    sx, sy = rng.uniform(0.9, 1.1, size=2)
 
     # evaluate the mask only on the shape's bounding box (plus a margin for the edge blur)
     blur = max(0.5, short / 300.0)

@@ -1,0 +1,111 @@
+"""Train stage: Ray Train DDP over the ETL shards, then export the best model for inference.
+
+Outputs in `out/`: manifest.json, metrics.jsonl, curves.png, model.pt + model.json (loadable
+without Ray), ledger.json (when train.ledger), and Ray Train's run folder under `ray/`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from workflow import session, storage
+from workflow.artifacts import Artifact, base_manifest, write_manifest
+from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
+
+__all__ = ["run", "TrainError", "pyarrow_filesystem"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(RuntimeError):
+    """Training failed or diverged; the message says where the last good checkpoint is."""
+
+
+def pyarrow_filesystem(uri: str, s3: Any | None):
+    """(pyarrow filesystem or None, path) for Ray Train's storage_path; custom S3 endpoints need it."""
+    if not uri.startswith("s3://"):
+        return None, storage.local_path(uri)
+    import pyarrow.fs as pafs
+
+    opts = storage.s3_options(s3)
+    kwargs: dict[str, Any] = {"region": opts["region"] or "us-east-1", "anonymous": opts["anon"]}
+    if opts["endpoint_url"]:
+        scheme, _, host = opts["endpoint_url"].partition("://")
+        kwargs.update(endpoint_override=host, scheme=scheme)
+    return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
+
+
+def _check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
+    from stages import etl
+
+    manifest = data.manifest
+    formats = {s["format"] for s in manifest["shards"]}
+    if cfg.data_format not in formats:
+        raise ConfigError(f"train.data_format={cfg.data_format} but '{data.path}' holds only "
+                          f"{sorted(formats)} shards; set train.data_format or re-run ETL with that format")
+    if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
+        problems = etl.verify(data.path, s3)
+        if problems:
+            raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
+                             f"Re-run ETL (raymill etl --overwrite)")
+    shards = {}
+    for split in ("train", "val", "test"):
+        shards[split] = [{"uri": storage.join(data.path, s["path"]), "format": s["format"],
+                          "rows": s["rows"], "bytes": s["bytes"], "sha256": s["sha256"]}
+                         for s in manifest["shards"] if s["split"] == split and s["format"] == cfg.data_format]
+    if not shards["train"]:
+        raise TrainError(f"'{data.path}' has no train rows; add images or change etl.split")
+    return shards
+
+
+def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out: str, s3):
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    fs, path = pyarrow_filesystem(cfg.storage_path or storage.join(out, "ray"), s3)
+    workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
+    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {})}
+    return TorchTrainer(
+        _entry, train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
+                                               resources_per_worker=resources),
+        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            name="train", storage_path=path, storage_filesystem=fs,
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_acc",
+                checkpoint_score_order="max")))
+
+
+def _entry(config: dict) -> None:
+    from stages.train_loop import train_loop
+
+    train_loop(config)
+
+
+def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
+        s3: Any | None = None) -> Artifact:
+    """Train on the ETL artifact `data`; publish the best model to `out`."""
+    started = time.perf_counter()
+    shards = _check_data(cfg, data, s3)
+    resources = session.start(ray_cfg)
+    plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
+    etl_cfg = data.manifest["config"]
+    loop_config = {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
+                   "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
+                   "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
+                   "cpus_per_worker": plan.cpus_per_worker}
+    result = _trainer(cfg, loop_config, plan, out, s3).fit()
+    if result.error:
+        raise TrainError(f"training failed after {cfg.max_failures} retries: {result.error}") from result.error
+    if result.metrics.get("stopped") == "nan_loss":
+        last = result.checkpoint.path if result.checkpoint else "none"
+        raise TrainError(f"loss became NaN/inf at epoch {result.metrics['epoch'] + 1}; stopped. Last good "
+                         f"checkpoint: {last}. Lower train.lr or use precision=fp32")
+    from stages import export
+
+    return export.publish(cfg, data, out, result, plan, loop_config, time.perf_counter() - started, s3)
