@@ -13,7 +13,7 @@ import time
 from importlib import metadata
 from typing import Any, Callable
 
-__all__ = ["machine_info", "versions", "MemorySampler", "measure", "loadavg", "now_iso", "mb"]
+__all__ = ["machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb"]
 
 # Ray processes that are not task/actor workers (daemons and agents), by process name.
 _RAY_SYSTEM_NAMES = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -79,23 +79,28 @@ def versions(*packages: str) -> dict[str, str]:
 
 
 class MemorySampler:
-    """Sample the RSS of this process and all its descendants in a background thread.
+    """Sample RSS and CPU time of this process and its descendants in a background thread.
 
     A local `ray.init()` starts gcs_server and raylet as children of the driver, and raylet
     starts the workers, so the whole Ray cluster is in this process tree; so are the children
-    of a multiprocessing.Pool. Two sums are kept per sample:
-      - `driver_workers`: this process plus task/actor workers (`ray::*` except the agents,
-        and any non-Ray child such as a Pool worker): what a method's data path costs;
-      - `tree`: everything, including Ray's daemons and agents.
+    of a multiprocessing.Pool. Processes fall in four groups: the driver (this process), Ray
+    workers (`ray::*` task/actor processes), other children (Pool workers) and Ray's daemons
+    and agents. Two RSS sums are kept per sample:
+      - `driver_workers`: driver + Ray workers + other children: what a method's data path costs;
+      - `tree`: that plus Ray's daemons and agents.
+    With `ray=False` (a method that does not use Ray, measured while an idle Ray is up) Ray's
+    processes are left out of both sums and of the CPU total; their CPU time is reported
+    separately (`excluded_cpu_s`) so the background cost stays visible.
     RSS counts shared pages (the object store's shared memory, copy-on-write pages after fork)
     once per process that touched them, so these sums are upper bounds.
     """
 
-    def __init__(self, interval_s: float = 0.1):
+    def __init__(self, interval_s: float = 0.1, ray: bool = True):
         import psutil
 
         self._psutil = psutil
         self.interval_s = interval_s
+        self.ray = ray
         self._root = psutil.Process()
         self._category: dict[int, str] = {}
         self._stop = threading.Event()
@@ -104,8 +109,13 @@ class MemorySampler:
         self.baseline: dict[str, int] | None = None
         self.peak = {"driver_workers": 0, "tree": 0, "driver": 0, "workers": 0}
         self.max_processes = 0
+        self._cpu_first: dict[int, float] = {}  # pid -> CPU seconds when first seen
+        self._cpu_last: dict[int, float] = {}
+        self._t0 = self._t1 = time.perf_counter()
+        self._busy_counts: list[int] = []  # per sample: processes busy >= half the interval
 
     def _classify(self, proc) -> str:
+        """driver | ray_workers | children | system (Ray daemons and agents)."""
         if proc.pid == self._root.pid:
             return "driver"
         cat = self._category.get(proc.pid)
@@ -114,8 +124,12 @@ class MemorySampler:
                 name = proc.name()
             except self._psutil.Error:
                 name = ""
-            cat = "system" if name.startswith(_RAY_SYSTEM_NAMES) else "workers"
-            if cat == "workers" and not name.startswith("ray::"):
+            if name.startswith(_RAY_SYSTEM_NAMES):
+                cat = "system"
+            elif name.startswith("ray::"):
+                cat = "ray_workers"
+            else:
+                cat = "children"
                 try:  # Ray's Python daemons (dashboard, log monitor) run as plain `python ...ray/...`
                     if "site-packages/ray/" in " ".join(proc.cmdline()):
                         cat = "system"
@@ -124,33 +138,53 @@ class MemorySampler:
             self._category[proc.pid] = cat
         return cat
 
+    def _counted(self, category: str) -> bool:
+        return self.ray or category in ("driver", "children")
+
     def sample(self) -> None:
         try:
             procs = [self._root] + self._root.children(recursive=True)
         except self._psutil.Error:
             return
-        sums = {"driver": 0, "workers": 0, "system": 0}
+        sums = {"driver": 0, "ray_workers": 0, "children": 0, "system": 0}
+        now, busy, counted = time.perf_counter(), 0, 0
+        elapsed = now - self._t1
         for p in procs:
             try:
                 rss = p.memory_info().rss
+                t = p.cpu_times()
             except self._psutil.Error:
                 continue
-            sums[self._classify(p)] += rss
-        row = {"driver": sums["driver"], "workers": sums["workers"],
-               "driver_workers": sums["driver"] + sums["workers"],
-               "tree": sums["driver"] + sums["workers"] + sums["system"]}
-        if self.baseline is None:
+            cpu = t.user + t.system
+            category = self._classify(p)
+            # A process first seen after the start began at 0 CPU seconds (as far as we know).
+            self._cpu_first.setdefault(p.pid, cpu if self.baseline is None else 0.0)
+            if (self.baseline is not None and category != "system" and self._counted(category)
+                    and elapsed > 0 and cpu - self._cpu_last.get(p.pid, 0.0) >= 0.5 * elapsed):
+                busy += 1
+            self._cpu_last[p.pid] = cpu
+            sums[category] += rss
+            counted += self._counted(category)
+        workers = sums["children"] + (sums["ray_workers"] if self.ray else 0)
+        row = {"driver": sums["driver"], "workers": workers, "driver_workers": sums["driver"] + workers,
+               "tree": sums["driver"] + workers + (sums["system"] if self.ray else 0)}
+        first = self.baseline is None
+        if first:
             self.baseline = row
         for k in self.peak:
             self.peak[k] = max(self.peak[k], row[k])
         self.samples += 1
-        self.max_processes = max(self.max_processes, len(procs))
+        if not first:
+            self._busy_counts.append(busy)
+        self._t1 = now
+        self.max_processes = max(self.max_processes, counted)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             self.sample()
 
     def __enter__(self) -> "MemorySampler":
+        self._t0 = time.perf_counter()
         self.sample()
         self._thread.start()
         return self
@@ -160,8 +194,19 @@ class MemorySampler:
         self._thread.join()
         self.sample()
 
+    def cpu_seconds(self, counted: bool = True) -> float:
+        """CPU seconds used while sampling by the counted (or the excluded) processes.
+
+        A process that exits between samples loses its last <= interval_s of CPU time.
+        """
+        return sum(self._cpu_last[pid] - first for pid, first in self._cpu_first.items()
+                   if self._counted(self._category.get(pid, "driver")
+                                    if pid != self._root.pid else "driver") == counted)
+
     def summary(self) -> dict[str, Any]:
         base = self.baseline or {}
+        wall = max(self._t1 - self._t0, 1e-9)
+        cpu = self.cpu_seconds()
         return {"peak_rss_mb": mb(self.peak["driver_workers"]),
                 "peak_rss_tree_mb": mb(self.peak["tree"]),
                 "peak_rss_driver_mb": mb(self.peak["driver"]),
@@ -169,24 +214,69 @@ class MemorySampler:
                 "start_rss_mb": mb(base.get("driver_workers", 0)),
                 "start_rss_tree_mb": mb(base.get("tree", 0)),
                 "rss_samples": self.samples, "rss_interval_s": self.interval_s,
-                "max_processes": self.max_processes}
+                "max_processes": self.max_processes, "counts_ray_processes": self.ray,
+                "cpu_s": round(cpu, 2),
+                "excluded_cpu_s": round(self.cpu_seconds(counted=False), 2),
+                # share of all the machine's cores these processes kept busy over the measurement
+                "cpu_util": round(cpu / (wall * (os.cpu_count() or 1)), 2),
+                # processes (driver, workers) each using >= half a core, over the samples
+                "busy_procs_max": max(self._busy_counts, default=0),
+                "busy_procs_mean": round(sum(self._busy_counts) / max(1, len(self._busy_counts)), 2)}
 
 
-def measure(fn: Callable[[], Any], *, images: int, repeat: int = 1,
+def measure(fn: Callable[[], Any], *, images: int, repeat: int = 1, ray: bool = True,
             sampler_interval_s: float = 0.1) -> tuple[dict[str, Any], Any]:
     """Run `fn` `repeat` times under one memory sampler; report the fastest run.
 
-    Returns (measurement, value of the last call). Peak memory is over all repeats.
+    Returns (measurement, value of the last call). Peak memory and CPU use are over all repeats.
     """
     seconds, value = [], None
     load_before = loadavg()
-    with MemorySampler(sampler_interval_s) as sampler:
+    with MemorySampler(sampler_interval_s, ray=ray) as sampler:
         for _ in range(max(1, repeat)):
             t0 = time.perf_counter()
             value = fn()
             seconds.append(time.perf_counter() - t0)
     best = min(seconds)
+    summary = sampler.summary()
+    summary["images_per_cpu_s"] = (round(images * len(seconds) / summary["cpu_s"], 1)
+                                   if summary["cpu_s"] > 0 else None)
     result = {"images": images, "seconds": round(best, 3), "images_per_s": round(images / best, 1),
-              "runs_s": [round(s, 3) for s in seconds], **sampler.summary(),
+              "runs_s": [round(s, 3) for s in seconds], **summary,
               "loadavg_before": load_before, "loadavg_after": loadavg()}
     return result, value
+
+
+def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge single-run measurements of one method (taken in interleaved rounds) into one.
+
+    Time: the fastest run (`seconds`, `images_per_s`) and the median (`median_s`); memory: the
+    highest peak; CPU: totals over all runs.
+    """
+    if len(runs) == 1:
+        out = dict(runs[0])
+        out["median_s"] = out["seconds"]
+        return out
+    seconds = [r["seconds"] for r in runs]
+    images = runs[0]["images"]
+    best = min(seconds)
+    cpu = sum(r["cpu_s"] for r in runs)
+    out = dict(runs[0])
+    out.update({
+        "seconds": best, "images_per_s": round(images / best, 1),
+        "median_s": round(sorted(seconds)[len(seconds) // 2], 3),
+        "runs_s": [s for r in runs for s in r["runs_s"]],
+        "cpu_s": round(cpu, 2),
+        "excluded_cpu_s": round(sum(r["excluded_cpu_s"] for r in runs), 2),
+        "cpu_util": round(sum(r["cpu_util"] for r in runs) / len(runs), 2),
+        "images_per_cpu_s": round(images * len(runs) / cpu, 1) if cpu > 0 else None,
+        "busy_procs_max": max(r["busy_procs_max"] for r in runs),
+        "busy_procs_mean": round(sum(r["busy_procs_mean"] for r in runs) / len(runs), 2),
+        "rss_samples": sum(r["rss_samples"] for r in runs),
+        "max_processes": max(r["max_processes"] for r in runs),
+        "loadavg_before": [r["loadavg_before"] for r in runs],
+        "loadavg_after": [r["loadavg_after"] for r in runs],
+    })
+    for key in ("peak_rss_mb", "peak_rss_tree_mb", "peak_rss_driver_mb", "peak_rss_workers_mb"):
+        out[key] = max(r[key] for r in runs)
+    return out

