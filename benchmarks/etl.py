@@ -415,6 +415,10 @@ def render(result: dict[str, Any]) -> str:
         "processes using at least half a core, per 0.1 s sample; images per CPU-s: images over "
         "the CPU seconds of the whole process tree (Ray's daemons included), which other load "
         "on the machine affects less than images/s.",
+        f"- c, (a) and (a') ran while Ray was up and idle (interleaved with ours); their RSS and CPU "
+        f"leave Ray's processes out. Ray's idle background used "
+        f"{_fmt(sum(methods[k].get('excluded_cpu_s', 0) for k in ('c', 'a', 'a_draft')), 2)} CPU-s over "
+        f"those runs ({_fmt(sum(sum(methods[k]['runs_s']) for k in ('c', 'a', 'a_draft')), 2)} s of wall time).",
         f"- (c): one process reached {_fmt(c['single_core_images_per_s'])} images/s "
         f"(decode_rgb with JPEG draft, no encode, no write); the ceiling is {result['cores']} x that.",
         f"- (a) does not use Image.draft() (draft={methods['a']['draft']}); (a') is the same script with it.",

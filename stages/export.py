@@ -18,7 +18,7 @@ from workflow import storage
 from workflow.artifacts import Artifact, base_manifest, config_hash, write_manifest
 from workflow.config import section_dict
 
-__all__ = ["publish", "load_model", "evaluate_split", "save_model"]
+__all__ = ["publish", "load_model", "evaluate_split", "save_model", "preprocess", "predict_arrays", "model_info"]
 
 log = logging.getLogger(__name__)
 
@@ -167,3 +167,34 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
 def state_hash(state: dict) -> dict:
     """A small JSON-able fingerprint of a state dict, for the model version string."""
     return {k: float(v.float().sum()) for k, v in list(state.items())[:8]}
+
+
+def preprocess(data: bytes, info: dict, allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP"),
+               max_pixels: int = 89_478_485) -> np.ndarray:
+    """The eval transform for raw image bytes: identical to what ETL stored for training.
+
+    Raises stages.images.BadImage (with .reason) for unusable bytes.
+    """
+    from stages.images import decode_rgb
+
+    return decode_rgb(data, info["image_size"], resize=info.get("resize", "crop"),
+                      allowed_formats=allowed_formats, max_pixels=max_pixels)
+
+
+@torch.no_grad()
+def predict_arrays(model: torch.nn.Module, info: dict, arrays: list[np.ndarray], top_k: int = 3,
+                   device: torch.device | None = None) -> list[dict[str, Any]]:
+    """Class predictions for uint8 RGB arrays of the model's input size (one dict per array)."""
+    from stages.train_loop import to_batch
+
+    if not arrays:
+        return []
+    device = device or torch.device("cpu")
+    x = to_batch(arrays, info["mean"], info["std"], device, False, False)
+    probs = torch.softmax(model(x).float(), dim=1).cpu()
+    k = min(top_k, probs.shape[1])
+    values, indices = probs.topk(k, dim=1)
+    classes = info["classes"]
+    return [{"class_index": int(idx[0]), "class_name": classes[int(idx[0])],
+             "top_k": [{"class_name": classes[int(i)], "class_index": int(i), "probability": float(p)}
+                       for p, i in zip(vals, idx)]} for vals, idx in zip(values, indices)]
