@@ -14,6 +14,10 @@ All methods run in one process on the same generated data (N JPEGs of 500x375 px
             Ray session as ours (workers warm).
   c         the ceiling: cores x the rate of one process looping over the files with
             stages.images.decode_rgb (JPEG draft), reading but writing nothing.
+
+Ray starts first; ours' first call warms the workers; then c, a, a_draft and ours run in
+`--repeat` interleaved rounds (the machine's other load drifts, so every method sees every phase),
+then ours on scale x N, then b. Non-Ray methods are charged only their own processes.
 """
 from __future__ import annotations
 
@@ -386,8 +390,8 @@ def render(result: dict[str, Any]) -> str:
         f"{_fmt(d.get('large_images'))} images. All methods ran in one process on the same files "
         f"(page-cached). Data: {d['how']} ({d['generate_seconds']} s).",
         "",
-        "| method | images | seconds | images/s | ours ÷ method | peak RSS driver+workers (MiB) | "
-        "peak RSS incl. Ray daemons (MiB) | CPU busy | busy procs mean/max | images per CPU-s | "
+        "| method | images | seconds | images/s | ours ÷ method | images per CPU-s | CPU busy | "
+        "busy procs mean/max | RSS driver+workers, start → peak (MiB) | peak RSS incl. Ray daemons (MiB) | "
         "load avg before |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -399,11 +403,13 @@ def render(result: dict[str, Any]) -> str:
         load = m.get("loadavg_before")
         if load and isinstance(load[0], list):  # several runs: the first run's
             load = load[0]
+        daemons = _fmt(m["peak_rss_tree_mb"]) if m.get("counts_ray_processes", True) else "n/a"
         lines.append(f"| {_LABEL[key]} | {_fmt(m['images'])} | {_fmt(m['seconds'], 2)} | "
-                     f"{_fmt(m['images_per_s'])} | {rel} | {_fmt(m['peak_rss_mb'])} | "
-                     f"{_fmt(m['peak_rss_tree_mb'])} | {_pct(m.get('cpu_util'))} | "
+                     f"{_fmt(m['images_per_s'])} | {rel} | {_fmt(m.get('images_per_cpu_s'))} | "
+                     f"{_pct(m.get('cpu_util'))} | "
                      f"{_fmt(m.get('busy_procs_mean'), 2)}/{_fmt(m.get('busy_procs_max'))} | "
-                     f"{_fmt(m.get('images_per_cpu_s'))} | {load[0] if load else '-'} |")
+                     f"{_fmt(m.get('start_rss_mb'))} → {_fmt(m['peak_rss_mb'])} | {daemons} | "
+                     f"{load[0] if load else '-'} |")
     cold, c = methods["ours_cold"], methods["c"]
     lines += [
         "",
@@ -413,20 +419,22 @@ def render(result: dict[str, Any]) -> str:
         "- CPU busy: CPU seconds used by the driver and all its child processes during the "
         "measurement, over wall time x cores (c runs on one core, so at most 1/cores); busy procs: "
         "processes using at least half a core, per 0.1 s sample; images per CPU-s: images over "
-        "the CPU seconds of the whole process tree (Ray's daemons included), which other load "
-        "on the machine affects less than images/s.",
+        "the CPU seconds of the driver and its workers (for Ray methods Ray's daemons included), "
+        "which other load on the machine affects less than images/s.",
         f"- c, (a) and (a') ran while Ray was up and idle (interleaved with ours); their RSS and CPU "
         f"leave Ray's processes out. Ray's idle background used "
         f"{_fmt(sum(methods[k].get('excluded_cpu_s', 0) for k in ('c', 'a', 'a_draft')), 2)} CPU-s over "
-        f"those runs ({_fmt(sum(sum(methods[k]['runs_s']) for k in ('c', 'a', 'a_draft')), 2)} s of wall time).",
+        f"those runs ({_fmt(sum(sum(methods[k]['runs_s']) for k in ('c', 'a', 'a_draft')), 2)} s of wall time). "
+        f"The driver has Ray imported, so its RSS starts at {_fmt(methods['c']['start_rss_mb'])} MiB, and "
+        f"Pool children forked from it count those shared copy-on-write pages again.",
         f"- (c): one process reached {_fmt(c['single_core_images_per_s'])} images/s "
         f"(decode_rgb with JPEG draft, no encode, no write); the ceiling is {result['cores']} x that.",
         f"- (a) does not use Image.draft() (draft={methods['a']['draft']}); (a') is the same script with it.",
         f"- (b) stretches to {result['image_size']}x{result['image_size']} (no crop) and stores raw pixels; "
         f"ours, (a) and (a') centre-crop and store JPEG q90.",
     ]
-    lines.append(f"- Per CPU-second (images / CPU-s of the whole process tree, which other load on the "
-                 f"machine distorts less): ours {_fmt(ratios.get('ours_vs_c_per_cpu_s'), 2)} x c, "
+    lines.append(f"- Per CPU-second (which other load on the machine distorts less than images/s, "
+                 f"and which is blind to idle cores): ours {_fmt(ratios.get('ours_vs_c_per_cpu_s'), 2)} x c, "
                  f"{_fmt(ratios.get('ours_vs_a_per_cpu_s'), 2)} x (a), "
                  f"{_fmt(ratios.get('ours_vs_b_per_cpu_s'), 2)} x (b).")
     s = result.get("scaling")

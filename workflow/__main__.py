@@ -5,8 +5,10 @@ Commands that need no cluster (demo-data, verify, --help) import neither Ray nor
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+import time
 
 from workflow.config import ConfigError, load_config
 
@@ -40,6 +42,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="recheck shard sizes, checksums and row counts")
     p.add_argument("dst")
+    _common(p)
+
+    p = sub.add_parser("train", help="DDP training on an ETL output; exports model.pt + model.json")
+    p.add_argument("--data", required=True, help="ETL output folder or s3:// prefix")
+    p.add_argument("--output", required=True, help="run folder for the model, metrics and checkpoints")
+    _common(p)
+
+    p = sub.add_parser("tune", help="hyperparameter search (ASHA) over the DDP trainer")
+    p.add_argument("--data", required=True)
+    p.add_argument("--output", required=True)
+    _common(p)
+
+    p = sub.add_parser("infer", help="batch inference with Ray Data -> predictions.parquet + metrics.json")
+    p.add_argument("--model", required=True, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--data", required=True, help="ETL output (uses infer.split) or a raw image folder")
+    p.add_argument("--output", required=True)
+    _common(p)
+
+    p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
+    p.add_argument("--model", required=True, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; other interfaces only when asked)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--replicas", type=int, default=None)
     _common(p)
 
     p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer")
@@ -102,6 +127,56 @@ def cmd_verify(args) -> int:
     return 1 if problems else 0
 
 
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from stages import train
+    from workflow.artifacts import load_artifact
+
+    data = load_artifact(args.data, "etl", cfg.s3)
+    artifact = train.run(cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3)
+    print(f"train: test_acc={artifact.manifest['metrics']['test_acc']:.3f} -> {artifact.path}")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from stages import tune
+    from workflow.artifacts import load_artifact
+
+    data = load_artifact(args.data, "etl", cfg.s3)
+    artifact = tune.run(cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3)
+    print(f"tune: best {artifact.manifest['metrics']} -> {artifact.path}")
+    return 0
+
+
+def cmd_infer(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from stages import infer
+    from workflow import session
+
+    session.start(cfg.ray)
+    artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
+    print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    extra = [f"serve.{k}={v}" for k, v in (("host", args.host), ("port", args.port),
+                                            ("num_replicas", args.replicas)) if v is not None]
+    cfg = load_config(args.config, list(args.overrides) + extra)
+    from stages import serve
+    from workflow import session
+
+    session.start(cfg.ray)
+    url = serve.start(cfg.serve, args.model, s3=cfg.s3)
+    print(f"serve: POST images to {url}/predict (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        serve.shutdown(cfg.serve)
+
+
 def cmd_run(args) -> int:
     overrides = list(args.overrides) + (["run.force=true"] if args.force else [])
     cfg = load_config(args.config, overrides)
@@ -111,7 +186,8 @@ def cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"demo-data": cmd_demo_data, "etl": cmd_etl, "verify": cmd_verify, "run": cmd_run}
+COMMANDS = {"demo-data": cmd_demo_data, "etl": cmd_etl, "verify": cmd_verify, "train": cmd_train,
+            "tune": cmd_tune, "infer": cmd_infer, "serve": cmd_serve, "run": cmd_run}
 
 if __name__ == "__main__":
     sys.exit(main())
