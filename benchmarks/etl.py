@@ -179,6 +179,35 @@ def single_core_decode(src: Path, size: int) -> int:
     return n
 
 
+def stage_work_one_process(src: Path, out: Path, size: int) -> int:
+    """Diagnostic: the ETL stage's per-shard work (read, sha256, decode with draft, JPEG encode,
+    parquet write) for every planned task, serially in this process, without Ray."""
+    import json
+
+    from stages import etl, shards
+    from workflow.artifacts import new_run_id
+    from workflow.config import EtlConfig, section_dict
+
+    cfg = EtlConfig(image_size=size, formats=("parquet",))
+    listing = etl.discover(str(src))
+    kwargs = {"cfg": section_dict(cfg), "source": str(src), "out": str(out), "s3": None,
+              "run_id": new_run_id(), "classes": listing.classes}
+    rows = 0
+    for task in etl.plan_tasks(listing, cfg):
+        result = json.loads(shards.process_task({"task": json.dumps(task)}, **kwargs)["result"])
+        rows += sum(sh["rows"] for sh in result["shards"])
+    return rows
+
+
+def task_layout(src: Path, size: int) -> list[int]:
+    """Images per Ray task as stages.etl plans them (one task per shard group)."""
+    from stages import etl
+    from workflow.config import EtlConfig
+
+    cfg = EtlConfig(image_size=size, formats=("parquet",))
+    return [len(t["items"]) for t in etl.plan_tasks(etl.discover(str(src)), cfg)]
+
+
 def _etl(src: Path, out: Path, size: int) -> dict[str, Any]:
     from stages import etl
     from workflow.config import EtlConfig
@@ -208,7 +237,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n, scale, size, repeat = args.images, max(1, args.scale), args.image_size, max(1, args.repeat)
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-etl-", dir=args.workdir))
     cores = os.cpu_count() or 1
-    runs: dict[str, list[dict[str, Any]]] = {"c": [], "a": [], "a_draft": [], "ours": []}
+    runs: dict[str, list[dict[str, Any]]] = {"c": [], "d": [], "a": [], "a_draft": [], "ours": []}
     methods: dict[str, dict[str, Any]] = {}
     started_ray = False
     counter = iter(range(10**6))
@@ -221,6 +250,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = make_data(tmp, n, scale, (w, h), args.seed)
         print(f"etl: generated in {data['generate_seconds']} s", flush=True)
         small, large = tmp / "small", tmp / "large"
+        layout = {"n": task_layout(small, size)}
+        if scale > 1:
+            layout["large"] = task_layout(large, size)
 
         # One Ray session for ours and (b). Ray is idle while c, a and a' run.
         import ray
@@ -250,6 +282,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             m, count = measure(lambda: single_core_decode(small, size), images=n, ray=False)
             assert count == n, count
             runs["c"].append(m)
+            m, count = measure(lambda: stage_work_one_process(small, out_dir("d"), size), images=n, ray=False)
+            assert count == n, count
+            runs["d"].append(m)
             for key, draft in (("a", False), ("a_draft", True)):
                 m, count = measure(lambda: user_pool_script(small, out_dir(key), size, draft), images=n,
                                    ray=False)
@@ -269,6 +304,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         c["what"] = f"{cores} cores x single-process decode_rgb loop (JPEG draft), reads files, no encode/write"
         c["draft"] = True
         methods["c"] = c
+        d = combine(runs["d"])
+        d["single_core_images_per_s"] = d["images_per_s"]
+        d["images_per_s"] = round(d["images_per_s"] * cores, 1)
+        d["what"] = (f"{cores} cores x ours' per-image work in one process without Ray "
+                     f"(stages.shards.process_task over the planned tasks: read, sha256, decode with "
+                     f"draft, JPEG q90 encode, parquet write)")
+        methods["d"] = d
         for key, draft in (("a", False), ("a_draft", True)):
             m = combine(runs[key])
             m["what"] = (f"multiprocessing.Pool({cores}) + Pillow (open, convert RGB, crop-resize BILINEAR, "
@@ -307,12 +349,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "ours_vs_a_draft": _ratio(ours, methods["a_draft"]["images_per_s"]),
               "ours_vs_b": _ratio(ours, methods["b"]["images_per_s"]),
               "ours_vs_c": _ratio(ours, methods["c"]["images_per_s"]),
+              "ours_vs_d": _ratio(ours, methods["d"]["images_per_s"]),
+              "d_vs_c": _ratio(methods["d"]["images_per_s"], methods["c"]["images_per_s"]),
               "ours_cold_vs_c": _ratio(methods["ours_cold"]["images_per_s"], methods["c"]["images_per_s"]),
               # CPU-normalised: images per CPU-second of the whole process tree; less sensitive to
               # other load on the machine, blind to idle cores (parallelism).
               "ours_vs_c_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["c"]),
               "ours_vs_b_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["b"]),
-              "ours_vs_a_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["a"])}
+              "ours_vs_a_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["a"]),
+              "ours_vs_d_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["d"])}
     scaling = None
     if "ours_large" in methods:
         big, base = methods["ours_large"], methods["ours"]
@@ -328,6 +373,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["slope_vs_c"] = _ratio(scaling["slope_images_per_s"], methods["c"]["images_per_s"])
     targets = _targets(ratios, scaling, scale)
     return {"data": data, "cores": cores, "image_size": size, "repeat": repeat, "methods": methods,
+            "task_layout": layout,
             "ratios": ratios, "scaling": scaling, "targets": targets,
             "notes": ["ours is the warm whole-call rate at N (Ray started, workers warm by the cold call); "
                       "targets use it.",
@@ -363,10 +409,11 @@ def _targets(ratios: dict, scaling: dict | None, scale: int) -> list[dict[str, A
 
 # ------------------------------------------------------------------------------------------
 
-_ORDER = ("ours", "ours_cold", "ours_large", "a", "a_draft", "b", "c")
+_ORDER = ("ours", "ours_cold", "ours_large", "a", "a_draft", "b", "c", "d")
 _LABEL = {"ours": "ours (warm)", "ours_cold": "ours (first call)", "ours_large": "ours (warm, scale x N)",
           "a": "(a) Pool + Pillow, no draft", "a_draft": "(a') Pool + Pillow + draft",
-          "b": "(b) ray.data.read_images", "c": "(c) ceiling: cores x 1-core decode"}
+          "b": "(b) ray.data.read_images", "c": "(c) ceiling: cores x 1-core decode",
+          "d": "(d) diagnostic: cores x ours' work, 1 process, no Ray"}
 
 
 def _fmt(v: Any, nd: int = 1) -> str:
@@ -429,6 +476,14 @@ def render(result: dict[str, Any]) -> str:
         f"Pool children forked from it count those shared copy-on-write pages again.",
         f"- (c): one process reached {_fmt(c['single_core_images_per_s'])} images/s "
         f"(decode_rgb with JPEG draft, no encode, no write); the ceiling is {result['cores']} x that.",
+        f"- (d) runs the stage's own per-shard function (`stages.shards.process_task`: read, sha256, "
+        f"decode with draft, JPEG q90 encode, parquet write) over the same planned tasks in one process "
+        f"without Ray: {_fmt(methods['d']['single_core_images_per_s'])} images/s, so ours' extra per-image "
+        f"work costs d/c = {_fmt(ratios.get('d_vs_c'), 2)} of the ceiling, and Ray, scheduling and task "
+        f"layout cost ours/d = {_fmt(ratios.get('ours_vs_d'), 2)}.",
+        f"- Task layout (images per Ray task, one per shard group): N: {result['task_layout']['n']}"
+        + (f"; {d['scale']} x N: {len(result['task_layout']['large'])} tasks, largest "
+           f"{max(result['task_layout']['large'])}" if result['task_layout'].get('large') else "") + ".",
         f"- (a) does not use Image.draft() (draft={methods['a']['draft']}); (a') is the same script with it.",
         f"- (b) stretches to {result['image_size']}x{result['image_size']} (no crop) and stores raw pixels; "
         f"ours, (a) and (a') centre-crop and store JPEG q90.",

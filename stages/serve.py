@@ -203,6 +203,15 @@ def first_file(body: bytes, content_type: str) -> bytes:
     read, so a form can't bypass max_body_bytes. A part is a file when it has a filename or an
     image/* Content-Type; the field name doesn't matter.
     """
+    try:
+        return _first_file(body, content_type)
+    except HTTPError:
+        raise
+    except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
+        raise HTTPError(400, "malformed_multipart", f"{type(e).__name__}: {e}") from None
+
+
+def _first_file(body: bytes, content_type: str) -> bytes:
     boundary = _header_param(content_type, "content-type", "boundary")
     if not boundary:
         raise HTTPError(400, "malformed_multipart", "multipart/form-data without a boundary parameter")

@@ -85,6 +85,7 @@ class Worker:
     """State of one rank: model, optimiser, data position, ledger and timing counters."""
 
     def __init__(self, config: dict[str, Any]):
+        import ray
         import ray.train
         import ray.train.torch
 
@@ -94,6 +95,7 @@ class Worker:
         ctx = ray.train.get_context()
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
+        self.nodes = self.gather(ray.get_runtime_context().get_node_id())  # placement, for the report
         torch.manual_seed(self.seed)  # identical init everywhere; DDP also broadcasts rank 0's
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1) + 0.5)))
@@ -114,6 +116,13 @@ class Worker:
         self.cache = sd.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
+
+    def gather(self, value: Any) -> list[Any]:
+        if self.world == 1:
+            return [value]
+        values: list[Any] = [None] * self.world
+        torch.distributed.all_gather_object(values, value)
+        return values
 
     @property
     def net(self) -> torch.nn.Module:
@@ -311,7 +320,7 @@ def train_loop(config: dict[str, Any]) -> None:
         w.val = w.evaluate("val")
         # cache counters after validation, so each epoch's row covers all of its reads
         row = {"epoch": epoch + 1, **metrics, **w.val, "cache_hits": w.cache.hits,
-               "cache_misses": w.cache.misses}
+               "cache_misses": w.cache.misses, "worker_nodes": w.nodes}
         w.history.append(row)
         if w.rank == 0:
             print(f"[raymill] train: epoch {epoch + 1}/{w.cfg.epochs} loss {row['train_loss']:.3f} "

@@ -1,0 +1,130 @@
+"""Batch inference with Ray Data actors, on ETL shards and on a raw folder with broken files.
+
+The model is trained in-process (a few SGD steps, no Ray Train), so the file runs in seconds
+beyond the shared Ray start-up.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages import data as sd
+from stages import etl, infer
+from stages.export import load_model, predict_arrays, preprocess, save_model
+from stages.models import build_model
+from stages.train_loop import to_batch
+from workflow import demo_data
+from workflow.config import EtlConfig, InferConfig
+from tests.conftest import BAD_FILES, image_bytes, make_tree
+
+INFO = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "image_size": 32, "resize": "crop",
+        "mean": [0.5] * 3, "std": [0.25] * 3, "version": "t"}
+
+
+def _train_rows(data) -> list:
+    return [r for ref in sd.shard_refs(data.manifest, data.path, "train", "parquet")
+            for r in sd.read_shard(ref.uri, "parquet")]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, ray_session):
+    """(ETL artifact, model folder): demo data -> ETL at 32 px -> small_cnn, 40 full-batch SGD steps."""
+    root = tmp_path_factory.mktemp("infer")
+    demo_data.generate(root / "src", images=120, seed=3)
+    data = etl.run(EtlConfig(image_size=32, shard_max_rows=40), str(root / "src"), str(root / "ds"))
+    rows = _train_rows(data)
+    x = to_batch([sd.decode_sample(r[2], 32, False) for r in rows], INFO["mean"], INFO["std"],
+                 torch.device("cpu"), False, False)
+    y = torch.tensor([r[1] for r in rows])
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 10, width=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(40):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    save_model(str(root / "model"), model.eval().state_dict(), {**INFO, "classes": data.manifest["classes"]})
+    return data, str(root / "model")
+
+
+def _outputs(artifact) -> tuple[list[dict], dict]:
+    out = Path(artifact.path)
+    assert (out / "manifest.json").is_file() and artifact.manifest["kind"] == "raymill.infer"
+    return pq.read_table(out / "predictions.parquet").to_pylist(), json.loads((out / "metrics.json").read_text())
+
+
+def _accuracy(rows: list[dict]) -> float:
+    labelled = [r for r in rows if r["true_class"] is not None and r["error"] is None]
+    return sum(r["true_class"] == r["class_name"] for r in labelled) / len(labelled)
+
+
+def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
+    data, model_path = setup
+    art = infer.run(InferConfig(batch_size=5), model_path, data.path, str(tmp_path / "out"))
+    rows, metrics = _outputs(art)
+    assert len(rows) == metrics["rows"] == sum(data.manifest["counts"]["test"].values())
+    assert metrics["errors"] == 0 and metrics["accuracy"] == pytest.approx(_accuracy(rows))
+    assert sum(map(sum, metrics["confusion"]["matrix"])) == metrics["labelled"] == len(rows)
+    assert art.manifest["metrics"]["images_per_s"] > 0 and "confusion" not in art.manifest["metrics"]
+    # the same images, predicted directly in this process, give the same answers
+    model, info = load_model(model_path)
+    refs = sd.shard_refs(data.manifest, data.path, "test", "parquet")
+    samples = [r for ref in refs for r in sd.read_shard(ref.uri, "parquet")]
+    direct = predict_arrays(model, info, [sd.decode_sample(r[2], 32, False) for r in samples], top_k=3)
+    expected = {r[0]: (data.manifest["classes"][r[1]], p) for r, p in zip(samples, direct)}
+    for row in rows:
+        true, p = expected[row["key"]]
+        assert row["true_class"] == true and row["class_name"] == p["class_name"]
+        assert row["top_k_classes"] == [t["class_name"] for t in p["top_k"]]
+        assert row["top_k_probs"] == pytest.approx([t["probability"] for t in p["top_k"]], abs=1e-5)
+    assert metrics["accuracy"] == pytest.approx(sum(expected[k][0] == expected[k][1]["class_name"]
+                                                    for k in expected) / len(expected))
+    # the tar shards (read by the same actor class, here in-process) agree with parquet
+    tar_items = [vars(r) for r in sd.shard_refs(data.manifest, data.path, "test", "tar")]
+    actor = infer.Predictor(model_path=model_path, s3={}, mode="etl", top_k=3, batch_size=4, use_gpu=False,
+                            threads=1, etl_classes=data.manifest["classes"])
+    tar_rows = actor(pa.Table.from_pylist(tar_items)).to_pylist()
+    assert {r["key"]: r["class_name"] for r in tar_rows} == {r["key"]: r["class_name"] for r in rows}
+
+
+def test_raw_folder_with_broken_files_every_file_once(setup, tmp_path):
+    data, model_path = setup
+    src = tmp_path / "raw"
+    written = make_tree(src, per_class=4, classes=("circle", "square", "triangle"))
+    (src / "loose.jpg").write_bytes(image_bytes(5))  # flat file: predicted, label unknown
+    written["loose.jpg"] = "ok"
+    (src / ".DS_Store").write_bytes(b"\0")  # hidden: skipped and counted
+    cfg = InferConfig(batch_size=4, num_actors=2, cpus_per_actor=0.5)
+    art = infer.run(cfg, model_path, str(src), str(tmp_path / "out"))
+    rows, metrics = _outputs(art)
+    assert sorted(r["path"] for r in rows) == sorted(written)
+    model, info = load_model(model_path)
+    for r in rows:
+        parent = r["path"].split("/")[0] if "/" in r["path"] else None
+        assert r["true_class"] == (parent if parent in info["classes"] else None)
+        if written[r["path"]] == "ok":
+            assert r["error"] is None and len(r["top_k_classes"]) == 3
+            direct = predict_arrays(model, info, [preprocess((src / r["path"]).read_bytes(), info)])[0]
+            assert r["class_name"] == direct["class_name"]
+        else:
+            assert r["error"] == written[r["path"]] and r["class_name"] is None, r
+    assert metrics["errors"] == len(BAD_FILES) and metrics["rows"] == len(written)
+    assert metrics["error_reasons"] == dict(sorted(Counter(w for _, w in BAD_FILES.values()).items()))
+    assert metrics["labelled"] == 12 and metrics["accuracy"] == pytest.approx(_accuracy(rows))
+    assert art.manifest["inputs"]["hidden_skipped"] == 1 and art.manifest["source_kind"] == "images"
+
+
+def test_model_folder_without_model_json_is_a_clear_error(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jpg").write_bytes(image_bytes(1))
+    with pytest.raises(FileNotFoundError, match="no model.json in .*train or tune output"):
+        infer.run(InferConfig(), str(tmp_path / "model"), str(tmp_path / "src"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,295 @@
+"""Online serving over real HTTP: good requests, hostile input, overload and a killed replica.
+
+One Serve app (the main one) serves most tests; a second, tiny-capacity app on the same proxy
+is used for the overload burst. No training: the model is an untrained small_cnn saved here.
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from PIL import Image
+
+from stages import serve as serve_stage
+from tests.conftest import bomb_png, free_port, image_bytes
+from workflow.config import ServeConfig
+
+CLASSES = ["bird", "cat", "dog"]
+MAX_BODY = 200_000
+JPEG = {"content-type": "image/jpeg"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from stages.export import save_model
+    from stages.models import build_model
+
+    out = tmp_path_factory.mktemp("model")
+    info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": CLASSES, "image_size": 32,
+            "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "test-1"}
+    save_model(str(out), build_model("small_cnn", 3, width=8).state_dict(), info)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def app(ray_session, model_dir):
+    """The main app: (config, base URL, replica pid at start). Serve is shut down afterwards."""
+    from ray import serve
+
+    cfg = ServeConfig(port=free_port(), app_name="test-serve", max_body_bytes=MAX_BODY,
+                      max_image_pixels=1_000_000, request_timeout_s=30.0)
+    url = serve_stage.start(cfg, model_dir)
+    pid = httpx.get(f"{url}/healthz").json()["pid"]
+    yield cfg, url, pid
+    serve.shutdown()
+
+
+@pytest.fixture
+def client(app):
+    with httpx.Client(base_url=app[1], timeout=30) as c:
+        yield c
+
+
+def _image(fmt: str) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 30)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _multipart(boundary: str, parts: list[tuple[str, bytes]]) -> bytes:
+    """A hand-built multipart body; `parts` are (header lines, content)."""
+    body = b"".join(f"--{boundary}\r\n{head}\r\n\r\n".encode() + data + b"\r\n" for head, data in parts)
+    return body + f"--{boundary}--\r\n".encode()
+
+
+def _check_prediction(body: dict) -> None:
+    assert body["class_name"] in CLASSES and body["class_name"] == CLASSES[body["class_index"]]
+    assert len(body["top_k"]) == 3 and body["top_k"][0]["class_index"] == body["class_index"]
+    assert abs(sum(k["probability"] for k in body["top_k"]) - 1) < 1e-4
+    assert body["model_version"] == "test-1" and body["latency_ms"] > 0
+
+
+# --- pure helpers (no Serve) ------------------------------------------------------------------
+
+def test_first_file_parsing():
+    data = b"\x89PNG\r\n-- not a boundary --\r\n"
+    body = b"preamble\r\n" + _multipart("b-1", [('Content-Disposition: form-data; name="t"', b"text"),
+                                                 ("Content-Type: image/png", data)])
+    assert serve_stage.first_file(body, 'multipart/form-data; boundary="b-1"') == data
+    for content_type in ("multipart/form-data; boundary*=utf-8''%E2%82%AC", "multipart/form-data; boundary="):
+        with pytest.raises(serve_stage.HTTPError) as err:
+            serve_stage.first_file(body, content_type)
+        assert err.value.status == 400 and err.value.error == "malformed_multipart"
+
+
+def test_deployment_options():
+    from workflow.config import ConfigError
+
+    fixed = serve_stage.deployment_options(ServeConfig(num_replicas=3, max_queued_requests=5))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_queued_requests"] == 5 and fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    scaled = serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=1, max_replicas=4,
+                                                        use_gpu=True))
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}
+    assert "num_replicas" not in scaled and scaled["ray_actor_options"]["num_gpus"] == 1
+    with pytest.raises(ConfigError, match="min_replicas"):
+        serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=3, max_replicas=2))
+    assert serve_stage.base_url(ServeConfig(host="0.0.0.0", port=9)) == "http://127.0.0.1:9"
+
+
+# --- good requests ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["jpeg", "png", "multipart", "multipart-png-any-field"])
+def test_predict_ok(client, kind):
+    if kind == "jpeg":
+        r = client.post("/predict", content=image_bytes(1), headers=JPEG)
+    elif kind == "png":
+        r = client.post("/predict", content=image_bytes(2, fmt="png"), headers={"content-type": "image/png"})
+    elif kind == "multipart":
+        r = client.post("/predict", files={"file": ("x.jpg", image_bytes(3), "image/jpeg")})
+    else:  # a text field first, the file under an arbitrary name
+        r = client.post("/predict", data={"note": "hi"}, files={"upload": ("x.png", image_bytes(4, fmt="png"))})
+    assert r.status_code == 200, r.text
+    _check_prediction(r.json())
+
+
+def test_same_image_same_answer_raw_and_multipart(client):
+    data = image_bytes(5)
+    raw = client.post("/predict", content=data, headers=JPEG).json()
+    form = client.post("/predict", files={"f": ("a.jpg", data, "image/jpeg")}).json()
+    assert raw["top_k"] == form["top_k"]
+
+
+def test_healthz_and_metadata(client, app):
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["pid"] == app[2]
+    meta = client.get("/metadata").json()
+    assert meta["classes"] == CLASSES and meta["image_size"] == 32
+    assert meta["architecture"] == "small_cnn" and meta["version"] == "test-1"
+
+
+def test_concurrent_requests_are_batched_correctly(app):
+    """Concurrent requests share batches; each still gets its own image's answer."""
+    images = [image_bytes(100 + i) for i in range(12)]
+    with httpx.Client(base_url=app[1], timeout=30) as c:
+        alone = [c.post("/predict", content=img, headers=JPEG).json()["top_k"] for img in images]
+
+    async def together():
+        async with httpx.AsyncClient(base_url=app[1], timeout=30) as ac:
+            return await asyncio.gather(*[ac.post("/predict", content=img, headers=JPEG) for img in images])
+
+    for single, r in zip(alone, asyncio.run(together())):
+        assert r.status_code == 200
+        assert [k["class_index"] for k in r.json()["top_k"]] == [k["class_index"] for k in single]
+
+
+# --- hostile input ---------------------------------------------------------------------------
+
+_good = image_bytes(9, size=(200, 150))
+_boundary = "raymillboundary"
+_form = f"multipart/form-data; boundary={_boundary}"
+BAD = {
+    # id: (request kwargs, status, error)
+    "empty": (dict(content=b"", headers=JPEG), 400, "empty_file"),
+    "not-an-image": (dict(content=b"hello, not a photo\n" * 50, headers={"content-type": "image/png"}),
+                     400, "not_an_image"),
+    "truncated-jpeg": (dict(content=_good[: len(_good) // 2], headers=JPEG), 400, "truncated"),
+    "tiff-bytes": (dict(content=_image("TIFF"), headers=JPEG), 415, "unsupported_format"),
+    "gif-bytes": (dict(content=_image("GIF"), headers={"content-type": "image/png"}), 415,
+                  "unsupported_format"),
+    "gif-content-type": (dict(content=_image("GIF"), headers={"content-type": "image/gif"}), 415,
+                         "unsupported_media_type"),
+    "text-plain": (dict(content=_good, headers={"content-type": "text/plain"}), 415,
+                   "unsupported_media_type"),
+    "json": (dict(json={"image": "base64..."}), 415, "unsupported_media_type"),
+    "no-content-type": (dict(content=_good), 415, "unsupported_media_type"),
+    "multipart-no-boundary": (dict(content=b"--x\r\n\r\nabc\r\n--x--\r\n",
+                                   headers={"content-type": "multipart/form-data"}), 400, "malformed_multipart"),
+    "multipart-unterminated": (dict(content=f"--{_boundary}\r\nContent-Disposition: form-data; name=a; "
+                                    f"filename=a.jpg\r\n\r\n".encode() + _good, headers={"content-type": _form}),
+                               400, "malformed_multipart"),
+    "multipart-garbage": (dict(content=b"\x00\x01garbage" * 100, headers={"content-type": _form}),
+                          400, "malformed_multipart"),
+    "multipart-no-file": (dict(content=_multipart(_boundary, [('Content-Disposition: form-data; name="a"', b"1")]),
+                               headers={"content-type": _form}), 400, "missing_file"),
+    "multipart-tiff": (dict(files={"f": ("a.tif", _image("TIFF"), "image/tiff")}), 415, "unsupported_format"),
+    "multipart-bomb": (dict(files={"f": ("b.png", bomb_png(), "image/png")}), 413, "decompression_bomb"),
+    "too-large": (dict(content=os.urandom(MAX_BODY + 1), headers=JPEG), 413, "too_large"),
+    # chunked transfer: no Content-Length, so only counting streamed bytes catches it
+    "too-large-chunked": (dict(headers=JPEG), 413, "too_large"),  # body added per run: iterators are single-use
+    "multipart-too-large": (dict(files={"f": ("a.jpg", os.urandom(MAX_BODY), "image/jpeg")}), 413, "too_large"),
+    "bomb": (dict(content=bomb_png(), headers={"content-type": "image/png"}), 413, "decompression_bomb"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_request(client, name):
+    kwargs, status, error = BAD[name]
+    if name == "too-large-chunked":
+        kwargs = {**kwargs, "content": iter([os.urandom(50_000)] * 5)}
+    r = client.post("/predict", **kwargs)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert body["error"] == error and "detail" in body
+
+
+@pytest.mark.parametrize("method,path,status,error", [
+    ("GET", "/nowhere", 404, "not_found"),
+    ("POST", "/predict/extra", 404, "not_found"),
+    ("GET", "/predict", 405, "method_not_allowed"),
+    ("PUT", "/predict", 405, "method_not_allowed"),
+    ("POST", "/healthz", 405, "method_not_allowed"),
+    ("DELETE", "/metadata", 405, "method_not_allowed"),
+])
+def test_unknown_route_and_method(client, method, path, status, error):
+    r = client.request(method, path)
+    assert r.status_code == status and r.json()["error"] == error
+    if status == 405:
+        assert r.headers["allow"]
+
+
+def test_replica_survives_bad_requests(client, app):
+    """After every hostile request above, the same replica process still answers correctly."""
+    assert client.get("/healthz").json()["pid"] == app[2]
+    r = client.post("/predict", content=image_bytes(11), headers=JPEG)
+    assert r.status_code == 200
+    _check_prediction(r.json())
+
+
+def test_request_timeout_is_408_from_proxy(client):
+    """Serve's proxy answers a request past its timeout with 408 and a text body.
+
+    The timeout is forced with Serve's per-request header, which any client can send.
+    """
+    r = client.post("/predict", content=image_bytes(12), headers={**JPEG, "x-request-timeout-seconds": "0.001"})
+    assert r.status_code == 408 and "timed out" in r.text
+
+
+# --- overload and failure --------------------------------------------------------------------
+
+def test_overload_sheds_with_503_never_500(app, model_dir):
+    """200 concurrent requests at a deployment that holds 1 running + 2 queued: the rest get 503."""
+    cfg = ServeConfig(port=app[0].port, app_name="test-overload", batching=False, max_ongoing_requests=1,
+                      max_queued_requests=2, cpus_per_replica=0.25)
+    url = serve_stage.start(cfg, model_dir, route_prefix="/overload")
+
+    async def burst():
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as ac:
+            return await asyncio.gather(*[ac.post("/predict", content=image_bytes(i % 7), headers=JPEG)
+                                          for i in range(200)])
+
+    try:
+        codes = Counter(r.status_code for r in asyncio.run(burst()))
+    finally:
+        serve_stage.shutdown(cfg)
+    assert codes[200] >= 3 and codes[503] > 0, codes
+    assert set(codes) <= {200, 503}, codes
+
+
+def test_replica_kill_loses_nothing_with_one_retry(app):
+    """SIGKILL the replica under a stream of requests: failures happen, one retry recovers all."""
+    _, url, _ = app
+    old_pid = httpx.get(f"{url}/healthz").json()["pid"]
+    images = [image_bytes(200 + i) for i in range(40)]
+    first_failures, lost = [], []
+
+    def send(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            for attempt in range(2):
+                try:
+                    r = c.post("/predict", content=images[i], headers=JPEG)
+                    if r.status_code == 200:
+                        return
+                    outcome = r.status_code
+                except httpx.TransportError as e:
+                    outcome = type(e).__name__
+                if attempt == 0:
+                    first_failures.append(outcome)
+                    time.sleep(0.5)
+            lost.append(outcome)
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(send, i) for i in range(len(images))]
+        futures[8].result()
+        os.kill(old_pid, signal.SIGKILL)
+        for f in futures:
+            f.result()
+    assert not lost, f"lost after one retry: {lost}; first-attempt failures: {first_failures}"
+    deadline, new_pid = time.time() + 30, None
+    while time.time() < deadline and new_pid in (None, old_pid):
+        try:
+            new_pid = httpx.get(f"{url}/healthz", timeout=5).json()["pid"]
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    assert new_pid not in (None, old_pid), "no new replica within 30 s"
+    print(f"replica kill: {len(first_failures)} first-attempt failures {Counter(first_failures)}, 0 lost")
