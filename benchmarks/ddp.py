@@ -72,7 +72,9 @@ def _ray_loop(config: dict[str, Any]) -> None:
                          warmup=config["warmup"], steps=config["steps"], seed=config["seed"])
     result.update(launcher="ray", loop_start=t_loop, finished=time.time(),
                   ddp_wrapped=type(model).__name__)
-    ray.train.report(result)
+    from benchmarks.ingest import _report
+
+    _report(result, rank)
 
 
 def run_ray(args: argparse.Namespace, workers: int, storage: Path) -> dict[str, Any]:
@@ -154,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ddp-"))
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
-    resources = session.start(RayConfig())
+    resources = session.start(RayConfig(address="local"))  # own cluster: never join a stray one
     ray_start_s = time.perf_counter() - t0
     if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
         raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "

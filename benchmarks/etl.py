@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="parent of the temp dir (default: system temp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (data and outputs)")
+    p.add_argument("--wait-for-quiet", type=float, default=0, metavar="SECONDS",
+                   help="before measuring, wait up to SECONDS for the 1-minute load average to "
+                        "drop below the core count (shared machines; default 0: don't wait)")
 
 
 # ------------------------------------------------------------------------------------------
@@ -223,6 +226,15 @@ def _etl(src: Path, out: Path, size: int) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------
 
+def _wait_for_quiet(limit_s: float, cores: int) -> dict[str, Any]:
+    from benchmarks.common import loadavg
+
+    t0 = time.perf_counter()
+    while limit_s > 0 and (loadavg() or [0])[0] >= cores and time.perf_counter() - t0 < limit_s:
+        time.sleep(5)
+    return {"limit_s": limit_s, "waited_s": round(time.perf_counter() - t0, 1), "loadavg": loadavg()}
+
+
 def _ratio(x: float | None, y: float | None) -> float | None:
     return round(x / y, 2) if x and y else None
 
@@ -250,6 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = make_data(tmp, n, scale, (w, h), args.seed)
         print(f"etl: generated in {data['generate_seconds']} s", flush=True)
         small, large = tmp / "small", tmp / "large"
+        quiet = _wait_for_quiet(args.wait_for_quiet, cores)
         layout = {"n": task_layout(small, size)}
         if scale > 1:
             layout["large"] = task_layout(large, size)
@@ -373,7 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["slope_vs_c"] = _ratio(scaling["slope_images_per_s"], methods["c"]["images_per_s"])
     targets = _targets(ratios, scaling, scale)
     return {"data": data, "cores": cores, "image_size": size, "repeat": repeat, "methods": methods,
-            "task_layout": layout,
+            "task_layout": layout, "wait_for_quiet": quiet,
             "ratios": ratios, "scaling": scaling, "targets": targets,
             "notes": ["ours is the warm whole-call rate at N (Ray started, workers warm by the cold call); "
                       "targets use it.",

@@ -139,7 +139,17 @@ def _ours_loop(config: dict[str, Any]) -> None:
     if distributed:
         everyone = [None] * world
         dist.all_gather_object(everyone, mine)
-    ray.train.report({"ranks_json": json.dumps(everyone), "world": world})
+    _report({"ranks_json": json.dumps(everyone), "world": world}, rank)
+
+
+def _report(metrics: dict[str, Any], rank: int) -> None:
+    """ray.train.report with a tiny checkpoint from rank 0: Ray Train V2 keeps in Result.metrics only
+    the metrics reported together with a checkpoint."""
+    import ray.train
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "metrics.json").write_text(json.dumps(metrics))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
 
 
 def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage: Path) -> dict[str, Any]:
@@ -394,7 +404,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"ingest: generated {args.images} JPEGs {w}x{h} in {gen_s:.1f} s", flush=True)
 
         t0 = time.perf_counter()
-        resources = session.start(RayConfig())
+        resources = session.start(RayConfig(address="local"))  # own cluster: never join a stray one
         ray_start_s = time.perf_counter() - t0
         if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
             raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 
 from workflow import storage
 from workflow.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
@@ -173,8 +174,6 @@ class Predictor:
 
     def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
                  threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
-        import torch
-
         torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
         self.model, self.info = export.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")

@@ -9,7 +9,9 @@ Endpoints (under the app's route prefix, "/" by default):
 Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx
 (or 503 when the model itself fails); the app never answers 500. Serve's proxy answers a few
 cases itself with a plain-text body: 503 past max_queued_requests, 408 past request_timeout_s,
-and 500 when a replica dies under an in-flight request.
+and 500 when a replica dies under an in-flight request. Note: the proxy honours a client's
+`x-request-timeout-seconds` header over request_timeout_s (0 disables it), so put a reverse
+proxy that strips it in front when the timeout is a protection, not just a default.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from workflow.config import ConfigError, ServeConfig
 
 __all__ = ["start", "shutdown", "build_app", "deployment_options", "base_url", "Classifier",
-           "HTTPError", "first_file", "IMAGE_STATUS", "MEDIA_TYPES"]
+           "HTTPError", "read_body", "first_file", "IMAGE_STATUS", "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class HTTPError(Exception):
         self.status, self.error, self.detail, self.headers = status, error, detail, headers
 
     def response(self) -> JSONResponse:
+        """The JSON error response for this rejection."""
         return JSONResponse({"error": self.error, "detail": self.detail}, self.status, self.headers)
 
 
@@ -81,6 +84,7 @@ class Classifier:
         self._predict([np.zeros((size, size, 3), np.uint8)])
 
     async def __call__(self, request: Request) -> Response:
+        """Serve's HTTP entry point: route, and turn every failure into a JSON 4xx/503."""
         try:
             return await self._route(request)(request)
         except HTTPError as e:
@@ -102,9 +106,11 @@ class Classifier:
         return methods[request.method]
 
     async def healthz(self, request: Request) -> Response:
+        """Liveness, with the replica's pid so a restart is visible to clients and tests."""
         return JSONResponse({"status": "ok", "pid": os.getpid(), "version": self.info.get("version")})
 
     async def metadata(self, request: Request) -> Response:
+        """What the model expects and answers: classes, input size, architecture, version."""
         info = self.info
         return JSONResponse({"classes": info["classes"], "image_size": info["image_size"],
                              "architecture": info["architecture"], "version": info.get("version"),
@@ -112,6 +118,7 @@ class Classifier:
                              "allowed_formats": list(self.formats)})
 
     async def predict(self, request: Request) -> Response:
+        """Classify one image; latency_ms is time spent in this replica (not the proxy)."""
         started = time.perf_counter()
         data = await self._image_bytes(request)
         array = await self._preprocess(data)
@@ -145,6 +152,7 @@ class Classifier:
             raise HTTPError(400, "bad_image", f"{type(e).__name__}: {e}") from None
 
     async def _infer(self, array: np.ndarray) -> dict[str, Any]:
+        """One image's prediction, through the batch queue when batching is on."""
         try:
             if self.cfg.batching:
                 return await self._predict_batch(array)
@@ -159,6 +167,7 @@ class Classifier:
         return await asyncio.to_thread(self._predict, arrays)
 
     def _predict(self, arrays: list[np.ndarray]) -> list[dict[str, Any]]:
+        """Blocking forward pass over a list of decoded images."""
         from stages.export import predict_arrays
 
         return predict_arrays(self.model, self.info, arrays, self.cfg.top_k, self.device)
@@ -212,6 +221,7 @@ def first_file(body: bytes, content_type: str) -> bytes:
 
 
 def _first_file(body: bytes, content_type: str) -> bytes:
+    """first_file's parser: may raise anything on hostile input; first_file maps that to 400."""
     boundary = _header_param(content_type, "content-type", "boundary")
     if not boundary:
         raise HTTPError(400, "malformed_multipart", "multipart/form-data without a boundary parameter")
@@ -230,6 +240,7 @@ def _first_file(body: bytes, content_type: str) -> bytes:
 
 
 def _header_param(value: str, header: str, param: str) -> str | None:
+    """A parameter of a header value (quoted or RFC 2231 encoded), e.g. a multipart boundary."""
     msg = email.message.Message()
     msg[header] = value
     found = msg.get_param(param, header=header)

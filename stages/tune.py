@@ -359,8 +359,11 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
             trainable, param_space=param_space(cfg),
             tune_config=tune.TuneConfig(
                 metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
-                scheduler=_scheduler(cfg), max_concurrent_trials=plan.concurrent_trials,
-                search_alg=BasicVariantGenerator(random_state=cfg.seed)),
+                scheduler=_scheduler(cfg),
+                # Seeded sampling. Tune ignores TuneConfig.max_concurrent_trials when search_alg
+                # is a BasicVariantGenerator (it logs a warning), so the limit goes here.
+                search_alg=BasicVariantGenerator(random_state=cfg.seed,
+                                                 max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
                 name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=1,
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))

@@ -35,7 +35,7 @@ def ray_session():
     from workflow.config import RayConfig
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield session.start(RayConfig())
     ray.shutdown()
 

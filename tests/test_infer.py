@@ -35,7 +35,7 @@ def _train_rows(data) -> list:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, ray_session):
-    """(ETL artifact, model folder): demo data -> ETL at 32 px -> small_cnn, 40 full-batch SGD steps."""
+    """(ETL artifact, model folder): demo data -> ETL at 32 px -> small_cnn, 30 full-batch SGD steps."""
     root = tmp_path_factory.mktemp("infer")
     demo_data.generate(root / "src", images=120, seed=3)
     data = etl.run(EtlConfig(image_size=32, shard_max_rows=40), str(root / "src"), str(root / "ds"))
@@ -46,7 +46,7 @@ def setup(tmp_path_factory, ray_session):
     torch.manual_seed(0)
     model = build_model("small_cnn", 10, width=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    for _ in range(40):
+    for _ in range(30):
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -88,9 +88,13 @@ def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
                                                     for k in expected) / len(expected))
     # the tar shards (read by the same actor class, here in-process) agree with parquet
     tar_items = [vars(r) for r in sd.shard_refs(data.manifest, data.path, "test", "tar")]
-    actor = infer.Predictor(model_path=model_path, s3={}, mode="etl", top_k=3, batch_size=4, use_gpu=False,
-                            threads=1, etl_classes=data.manifest["classes"])
-    tar_rows = actor(pa.Table.from_pylist(tar_items)).to_pylist()
+    threads = torch.get_num_threads()  # the actor sets its own share; give this process its own back
+    try:
+        actor = infer.Predictor(model_path=model_path, s3={}, mode="etl", top_k=3, batch_size=4,
+                                use_gpu=False, threads=1, etl_classes=data.manifest["classes"])
+        tar_rows = actor(pa.Table.from_pylist(tar_items)).to_pylist()
+    finally:
+        torch.set_num_threads(threads)
     assert {r["key"]: r["class_name"] for r in tar_rows} == {r["key"]: r["class_name"] for r in rows}
 
 

@@ -7,6 +7,9 @@ Usage: python tests/two_node_run.py WORKDIR {complete|node-loss-recover|node-los
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,8 +34,12 @@ def _remove_worker_node_mid_training(cluster: Cluster, node, ckpt_dir: Path, rep
     log.append("removed")
     if replace:  # what an autoscaler does: a fresh node joins with the same resources
         time.sleep(2)
-        cluster.add_node(num_cpus=1)
-        log.append("replaced")
+        # `ray start` in a subprocess: Cluster.add_node installs signal handlers, main thread only.
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        log.append(subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--block",
+                                     "--address", cluster.address, "--num-cpus", "1"], env=env,
+                                    stdout=open(ckpt_dir.parents[2] / "ray-start.log", "w"), stderr=subprocess.STDOUT,
+                                    start_new_session=True))
 
 
 def main(workdir: str, mode: str) -> None:
@@ -66,7 +73,12 @@ def main(workdir: str, mode: str) -> None:
                       infer_rows=preds.manifest.get("metrics", {}).get("rows"))
     except Exception as e:
         result.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+    replacement = [e for e in events if isinstance(e, subprocess.Popen)]
+    result["events"] = ["replaced" if isinstance(e, subprocess.Popen) else e for e in events]
     print("RESULT " + json.dumps(result), flush=True)
+    for proc in replacement:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
     ray.shutdown()
     cluster.shutdown()
 

@@ -37,7 +37,9 @@ def start(cfg: RayConfig) -> dict[str, float]:
         if cfg.address:
             kwargs["address"] = cfg.address
         else:
-            kwargs.update(num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
+            # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever
+            # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
+            kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
                           object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
     resources = cluster_resources()
