@@ -99,9 +99,15 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
                    "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
                    "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
                    "cpus_per_worker": plan.cpus_per_worker}
-    result = _trainer(cfg, loop_config, plan, out, s3).fit()
+    try:
+        result = _trainer(cfg, loop_config, plan, out, s3).fit()
+    except Exception as e:  # Train V2 raises once train.max_failures retries are used up
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
+                         f"with the same --output to resume from the last checkpoint: "
+                         f"{str(e).splitlines()[0]}") from e
     if result.error:
-        raise TrainError(f"training failed after {cfg.max_failures} retries: {result.error}") from result.error
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries: "
+                         f"{result.error}") from result.error
     if result.metrics.get("stopped") == "nan_loss":
         last = result.checkpoint.path if result.checkpoint else "none"
         raise TrainError(f"loss became NaN/inf at epoch {result.metrics['epoch'] + 1}; stopped. Last good "
