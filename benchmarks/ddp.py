@@ -72,9 +72,10 @@ def _ray_loop(config: dict[str, Any]) -> None:
                          warmup=config["warmup"], steps=config["steps"], seed=config["seed"])
     result.update(launcher="ray", loop_start=t_loop, finished=time.time(),
                   ddp_wrapped=type(model).__name__)
-    from benchmarks.ingest import _report
-
-    _report(result, rank)
+    # Ray Train V2 keeps in Result.metrics only metrics reported with a checkpoint: send a tiny one.
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "result.json").write_text(json.dumps(result))
+        ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
 
 
 def run_ray(args: argparse.Namespace, workers: int, storage: Path) -> dict[str, Any]:

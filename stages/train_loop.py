@@ -279,25 +279,31 @@ class Worker:
             return
         with checkpoint.as_directory() as tmp:
             folder = Path(tmp)
-            needed = ["meta.json", "state.pt"] + [f"ledger-rank{r}.json" for r in range(self.world)]
-            missing = [n for n in needed if not (folder / n).exists()]
-            meta = json.loads((folder / "meta.json").read_text()) if not missing else {}
-            if missing or meta.get("world") != self.world:
-                # A checkpoint from another world size can't give this rank its exact position.
-                raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete or from world size "
-                                   f"{meta.get('world')} (missing {missing}); refusing to load it")
+            missing = [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
+            if missing:  # meta.json is written last: without it the checkpoint is half-written
+                raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (missing {missing}); "
+                                   f"refusing to load it")
+            meta = json.loads((folder / "meta.json").read_text())
+            same_world = meta["world"] == self.world
             state = torch.load(folder / "state.pt", map_location=self.device, weights_only=False)
             self.net.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
-            rng = folder / f"rng-rank{self.rank}.pt"
-            if rng.exists():
-                torch.set_rng_state(torch.load(rng, weights_only=False)["torch"])
-            self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
-            self.epoch, self.step = meta["epoch"], meta["step"]
-            self.history, self.val = meta["history"], meta["val"]
+            self.epoch, self.history, self.val = meta["epoch"], meta["history"], meta["val"]
+            if same_world:
+                torch.set_rng_state(torch.load(folder / f"rng-rank{self.rank}.pt", weights_only=False)["torch"])
+                self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
+                self.step = meta["step"]
+            else:
+                # Elastic restart with another world size: rank row ranges move, so the exact
+                # position can't carry over. Restart the epoch; the weights and optimizer do.
+                self.step = 0
+                self.ledger = {}
+                if self.rank == 0:
+                    print(f"[raymill] train: world size changed {meta['world']} -> {self.world}; "
+                          f"epoch {self.epoch + 1} restarts from its first step", flush=True)
         if self.rank == 0:
             print(f"[raymill] train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}",
                   flush=True)

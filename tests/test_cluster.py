@@ -33,15 +33,16 @@ def test_two_nodes_place_one_worker_each_and_complete(workdir):
     assert result["epochs"] == 2 and result["infer_rows"] > 0
 
 
-def test_node_loss_with_replacement_recovers(workdir):
-    result = _run(workdir, "node-loss-recover")
-    assert result["events"][:1] == ["removed"], result
+def test_node_loss_with_elastic_workers_recovers_on_the_remaining_node(workdir):
+    result = _run(workdir, "node-loss-recover")  # train.min_workers=1, train.max_failures=2
+    assert result["events"] == ["removed"], result
     assert result["ok"], result
     assert result["epochs"] == 2
+    assert len(result["last_worker_nodes"]) == 1, "training did not continue on the surviving node"
 
 
 def test_node_loss_without_retries_fails_clearly(workdir):
     result = _run(workdir, "node-loss-fail")
     assert result["events"] == ["removed"], result
     assert not result["ok"]
-    assert "training failed" in result["error"]
+    assert "TrainError: training failed after train.max_failures=0 retries" in result["error"]
