@@ -25,7 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benchmarks.common import machine_info, now_iso, versions
+from benchmarks.common import loadavg, machine_info, now_iso, versions
 
 # name -> module implementing add_arguments / run / render. Order = order in RESULTS.md and `all`.
 BENCHMARKS: dict[str, str] = {
@@ -89,11 +89,12 @@ def _default_args(name: str) -> argparse.Namespace:
 def run_one(name: str, args: argparse.Namespace, command: str) -> dict[str, Any]:
     opts = {k: v for k, v in vars(args).items() if k != "command"}
     print(f"== benchmark {name}: {command}", flush=True)
-    started, t0 = now_iso(), time.perf_counter()
+    started, t0, machine = now_iso(), time.perf_counter(), machine_info()
     result = _module(name).run(args)
+    machine["loadavg_at_end"] = loadavg()
     record = {"benchmark": name, "command": command, "args": opts, "started": started,
               "finished": now_iso(), "seconds": round(time.perf_counter() - t0, 1),
-              "machine": machine_info(), "versions": versions(*PACKAGES), "result": result}
+              "machine": machine, "versions": versions(*PACKAGES), "result": result}
     text = json.dumps(record, indent=2, sort_keys=False) + "\n"
     for folder in (OUT_DIR, RESULTS_DIR):
         folder.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,8 @@ def render_results() -> str:
         parts.append(f"\n## {name}\n\n"
                      f"- Command: `{r.get('command')}`\n"
                      f"- Machine: {m.get('cores')} cores ({m.get('cpu_model')}), {m.get('ram_gib')} GiB RAM, "
-                     f"{m.get('os')}, Python {m.get('python')}; load average at start {m.get('loadavg_at_start')}\n"
+                     f"{m.get('os')}, Python {m.get('python')}; load average (1, 5, 15 min) at start "
+                     f"{m.get('loadavg_at_start') or '-'}, at end {m.get('loadavg_at_end') or '-'}\n"
                      f"- Date: {r.get('started')} (took {r.get('seconds')} s)\n"
                      f"- Versions: " + ", ".join(f"{k} {v}" for k, v in r.get("versions", {}).items()) + "\n")
         if name in BENCHMARKS:

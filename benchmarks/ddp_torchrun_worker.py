@@ -33,7 +33,9 @@ def timed_steps(model, *, rank: int, world: int, batch_size: int, image_size: in
     """`warmup` untimed then `steps` timed SGD steps on in-memory random data; timing from rank 0.
 
     `model` is already wrapped for DDP when world > 1. A barrier before and after the timed
-    steps makes the measured interval the same on every rank.
+    steps makes the measured interval the same on every rank. `cpu_s` is the CPU time (all
+    threads) of every rank's process over the timed steps, summed: less sensitive than wall time
+    to other load on the machine, and it shows a launcher's background work in the worker.
     """
     import torch
     import torch.distributed as dist
@@ -58,21 +60,25 @@ def timed_steps(model, *, rank: int, world: int, batch_size: int, image_size: in
         step(i)
     if distributed:
         dist.barrier()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     step_s = []
     loss = float("nan")
     for i in range(steps):
         s0 = time.perf_counter()
         loss = step(warmup + i)
         step_s.append(time.perf_counter() - s0)
+    cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)  # all threads of this process
     if distributed:
         dist.barrier()
     elapsed = time.perf_counter() - t0
+    if distributed:
+        dist.all_reduce(cpu)  # CPU seconds of every rank's process, summed
     step_s.sort()
     return {"rank": rank, "world": world, "steps": steps, "warmup": warmup, "batch_size": batch_size,
             "seconds": elapsed, "steps_per_s": steps / elapsed,
             "samples_per_s": steps * batch_size * world / elapsed,
             "step_ms_p50": 1000 * step_s[len(step_s) // 2], "step_ms_p90": 1000 * step_s[int(len(step_s) * 0.9)],
+            "cpu_s": float(cpu[0]), "cpu_ms_per_step": 1000 * float(cpu[0]) / steps,
             "final_loss": loss, "torch_threads": torch.get_num_threads(),
             "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -84,17 +85,24 @@ def split_of(relpath: str, fractions: Any) -> str:
     return "val" if u < fractions.train + fractions.val else "test"
 
 
-def plan_tasks(listing: Listing, cfg: EtlConfig) -> list[dict[str, Any]]:
-    """One task per shard group. Files are ordered by key, a hash, so shards mix classes."""
+def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[dict[str, Any]]:
+    """One task per shard. Files are ordered by key, a hash, so shards mix classes.
+
+    Shards hold at most etl.shard_max_rows rows, and fewer when that would leave fewer than
+    `parallelism` (etl.min_shards) tasks; it is config, not the cluster's size, so the same
+    config gives the same shards anywhere. One 1,000-row task on a 2,000-image job would keep a core idle for half
+    the run (measured, benchmarks/RESULTS.md).
+    """
     label_of = {name: i for i, name in enumerate(listing.classes)}
     by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
     for rel, size in listing.files:
         by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label_of[rel.split("/")[0]], size))
+    rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
     tasks = []
     for split, items in by_split.items():
         items.sort()
-        for index, start in enumerate(range(0, len(items), cfg.shard_max_rows)):
-            tasks.append({"split": split, "index": index, "items": items[start:start + cfg.shard_max_rows]})
+        for index, start in enumerate(range(0, len(items), rows_per_task)):
+            tasks.append({"split": split, "index": index, "items": items[start:start + rows_per_task]})
     return tasks
 
 
@@ -106,7 +114,7 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
     out_fs, out_root = storage.filesystem(out, s3)
     _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
-    tasks = plan_tasks(listing, cfg)
+    tasks = plan_tasks(listing, cfg, parallelism=cfg.min_shards)
     log.info("etl: %d files in %d classes -> %d shard task(s), run %s",
              len(listing.files), len(listing.classes), len(tasks), run_id)
     results = []
@@ -141,6 +149,9 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
     fn_kwargs = {"cfg": section_dict(cfg), "source": source, "out": out,
                  "s3": storage.s3_options(s3), "run_id": run_id, "classes": classes}
     rows = [{"task": json.dumps(t)} for t in tasks]
+    # Each row is a whole shard's work and returns only metadata, so Ray Data's per-operator
+    # reservation (which held this pipeline to one task at a time here) buys nothing.
+    ray.data.DataContext.get_current().op_resource_reservation_enabled = False
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
     ds = ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cfg.cpus_per_task)
     try:

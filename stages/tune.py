@@ -169,32 +169,126 @@ def _trial_trainer(tcfg: TrainConfig, loop_config: dict, plan, ctx: dict, name: 
                 checkpoint_score_order=ctx["mode"])))
 
 
+# The Train run of the trial this actor process drives. A trial actor runs one trial at a time.
+_RUN: dict[str, Any] = {}
+
+
+class _AbortTrainRunOnStop:
+    """Mixin for the trial's FunctionTrainable (via the function's `__mixins__`).
+
+    When Tune stops a trial (ASHA early stop, PBT pause, an interrupted search), it calls the
+    trainable's `cleanup` and then ends the actor. The TorchTrainer's controller actor dies with
+    it, and the workers' placement group, created by that controller, would then stay reserved
+    until the Ray job ends: Train's own PlacementGroupCleaner needs the State API, which is off
+    without the dashboard. Two trials later the cluster has no CPU left. So `cleanup` first
+    aborts the Train run the way Ctrl-C does (`controller.abort`): workers stop, the group is freed.
+    """
+
+    def cleanup(self):
+        try:
+            super().cleanup()
+        finally:
+            _abort_train_run()
+
+
+def _abort_train_run(timeout_s: float = 60.0) -> None:
+    import ray
+    from ray.util.queue import Empty
+
+    if not _RUN.get("fitting"):
+        return
+    _RUN["aborted"] = True
+    try:
+        controller = _RUN["controller"].get(timeout=5)
+    except Empty:
+        return  # stopped before its controller started: nothing reserved yet
+    try:
+        ray.get(controller.abort.remote(), timeout=timeout_s)
+    except Exception:  # abort ends by exiting the controller actor, which raises here
+        pass
+    log.info("aborted the Train run of a stopped trial")
+
+
+def _callback_classes():
+    """Train callbacks, defined lazily so importing this module does not import Ray."""
+    import ray
+    from ray.train.v2._internal.execution.callback import ControllerCallback
+    from ray.train.v2.api.callback import UserCallback
+
+    class SendControllerHandle(ControllerCallback):
+        # A controller-level (developer) hook: Train runs non-UserCallbacks from RunConfig as is.
+        def __init__(self, queue):
+            self.queue = queue
+
+        def after_controller_start(self, train_run_context):
+            self.queue.put(ray.get_runtime_context().current_actor)
+
+    class ForwardReports(UserCallback):
+        """Send rank 0's reported metrics and checkpoint path to the trial driver (PBT only)."""
+
+        def __init__(self, queue):
+            self.queue = queue
+
+        def after_report(self, run_context, metrics, checkpoint):
+            path = checkpoint.path if checkpoint else None
+            self.queue.put(({**metrics[0], **({"checkpoint_path": path} if path else {})}, path))
+
+    return SendControllerHandle, ForwardReports
+
+
+def _fit_trial(trainer) -> None:
+    """trainer.fit(), except that a run aborted because Tune stopped the trial is no error."""
+    try:
+        trainer.fit()
+    except Exception:
+        if _RUN.get("aborted"):
+            return
+        raise
+    finally:
+        _RUN["fitting"] = False
+
+
 def _make_driver(ctx: dict):
-    """The Tune function of one trial. `ctx` is plain, picklable data (it travels to the actor)."""
+    """The Tune function of one trial. `ctx` is plain, picklable data (it travels to the actor).
+
+    The closure only calls module-level code: cloudpickle copies the globals a closure uses,
+    and `_RUN` must be the module's own dict, the one `_AbortTrainRunOnStop.cleanup` sees.
+    """
 
     def raymill_trial(config: dict) -> None:
-        import ray.tune
+        _run_trial(ctx, config)
 
-        tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
-        tcfg = trial_train_config(train_cfg, config, tune_cfg)
-        loop_config = {**ctx["loop"], "train": section_dict(tcfg)}
-        trial_id = ray.tune.get_context().get_trial_id()
-        # The Train run's name must not change when this trial is retried or the search resumed:
-        # Train V2 then restores the run from its own latest checkpoint.
-        name = f"trial-{trial_id}"
-        if tune_cfg.scheduler == "pbt":
-            _pbt_trial(tcfg, loop_config, ctx, name)
-            return
-        from ray.tune.integration.ray_train import TuneReportCallback
-
-        from stages.train import _entry
-
-        _trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, [TuneReportCallback()], _entry).fit()
-
+    raymill_trial.__mixins__ = (_AbortTrainRunOnStop,)
     return raymill_trial
 
 
-def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str) -> None:
+def _run_trial(ctx: dict, config: dict) -> None:
+    import ray.tune
+    from ray.util.queue import Queue
+
+    tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
+    tcfg = trial_train_config(train_cfg, config, tune_cfg)
+    loop_config = {**ctx["loop"], "train": section_dict(tcfg)}
+    trial_id = ray.tune.get_context().get_trial_id()
+    # The Train run's name must not change when this trial is retried or the search resumed:
+    # Train V2 then restores the run from its own latest checkpoint.
+    name = f"trial-{trial_id}"
+    send_handle, _ = _callback_classes()
+    controller = Queue(actor_options={"num_cpus": 0})
+    _RUN.clear()
+    _RUN.update(controller=controller, fitting=True, aborted=False)
+    if tune_cfg.scheduler == "pbt":
+        _pbt_trial(tcfg, loop_config, ctx, name, send_handle(controller))
+        return
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from stages.train import _entry
+
+    callbacks = [TuneReportCallback(), send_handle(controller)]
+    _fit_trial(_trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, callbacks, _entry))
+
+
+def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str, send_handle) -> None:
     """PBT needs Tune-level checkpoints to clone, which TuneReportCallback does not forward.
 
     Here a callback forwards (metrics, checkpoint path) through a Ray queue, and this driver
@@ -215,12 +309,14 @@ def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str) -> No
         name = f"{name}-from-{config_hash({'path': start.path})[:8]}"
     fs, _ = pyarrow_filesystem(ctx["ray_dir"], ctx["s3"])
     queue = Queue(maxsize=1, actor_options={"num_cpus": 0})
-    trainer = _trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, [_ForwardReports(queue)], _pbt_entry)
+    _, forward = _callback_classes()
+    trainer = _trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, [forward(queue), send_handle],
+                             _pbt_entry)
     failure: list[BaseException] = []
 
     def fit() -> None:
         try:
-            trainer.fit()
+            _fit_trial(trainer)
         except BaseException as e:  # re-raised in this (the trial's) thread below
             failure.append(e)
 
@@ -235,26 +331,6 @@ def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str) -> No
         ray.tune.report(metrics, checkpoint=checkpoint)
     if failure:
         raise failure[0]
-
-
-def _forward_reports_class():
-    from ray.train.v2.api.callback import UserCallback
-
-    class ForwardReports(UserCallback):
-        """Send rank 0's reported metrics and checkpoint path to the trial driver (PBT only)."""
-
-        def __init__(self, queue):
-            self.queue = queue
-
-        def after_report(self, run_context, metrics, checkpoint):
-            path = checkpoint.path if checkpoint else None
-            self.queue.put(({**metrics[0], **({"checkpoint_path": path} if path else {})}, path))
-
-    return ForwardReports
-
-
-def _ForwardReports(queue):  # noqa: N802 - a factory, so ray.train is imported only in the actor
-    return _forward_reports_class()(queue)
 
 
 def _pbt_entry(config: dict) -> None:
@@ -316,10 +392,11 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     fs, root = storage.filesystem(out, s3)
     _write_tables(fs, root, trials, cfg)
     unfinished = [t for t in trials if t["status"] not in ("TERMINATED", "ERROR")]
-    if unfinished:
+    if unfinished or len(trials) < cfg.num_samples:
         raise TuneInterrupted(
-            f"the search stopped with {len(unfinished)} of {len(trials)} trial(s) unfinished "
-            f"({', '.join(t['trial_id'] for t in unfinished)}); run the same command with the same "
+            f"the search stopped with {len(unfinished)} trial(s) unfinished "
+            f"({', '.join(t['trial_id'] for t in unfinished) or '-'}) and "
+            f"{cfg.num_samples - len(trials)} not started; run the same command with the same "
             f"output '{out}' to resume it (finished trials are kept)")
     best = _pick_best(trials, cfg, ctx)
     if best is None:
@@ -390,6 +467,11 @@ def _summaries(grid, cfg: TuneConfig) -> list[dict[str, Any]]:
         best = pick(history, key=lambda h: h["value"]) if history else None
         epochs_run = max((h["epoch"] for h in history), default=0)
         status = trial.status
+        if status == "TERMINATED" and not (result.metrics or {}).get("done"):
+            # Tune marks the trials it stops on an interrupted search TERMINATED in memory (the
+            # saved state says RUNNING, so a restore resumes them); a finished trial's last
+            # result, by completion or a scheduler stop, is marked done.
+            status = "UNFINISHED"
         if status == "ERROR":
             outcome = "failed"
         elif status != "TERMINATED":

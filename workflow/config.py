@@ -77,6 +77,9 @@ class EtlConfig(Section):
     jpeg_quality: int = Field(90, ge=1, le=100)
     shard_max_rows: int = Field(1000, ge=1)
     shard_max_mb: float = Field(64.0, gt=0)
+    # Smaller shards when the input would otherwise make fewer tasks than this: parallelism for
+    # small jobs. Raise it to ~4x the cluster's CPUs on big clusters.
+    min_shards: int = Field(8, ge=1)
     split: SplitFractions = SplitFractions()
     max_bad_fraction: float = Field(0.5, ge=0, le=1)  # more bad files than this fails the job
     max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb

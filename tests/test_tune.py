@@ -1,0 +1,149 @@
+"""Tune stage: a real ASHA search over TorchTrainer trials on the shared 2-CPU Ray.
+
+Every trial is a Ray Train run (20-40 s of fixed start-up here), so one search serves all the
+tests: 4 samples of lr x precision, one worker per trial, one trial at a time. lr=1e-5 learns
+nothing, so ASHA stops such a trial at its first rung once a good one has been recorded; a
+sampled precision=fp16 passes config validation but raises in the worker on CPU (a trial that
+fails at run time). The search is interrupted after its first trial (SIGUSR1, Tune's stop signal)
+and resumed by calling the stage again.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stages import etl, export, tune
+from stages import data as sd
+from workflow import demo_data
+from workflow.config import ConfigError, load_config
+from tests.conftest import REPO
+
+# tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
+# Trial 0 (bad) sets rung 1; trial 1 fails; trial 2 (good) passes; trial 3 (bad) falls below the
+# rung's median and is stopped. precision lists fp32 three times to weight the choice.
+SPACE = ("tune.search_space={lr: {type: choice, values: [0.01, 0.00001]}, "
+         "precision: {type: choice, values: [fp32, fp32, fp32, fp16]}}")
+BASE = ["etl.image_size=16", "etl.shard_max_rows=64", "train.width=8", "train.batch_size=16",
+        "train.optimizer=adamw", "train.max_failures=0", "tune.max_failures=0", "tune.num_samples=4",
+        "tune.max_epochs=3", "tune.grace_period=1", "tune.reduction_factor=2", "tune.scheduler=asha",
+        "tune.seed=19", SPACE]
+
+
+def _cfg(*extra):
+    return load_config(REPO / "configs/smoke.yaml", BASE + list(extra))
+
+
+def _trials_csv(out: Path) -> dict[str, dict]:
+    with open(out / "trials.csv", newline="") as f:
+        return {row["trial_id"]: row for row in csv.DictReader(f)}
+
+
+def _interrupt_when_second_trial_starts(out: Path, sent: list, deadline_s: float = 400) -> None:
+    """One trial at a time: a second Train run folder means the first trial is over."""
+    deadline = time.time() + deadline_s
+    while time.time() < deadline:
+        if len(list((out / "ray").glob("trial-*"))) >= 2:
+            if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):  # Tune's handler
+                os.kill(os.getpid(), signal.SIGUSR1)
+                sent.append(time.time())
+            return
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, ray_session):
+    root = tmp_path_factory.mktemp("tune")
+    demo_data.generate(root / "src", images=300, seed=1, classes=3)
+    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+
+
+@pytest.fixture(scope="module")
+def search(dataset, tmp_path_factory):
+    """(trials after the interruption, Tune result files then, resumed artifact, output folder)."""
+    cfg = _cfg()
+    out = tmp_path_factory.mktemp("search") / "tune"
+    sent: list = []
+    watcher = threading.Thread(target=_interrupt_when_second_trial_starts, args=(out, sent), daemon=True)
+    watcher.start()
+    with pytest.raises(tune.TuneInterrupted, match="to resume it"):
+        tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    watcher.join()
+    assert sent, "the search was never interrupted"
+    assert not (out / "manifest.json").exists(), "an interrupted search must not publish"
+    before = _trials_csv(out)
+    results = {p.parent.name: p.read_bytes() for p in (out / "ray" / "tune").glob("*/result.json")}
+    artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    return before, results, artifact, out
+
+
+def test_resume_after_interruption_keeps_finished_trials(search):
+    before, results, artifact, out = search
+    finished = {t: r for t, r in before.items() if r["status"] == "TERMINATED"}
+    assert finished, f"no trial had finished before the interruption: {before}"
+    assert any(r["status"] not in ("TERMINATED", "ERROR") for r in before.values()), before
+    after = _trials_csv(out)
+    assert len(after) == 4 and set(before) <= set(after)
+    for trial_id, row in finished.items():  # not re-run: same wall time, same result rows
+        assert after[trial_id]["wall_s"] == row["wall_s"] and after[trial_id]["epochs_run"] == row["epochs_run"]
+        (folder,) = [name for name in results if trial_id in name]
+        assert (out / "ray" / "tune" / folder / "result.json").read_bytes() == results[folder]
+    assert {r["status"] for r in after.values()} <= {"TERMINATED", "ERROR"}
+    assert artifact.manifest["kind"] == "raymill.tune" and (out / "manifest.json").is_file()
+
+
+def test_asha_stops_a_trial_early_and_exports_a_loadable_model(search, dataset):
+    _, _, artifact, out = search
+    rows = _trials_csv(out)
+    stopped = [r for r in rows.values() if r["outcome"] == "stopped_early"]
+    assert stopped and all(int(r["epochs_run"]) < 3 and r["stopped_early"] == "True" for r in stopped)
+    assert all(float(r["lr"]) == 1e-5 for r in stopped), "ASHA stopped a good trial"
+    m = artifact.manifest["metrics"]
+    assert m["trials"] == 4 and m["stopped_early"] == len(stopped) and 0 <= m["test_acc"] <= 1
+    best = json.loads((out / "best.json").read_text())
+    assert best["params"]["lr"] == 0.01 and best["params"]["precision"] == "fp32"
+    assert best["metric"] == "val_acc" and best["value"] == m["best_val_acc"]
+    assert Path(best["checkpoint"]).is_dir() and best["checkpoint"].startswith(str(out / "ray"))
+    assert (out / "search.png").read_bytes()[:4] == b"\x89PNG" and (out / "trials.md").is_file()
+    model, info = export.load_model(str(out))
+    assert info["classes"] == dataset.manifest["classes"] and info["tune"]["trial_id"] == best["trial_id"]
+    (ref,) = sd.shard_refs(dataset.manifest, dataset.path, "test", "parquet")[:1]
+    key, label, image = sd.read_shard(ref.uri, "parquet")[0]
+    pixels = export.preprocess(image, info)
+    (pred,) = export.predict_arrays(model, info, [pixels])
+    assert pred["class_name"] in info["classes"] and len(pred["top_k"]) == 3
+    assert np.isclose(sum(p["probability"] for p in pred["top_k"]), 1.0, atol=1e-4)
+
+
+def test_a_trial_that_raises_is_recorded_and_the_search_goes_on(search):
+    _, _, artifact, out = search
+    rows = _trials_csv(out)
+    failed = [r for r in rows.values() if r["status"] == "ERROR"]
+    assert len(failed) == 1 and failed[0]["precision"] == "fp16" and failed[0]["outcome"] == "failed"
+    assert "fp16" in failed[0]["error"], failed[0]["error"]
+    assert sum(r["status"] == "TERMINATED" for r in rows.values()) == 3
+    assert artifact.manifest["metrics"]["failed"] == 1
+    assert "| ERROR | failed |" in (out / "trials.md").read_text()
+
+
+def test_config_errors_name_the_key(dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.lr\.type"):
+        load_config(REPO / "configs/smoke.yaml", ["tune.search_space.lr.type=gaussian"])
+    cfg = _cfg("tune.search_space={batch_size: {type: randint, lower: 0, upper: 64}}")
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.batch_size: value 0"):
+        tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "a"), ray_cfg=cfg.ray)
+    cfg = _cfg("tune.search_space={epochs: {type: randint, lower: 1, upper: 3}}")
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs.*tune\.max_epochs"):
+        tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "b"), ray_cfg=cfg.ray)
+    # 2 workers x 1 CPU per trial cannot fit beside the Ray Data reserve on 2 CPUs
+    cfg = _cfg("tune.workers_per_trial=2", "train.cpus_per_worker=1")
+    with pytest.raises(ConfigError, match=r"tune\.workers_per_trial=2 x 1 CPU but only 1\.5 CPUs"):
+        tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "c"), ray_cfg=cfg.ray)
+    assert not (tmp_path / "c" / "ray").exists()
