@@ -224,11 +224,16 @@ def _remove_run_files(fs, root: str, run_id: str) -> None:
 
 
 def _remove_stale(fs, root: str, manifest: dict[str, Any]) -> None:
-    """After an overwrite is published, delete files no manifest refers to any more."""
+    """After an overwrite is published, delete our files the manifest no longer names.
+
+    Only shards and quarantine reports: anything else in the folder is not ours to delete.
+    """
     keep = {storage.join(root, s["path"]) for s in manifest["shards"]}
-    keep |= {storage.join(root, manifest["quarantine"]["path"]), storage.join(root, "manifest.json")}
+    keep.add(storage.join(root, manifest["quarantine"]["path"]))
     for path in fs.find(root):
-        if path not in keep and not path.endswith("/manifest.json"):
+        relative = path[len(root):].lstrip("/")
+        ours = relative.startswith("shards/") or relative.startswith("quarantine-")
+        if ours and path not in keep:
             fs.rm_file(path)
 
 

@@ -96,9 +96,11 @@ def test_rerun_is_deterministic_and_refuses_existing_output(tree, published, tmp
 def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_session):
     out = tmp_path / "ds"
     first = etl.run(CFG, str(tree[0]), str(out))
+    (out / "notes.txt").write_text("the user's, not ours")
     second = etl.run(CFG.model_copy(update={"image_size": 16}), str(tree[0]), str(out), overwrite=True)
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
-    expected = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"], "manifest.json"}
+    expected = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"],
+                                                                  "manifest.json", "notes.txt"}
     assert files == expected
     assert first.manifest["run_id"] not in "".join(files)
     assert etl.verify(str(out)) == []
