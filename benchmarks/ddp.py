@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ddp-"))
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
-    resources = session.start(RayConfig(address="local"))  # own cluster: never join a stray one
+    resources = session.start(RayConfig())
     ray_start_s = time.perf_counter() - t0
     if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
         raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "

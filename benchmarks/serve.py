@@ -321,8 +321,6 @@ class Bench:
         self.ref = self._reference()
 
     def _reference(self) -> list[int]:
-        import torch
-
         from stages.export import predict_arrays, preprocess
 
         with _torch_threads(1):
@@ -558,7 +556,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "requests_per_level": args.requests, "time_cap_s": args.time_cap,
                               "rounds": args.rounds, "loadavg_start": load_start}
     uv: Uvicorn | None = None
-    uv_default: Uvicorn | None = None
     started_ray = False
     try:
         model_dir = str(tmp / "model")
@@ -620,9 +617,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["throughput_optimized"] = _throughput_optimized(args, bench, model_dir, uv, levels,
                                                                    batch_opts, started_ray)
     finally:
-        for server in (uv, uv_default):
-            if server is not None:
-                server.stop()
+        if uv is not None:
+            uv.stop()
         if started_ray and ray.is_initialized():
             try:
                 from ray import serve
@@ -836,6 +832,49 @@ def _targets_table(targets: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _cmp(new: dict[str, Any], ref: dict[str, Any], levels: list[str]) -> tuple[str, bool]:
+    """'c=1 p50 x0.31, c=32 req/s x1.80' for `new` against `ref`; and whether anything moved > 15%."""
+    parts, moved = [], False
+    lo, hi = levels[0], levels[-1]
+    for level, field, name in ((lo, "p50_ms", "p50"), (hi, "rps", "req/s")):
+        x = (new.get("levels", {}).get(level) or {}).get(field)
+        y = (ref.get("levels", {}).get(level) or {}).get(field)
+        r = _ratio(x, y)
+        if r is not None:
+            parts.append(f"c={level} {name} x{r:.2f} ({_f(x)} vs {_f(y)})")
+            moved = moved or r > 1.15 or r < 1 / 1.15
+    return ", ".join(parts), moved
+
+
+def _effects(result: dict[str, Any]) -> list[str]:
+    """One line per option tried: its ratios against the matching reference, measured nearby."""
+    out: list[str] = []
+    main = result["main"]
+    sweep = {r["key"]: r for r in result.get("sweep") or [] if not r.get("error")}
+    sl = [str(lv) for lv in result.get("sweep_levels", [])]
+    ref_b = sweep.get("b_again")
+    pairs = [(k, ref_b, "b_again") for k in ("wait0", "wait20", "mb16", "ongoing8", "rep2", "cpu2")]
+    pairs += [("a_rep2", main["a"], "(a)"), ("h_a_handle", sweep.get("h_a_http"), "h_a_http"),
+              ("h_b_handle", sweep.get("h_b_http"), "h_b_http"), ("c_threads_default", main["c"], "(c)"),
+              ("b_again", main["b"], "(b) in the main rounds")]
+    for key, ref, ref_name in pairs:
+        if key in sweep and ref:
+            text, moved = _cmp(sweep[key], ref, sl)
+            if text:
+                out.append(f"{key} vs {ref_name}: {text}{'' if moved else ' (no clear change)'}")
+    to = (result.get("throughput_optimized") or {}).get("variants") or {}
+    lv = [str(x) for x in result["levels"]]
+    for key, ref, ref_name in (("a_direct", to.get("a_proxy"), "a_proxy"), ("b_direct", to.get("b_proxy"), "b_proxy"),
+                               ("a_proxy", main["a"], "(a) in the default mode"),
+                               ("b_proxy", main["b"], "(b) in the default mode"),
+                               ("c", main["c"], "(c) in the main rounds")):
+        if key in to and ref:
+            text, moved = _cmp(to[key], ref, [lv[0], lv[-1]])
+            if text:
+                out.append(f"{TO_ENV}=1 {key} vs {ref_name}: {text}{'' if moved else ' (no clear change)'}")
+    return out
+
+
 def render(result: dict[str, Any]) -> str:
     d = result["data"]
     levels = [str(lv) for lv in result["levels"]]
@@ -853,7 +892,7 @@ def render(result: dict[str, Any]) -> str:
     lines += _level_table([(_LABEL[k], main[k]) for k in ("a", "b", "c", "d")], levels)
     lines.append("")
     for k in ("a", "b", "c", "d"):
-        lines.append(f"- {_LABEL[k]}: {main[k]['what']}.")
+        lines.append(f"- {k}: {main[k]['what']}.")
     srv = {k: (main[k]["levels"].get(levels[0]) or {}).get("server_p50_ms") for k in ("a", "b", "c")}
     lines.append(f"- Time inside the server at c={levels[0]} (p50 of the response's `latency_ms`): "
                  f"(a) {_f(srv['a'], 2)} ms, (b) {_f(srv['b'], 2)} ms, (c) {_f(srv['c'], 2)} ms; the rest of "
@@ -898,6 +937,13 @@ def render(result: dict[str, Any]) -> str:
                          f"{_f(inf['ratios'][k], 2)} |")
         lines.append(f"\nPredictions of stages.infer and the plain loop agree on "
                      f"{inf['agreement_ours_vs_plain']:.1%} of the images.")
+    effects = _effects(result)
+    if effects:
+        lines += ["", "What moved the numbers (ratios computed from the tables above; x>1 for p50 means "
+                      "slower, for req/s faster; 'no clear change' = within 15%. The last sweep line, the same "
+                      "config measured twice minutes apart, shows how much this machine's drift alone "
+                      "moves a number):", ""]
+        lines += [f"- {e}" for e in effects]
     if result.get("analysis"):
         lines += ["", result["analysis"]]
     lines += [""] + [f"- {n}" for n in result.get("notes", [])]
