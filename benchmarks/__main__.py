@@ -30,10 +30,10 @@ from benchmarks.common import loadavg, machine_info, now_iso, versions
 # name -> module implementing add_arguments / run / render. Order = order in RESULTS.md and `all`.
 BENCHMARKS: dict[str, str] = {
     "etl": "benchmarks.etl",
-    # "ingest": "benchmarks.ingest",
-    # "ddp": "benchmarks.ddp",
-    # "serve": "benchmarks.serve",
-    # "tune": "benchmarks.tune",
+    "ingest": "benchmarks.ingest",
+    "ddp": "benchmarks.ddp",
+    "serve": "benchmarks.serve",
+    "tune": "benchmarks.tune",
 }
 
 HERE = Path(__file__).resolve().parent

@@ -78,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sweep", action="store_true", help="skip the option sweep")
     p.add_argument("--no-throughput-optimized", action="store_true",
                    help=f"skip the {TO_ENV}=1 part (a Ray restart)")
-    p.add_argument("--infer-images", type=int, default=2000,
-                   help="images for the batch-inference part (default 2000; 0 skips it)")
+    p.add_argument("--infer-images", type=int, default=4000,
+                   help="images for the batch-inference part (default 4000; 0 skips it)")
     p.add_argument("--infer-repeat", type=int, default=2, help="runs per batch-inference method (default 2)")
     p.add_argument("--workdir", default=None, help="parent of the temp dir (default: system temp)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir")
@@ -551,10 +551,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     levels, sweep_levels = _levels(args.levels), _levels(args.sweep_levels)
     cores = os.cpu_count() or 1
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-serve-", dir=args.workdir))
-    load_start = loadavg()
     result: dict[str, Any] = {"cores": cores, "levels": levels, "sweep_levels": sweep_levels,
                               "requests_per_level": args.requests, "time_cap_s": args.time_cap,
-                              "rounds": args.rounds, "loadavg_start": load_start}
+                              "rounds": args.rounds, "loadavg_before_wait": loadavg()}
     uv: Uvicorn | None = None
     started_ray = False
     try:
@@ -566,6 +565,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["model"] = {k: info[k] for k in ("architecture", "width", "image_size")} | {"classes": 10}
         model, info = load_model(model_dir)
         result["wait_for_quiet"] = _wait_for_quiet(args.wait_for_quiet, cores)
+        result["loadavg_start"] = loadavg()
         bench = Bench(args, bodies, model, info)
 
         t0 = time.perf_counter()
@@ -875,6 +875,21 @@ def _effects(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _load_line(result: dict[str, Any]) -> str:
+    """The machine's load around the measurements: a busy machine makes every number worse."""
+    w = result.get("wait_for_quiet") or {}
+    main_loads = [m["loadavg_before"][0] for k in result["main"].values() for lv in k["levels"].values()
+                  for m in lv.get("rounds", []) if m.get("loadavg_before")]
+    text = (f"Load average (1, 5, 15 min) when measuring began: {result.get('loadavg_start')}"
+            + (f", after waiting {w.get('waited_s')} s (limit {w.get('limit_s')} s) for the 1-minute value to "
+               f"drop below 1.5 x cores" if w.get("limit_s") else "")
+            + f"; at the end: {result.get('loadavg_end')}.")
+    if main_loads:
+        text += (f" During the main rounds the 1-minute load average ranged {min(main_loads):g}-"
+                 f"{max(main_loads):g} (this machine's {result['cores']} cores are shared with other jobs).")
+    return text
+
+
 def render(result: dict[str, Any]) -> str:
     d = result["data"]
     levels = [str(lv) for lv in result["levels"]]
@@ -885,8 +900,9 @@ def render(result: dict[str, Any]) -> str:
         f"{result['model']['image_size']} px, 10 classes, untrained). Async httpx client, "
         f"{result['requests_per_level']} timed requests per concurrency level (time cap "
         f"{result['time_cap_s']:g} s; `*` = capped), {result['rounds']} interleaved rounds, the round with "
-        f"the most requests/s shown. Load average at start {result.get('loadavg_start')}, at end "
-        f"{result.get('loadavg_end')}.",
+        f"the most requests/s shown.",
+        "",
+        _load_line(result),
         "",
     ]
     lines += _level_table([(_LABEL[k], main[k]) for k in ("a", "b", "c", "d")], levels)
@@ -918,6 +934,9 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"(failed: {to['error']})")
         else:
             lines += _level_table([(f"{k}: {v['what']}", v) for k, v in to["variants"].items()], levels)
+            inside = [(k, (v["levels"].get(levels[0]) or {}).get("server_p50_ms")) for k, v in to["variants"].items()]
+            lines.append(f"\nTime inside the server at c={levels[0]} (p50 of `latency_ms`): "
+                         + ", ".join(f"{k} {_f(ms, 2)} ms" for k, ms in inside) + ".")
             if to.get("error"):
                 lines.append(f"\n(partly failed: {to['error']})")
             if to.get("targets"):

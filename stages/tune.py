@@ -199,7 +199,7 @@ def _abort_train_run(timeout_s: float = 60.0) -> None:
         return
     _RUN["aborted"] = True
     try:
-        controller = _RUN["controller"].get(timeout=5)
+        controller = _RUN["controller"].get(timeout=3)
     except Empty:
         return  # stopped before its controller started: nothing reserved yet
     try:
@@ -212,11 +212,15 @@ def _abort_train_run(timeout_s: float = 60.0) -> None:
 def _callback_classes():
     """Train callbacks, defined lazily so importing this module does not import Ray."""
     import ray
-    from ray.train.v2._internal.execution.callback import ControllerCallback
     from ray.train.v2.api.callback import UserCallback
 
+    try:  # a developer hook: Train runs non-UserCallbacks from RunConfig.callbacks as they are
+        from ray.train.v2._internal.execution.callback import ControllerCallback
+    except ImportError:  # moved in another Ray: no abort on stop; the reaper still frees groups
+        log.warning("ray.train ControllerCallback not found; stopped trials are not aborted")
+        ControllerCallback = UserCallback  # noqa: N806 - a base that never sees after_controller_start
+
     class SendControllerHandle(ControllerCallback):
-        # A controller-level (developer) hook: Train runs non-UserCallbacks from RunConfig as is.
         def __init__(self, queue):
             self.queue = queue
 
@@ -234,6 +238,68 @@ def _callback_classes():
             self.queue.put(({**metrics[0], **({"checkpoint_path": path} if path else {})}, path))
 
     return SendControllerHandle, ForwardReports
+
+
+class _PlacementGroupReaper:
+    """Frees workers' placement groups that Train controllers of this job left behind.
+
+    Normally a Train run frees its group itself (at its end, or by `_AbortTrainRunOnStop`). A
+    driver killed before it could abort (a crash, or Tune's 5 s limit when it stops every trial
+    of an interrupted search) leaves its controller's group reserved until the Ray job ends,
+    and the next trial then waits for CPUs forever. A group whose creator actor is dead can never
+    be used by it again; such groups of this job are removed when a trial fails and after the
+    search. Ray exposes the creator only in its GCS table (`ray._private`), so a Ray upgrade that
+    changes it turns this into a logged no-op, not an error.
+    """
+
+    def reap(self) -> int:
+        import ray
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        try:
+            from ray._private.state import state
+            from ray.core.generated import gcs_pb2
+
+            job = ray.get_runtime_context().get_job_id()
+            rows = [gcs_pb2.PlacementGroupTableData.FromString(raw)
+                    for raw in state._connect_and_get_accessor().get_placement_group_table()]
+        except Exception as e:  # an internal API moved
+            log.warning("cannot list placement groups to free leftovers (%s)", e)
+            return 0
+        removed = 0
+        for row in rows:
+            if (row.state == gcs_pb2.PlacementGroupTableData.REMOVED or row.is_detached
+                    or not row.creator_actor_id or not row.creator_actor_dead
+                    or row.creator_job_id.hex() != job):
+                continue
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(row.placement_group_id)))
+                removed += 1
+            except Exception:  # removed meanwhile
+                pass
+        if removed:
+            log.warning("freed %d placement group(s) left by stopped trial runs", removed)
+        return removed
+
+    def callback(self):
+        from ray.tune import Callback
+
+        class ReapOnTrialEnd(Callback):
+            def __init__(self, reaper):
+                self.reaper = reaper
+
+            def __getstate__(self):  # the saved search (tuner.pkl) keeps no live object
+                return {"reaper": None}
+
+            def on_trial_error(self, iteration, trials, trial, **info):
+                if self.reaper:
+                    self.reaper.reap()
+
+            def on_trial_recover(self, iteration, trials, trial, **info):
+                if self.reaper:
+                    self.reaper.reap()
+
+        return ReapOnTrialEnd(self)
 
 
 def _fit_trial(trainer) -> None:
@@ -268,7 +334,8 @@ def _run_trial(ctx: dict, config: dict) -> None:
 
     tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
     tcfg = trial_train_config(train_cfg, config, tune_cfg)
-    loop_config = {**ctx["loop"], "train": section_dict(tcfg)}
+    loop_config = {**ctx["loop"], "train": section_dict(tcfg),
+                   "pbt": tune_cfg.scheduler == "pbt"}
     trial_id = ray.tune.get_context().get_trial_id()
     # The Train run's name must not change when this trial is retried or the search resumed:
     # Train V2 then restores the run from its own latest checkpoint.
@@ -282,10 +349,8 @@ def _run_trial(ctx: dict, config: dict) -> None:
         return
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from stages.train import _entry
-
     callbacks = [TuneReportCallback(), send_handle(controller)]
-    _fit_trial(_trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, callbacks, _entry))
+    _fit_trial(_trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, callbacks, _trial_entry))
 
 
 def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str, send_handle) -> None:
@@ -311,7 +376,7 @@ def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str, send_
     queue = Queue(maxsize=1, actor_options={"num_cpus": 0})
     _, forward = _callback_classes()
     trainer = _trial_trainer(tcfg, loop_config, ctx["plan"], ctx, name, [forward(queue), send_handle],
-                             _pbt_entry)
+                             _trial_entry)
     failure: list[BaseException] = []
 
     def fit() -> None:
@@ -331,6 +396,17 @@ def _pbt_trial(tcfg: TrainConfig, loop_config: dict, ctx: dict, name: str, send_
         ray.tune.report(metrics, checkpoint=checkpoint)
     if failure:
         raise failure[0]
+
+
+def _trial_entry(config: dict) -> None:
+    """Per-worker entry of a trial."""
+    config = dict(config)
+    if config.pop("pbt", False):
+        _pbt_entry(config)
+    else:
+        from stages.train import _entry
+
+        _entry(config)
 
 
 def _pbt_entry(config: dict) -> None:
@@ -416,6 +492,7 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
 
     pafs, base = pyarrow_filesystem(ray_dir, s3)
     experiment = f"{base}/{EXPERIMENT}"
+    reaper = _PlacementGroupReaper()
     trainable = tune.with_resources(_make_driver(ctx), {"CPU": DRIVER_CPUS})
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_manifest_hash": config_hash(data.manifest)}
@@ -430,6 +507,11 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
               flush=True)
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=pafs)
+        # The run config comes back from the saved search, with an inert copy of the reaper's
+        # callback; give it this run's reaper (no public API for this on restore).
+        local = getattr(tuner, "_local_tuner", None)
+        if local is not None:
+            local.get_run_config().callbacks = [reaper.callback()]
     else:
         storage.write_bytes_atomic(fs, key_path, json.dumps(key, indent=2).encode())
         tuner = tune.Tuner(
@@ -443,8 +525,12 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
                                                  max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
                 name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=1,
+                callbacks=[reaper.callback()],
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
-    return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
+    try:
+        return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
+    finally:
+        reaper.reap()  # no trial runs now: nothing may stay reserved
 
 
 # ---- results --------------------------------------------------------------------------------------
@@ -591,6 +677,9 @@ def _search_png(trials: list[dict], cfg: TuneConfig) -> bytes:
 
 def _publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
              ray_cfg: RayConfig, s3, plan, trials: list[dict], best: dict, seconds_so_far: float) -> Artifact:
+    import tempfile
+    from pathlib import Path
+
     import ray.train
 
     from stages import data as sd
@@ -602,6 +691,7 @@ def _publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, 
     tcfg = trial_train_config(train_cfg, trial["params"], cfg)
     pafs, _ = pyarrow_filesystem(storage.join(out, "ray"), s3)
     state, meta, _ = export._read_checkpoint(ray.train.Checkpoint(entry["checkpoint_path"], filesystem=pafs))
+    search_val_acc = meta.get("val", {}).get("val_acc")
     fs, root = storage.filesystem(out, s3)
     best_json = {"trial_id": trial["trial_id"], "params": trial["params"], "metric": cfg.metric,
                  "value": entry["value"], "epoch": entry["epoch"], "checkpoint": entry["checkpoint_path"],
@@ -609,19 +699,20 @@ def _publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, 
     files: dict[str, bytes] = {"best.json": json.dumps(best_json, indent=2).encode(),
                                "search.png": _search_png(trials, cfg)}
     if cfg.handoff == "retrain":
-        # Fresh model with the best params and the train section's own epochs and workers.
-        retrain_cfg = TrainConfig.model_validate(
-            {**section_dict(train_cfg), **{k: v for k, v in section_dict(tcfg).items()
-                                           if k not in ("epochs", "num_workers", "min_workers")}})
-        final = train.run(retrain_cfg, data, storage.join(out, "final"), seed=seed, ray_cfg=ray_cfg, s3=s3)
+        # A fresh model with the best params, and the train section's own epochs and workers.
+        params = {k: v for k, v in section_dict(tcfg).items() if k not in _SET_BY_TUNE}
+        model_cfg = TrainConfig.model_validate({**section_dict(train_cfg), **params})
+        final = train.run(model_cfg, data, storage.join(out, "final"), seed=seed, ray_cfg=ray_cfg, s3=s3)
         ffs, froot = storage.filesystem(final.path, s3)
         for name in ("model.pt", "model.json", "curves.png", "metrics.jsonl"):
             files[name] = ffs.cat_file(storage.join(froot, name))
-        test = {"acc": final.manifest["metrics"]["test_acc"], "rows": final.manifest["metrics"]["test_rows"]}
-        history, source, model_cfg = None, "retrained", retrain_cfg
+        fm = final.manifest["metrics"]
+        test = {"acc": fm["test_acc"], "rows": fm["test_rows"]}
+        model_val_acc, last, source = fm["best_val_acc"], fm, "retrained (out/final)"
     else:
+        model_cfg, source = tcfg, "trial checkpoint"
         info = export.model_info(tcfg, data, {
-            "val_acc": meta.get("val", {}).get("val_acc"), "epoch": meta["epoch"],
+            "val_acc": search_val_acc, "epoch": meta["epoch"],
             "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(export.state_hash(state))}",
             "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]}})
         export.save_model(out, state, info, s3)
@@ -629,36 +720,35 @@ def _publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, 
         refs = [sd.ShardRef(**r) for r in train._check_data(train_cfg, data, s3)["test"]]
         raw = train_cfg.data_format == "parquet" and data.manifest["config"]["parquet_encoding"] == "raw"
         test = export.evaluate_split(model, refs, info, raw, storage.s3_options(s3), train_cfg.cache_dir)
-        history, source, model_cfg = meta["history"], "trial checkpoint", tcfg
+        history = meta["history"]
         files["metrics.jsonl"] = "".join(json.dumps(h) + "\n" for h in history).encode()
-        import tempfile
-        from pathlib import Path
-
         with tempfile.TemporaryDirectory() as tmp:
             export._curves(history, Path(tmp) / "curves.png")
             files["curves.png"] = (Path(tmp) / "curves.png").read_bytes()
+        model_val_acc, last = search_val_acc, (history[-1] if history else {})
     for name, payload in files.items():
         storage.write_bytes_atomic(fs, storage.join(root, name), payload)
-    last = (history or [{}])[-1] if history else trial["last"]
-    counts = {o: sum(t["outcome"] == o for t in trials) for o in ("completed", "stopped_early", "diverged", "failed")}
+    counts = {o: sum(t["outcome"] == o for t in trials)
+              for o in ("completed", "stopped_early", "diverged", "failed")}
     manifest = base_manifest("tune", section_dict(cfg), {
-        "data": data.path, "data_manifest_hash": config_hash(data.manifest), "train": section_dict(train_cfg),
-        "seed": seed})
+        "data": data.path, "data_manifest_hash": config_hash(data.manifest),
+        "train": section_dict(train_cfg), "seed": seed})
+    metrics = {"best_val_acc": search_val_acc, f"best_{cfg.metric}": entry["value"],
+               "model_val_acc": model_val_acc, "test_acc": test["acc"], "test_rows": test["rows"],
+               "trials": len(trials), **counts,
+               "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
+               "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
+               "verdict": last.get("verdict")}
     manifest.update({
         "resource_plan": {"concurrent_trials": plan.concurrent_trials, "driver_cpus": DRIVER_CPUS,
                           **plan.workers.as_dict()},
         "experiment": storage.join(out, "ray", EXPERIMENT), "best": best_json,
         "model": {"path": "model.pt", "info": "model.json", "architecture": model_cfg.model, "source": source},
-        "metrics": {f"best_{cfg.metric}": entry["value"], "best_val_acc": meta.get("val", {}).get("val_acc"),
-                    "test_acc": test["acc"], "test_rows": test["rows"], "trials": len(trials),
-                    **counts, "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
-                    "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
-                    "verdict": last.get("verdict")},
-        "files": sorted(files) + ["trials.csv", "trials.md"] + ([] if "model.pt" in files else ["model.pt", "model.json"])})
-    write_manifest(out, manifest, s3)
-    m = manifest["metrics"]
+        "metrics": metrics,
+        "files": sorted({*files, "trials.csv", "trials.md", "model.pt", "model.json"})})
+    write_manifest(out, manifest, s3)  # the publish step, last
     print(f"[raymill] tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
-          f"{json.dumps(trial['params'])}); {m['trials']} trials: {counts['completed']} completed, "
+          f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
           f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
-          f"test_acc {m['test_acc']:.3f} ({source}); {m['seconds']:.0f}s", flush=True)
+          f"test_acc {test['acc']:.3f} ({source}); {metrics['seconds']:.0f}s", flush=True)
     return Artifact("tune", str(out).rstrip("/"), manifest)

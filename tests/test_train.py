@@ -74,8 +74,9 @@ def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
     deadline = time.time() + 240
     while time.time() < deadline and not killed:
         if any(checkpoint_dir.glob("checkpoint-e000-s000004")):
-            for proc in psutil.process_iter(["cmdline"]):
-                if "ray::RayTrainWorker" in " ".join(proc.info["cmdline"] or []):
+            # only this test session's Ray (our descendants), never another session's workers
+            for proc in psutil.Process().children(recursive=True):
+                if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
                     os.kill(proc.pid, signal.SIGKILL)
                     killed.append(proc.pid)
                     return

@@ -92,7 +92,7 @@ def test_resume_after_interruption_keeps_finished_trials(search):
     after = _trials_csv(out)
     assert len(after) == 4 and set(before) <= set(after)
     for trial_id, row in finished.items():  # not re-run: same wall time, same result rows
-        assert after[trial_id]["wall_s"] == row["wall_s"] and after[trial_id]["epochs_run"] == row["epochs_run"]
+        assert (after[trial_id]["wall_s"], after[trial_id]["epochs_run"]) == (row["wall_s"], row["epochs_run"])
         (folder,) = [name for name in results if trial_id in name]
         assert (out / "ray" / "tune" / folder / "result.json").read_bytes() == results[folder]
     assert {r["status"] for r in after.values()} <= {"TERMINATED", "ERROR"}
