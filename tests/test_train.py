@@ -76,10 +76,13 @@ def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
         if any(checkpoint_dir.glob("checkpoint-e000-s000004")):
             # only this test session's Ray (our descendants), never another session's workers
             for proc in psutil.Process().children(recursive=True):
-                if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
-                    os.kill(proc.pid, signal.SIGKILL)
-                    killed.append(proc.pid)
-                    return
+                try:
+                    if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
+                        os.kill(proc.pid, signal.SIGKILL)
+                        killed.append(proc.pid)
+                        return
+                except psutil.NoSuchProcess:
+                    continue
         time.sleep(0.05)
 
 
