@@ -35,7 +35,9 @@ __all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_co
 log = logging.getLogger(__name__)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
-DRIVER_CPUS = 0.01  # the trial's driver only launches and watches its trainer (Ray's own advice)
+# The trial's driver only launches and watches its trainer. Tune refuses a trial with no
+# resources at all (an empty head bundle), so it asks for a token 0.01 CPU.
+DRIVER_CPUS = 0.01
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
 _SET_BY_TUNE = {"epochs": "tune.max_epochs", "num_workers": "tune.workers_per_trial",
                 "min_workers": "tune.workers_per_trial"}
@@ -48,6 +50,12 @@ class TuneError(RuntimeError):
 
 class TuneInterrupted(RuntimeError):
     """The search stopped before every trial finished; running again resumes it."""
+
+
+class _InvalidTrialConfig(ConfigError):
+    def __init__(self, params: dict, problems: str):
+        super().__init__(f"sampled params {params} make an invalid train config: {problems}")
+        self.problems = problems
 
 
 # ---- config -------------------------------------------------------------------------------------
@@ -72,7 +80,7 @@ def trial_train_config(train_cfg: TrainConfig, params: dict[str, Any], cfg: Tune
     except ValidationError as e:
         bad = "; ".join(f"train.{'.'.join(map(str, i['loc']))}: {i['msg']} (got {i.get('input')!r})"
                         for i in e.errors())
-        raise ConfigError(f"sampled params {params} make an invalid train config: {bad}") from None
+        raise _InvalidTrialConfig(params, bad) from None
 
 
 def _probe_values(dist) -> list[Any]:
@@ -104,12 +112,12 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
         for value in _probe_values(dist):  # the range ends (or every choice) must be valid values
             try:
                 trial_train_config(train_cfg, {key: value}, cfg)
-            except ConfigError as e:
+            except _InvalidTrialConfig as e:
                 raise ConfigError(f"tune.search_space.{key}: value {value!r} is not a valid train.{key} "
-                                  f"({str(e).split(': ', 1)[-1]})") from None
+                                  f"({e.problems})") from None
     if cfg.scheduler == "pbt":
         fixed = sorted(set(cfg.search_space) - set(_PBT_MUTABLE))
-        if fixed or not cfg.search_space:
+        if fixed:
             raise ConfigError(f"tune.scheduler=pbt perturbs a running trial, which can only change "
                               f"{list(_PBT_MUTABLE)}; remove {fixed} from tune.search_space or use asha/fifo")
 
@@ -252,7 +260,7 @@ class _PlacementGroupReaper:
     changes it turns this into a logged no-op, not an error.
     """
 
-    def reap(self) -> int:
+    def reap(self, why: str = "search over") -> int:
         import ray
         from ray.util.placement_group import PlacementGroup, remove_placement_group
 
@@ -261,16 +269,26 @@ class _PlacementGroupReaper:
             from ray.core.generated import gcs_pb2
 
             job = ray.get_runtime_context().get_job_id()
+            accessor = state._connect_and_get_accessor()
             rows = [gcs_pb2.PlacementGroupTableData.FromString(raw)
-                    for raw in state._connect_and_get_accessor().get_placement_group_table()]
+                    for raw in accessor.get_placement_group_table()]
         except Exception as e:  # an internal API moved
             log.warning("cannot list placement groups to free leftovers (%s)", e)
             return 0
         removed = 0
         for row in rows:
             if (row.state == gcs_pb2.PlacementGroupTableData.REMOVED or row.is_detached
-                    or not row.creator_actor_id or not row.creator_actor_dead
-                    or row.creator_job_id.hex() != job):
+                    or not row.creator_actor_dead or row.creator_job_id.hex() != job):
+                continue
+            # Only groups of a dead Train controller: Tune's own trial groups, made by this
+            # driver process, count as "creator actor dead" too (their creator is no actor).
+            try:
+                creator = accessor.get_actor_info(ray.ActorID(row.creator_actor_id))
+                creator = gcs_pb2.ActorTableData.FromString(creator) if creator else None
+            except Exception:  # no actor id (made by a driver or task)
+                continue
+            if (creator is None or not creator.class_name.endswith("TrainController")
+                    or creator.state != gcs_pb2.ActorTableData.DEAD):
                 continue
             try:
                 remove_placement_group(PlacementGroup(ray.PlacementGroupID(row.placement_group_id)))
@@ -278,28 +296,40 @@ class _PlacementGroupReaper:
             except Exception:  # removed meanwhile
                 pass
         if removed:
-            log.warning("freed %d placement group(s) left by stopped trial runs", removed)
+            log.warning("freed %d placement group(s) left by stopped trial runs (%s)", removed, why)
         return removed
 
     def callback(self):
         from ray.tune import Callback
 
-        class ReapOnTrialEnd(Callback):
+        class Reap(Callback):
+            # When a trial starts, errs or is retried, and every 15 s: a dead controller's
+            # group is freed well within Train's 60 s worker-start timeout (which it retries).
             def __init__(self, reaper):
-                self.reaper = reaper
+                self.reaper, self.next_s = reaper, 0.0
 
             def __getstate__(self):  # the saved search (tuner.pkl) keeps no live object
-                return {"reaper": None}
+                return {"reaper": None, "next_s": 0.0}
+
+            def _reap(self, why: str) -> None:
+                if self.reaper:
+                    self.next_s = time.monotonic() + 15
+                    self.reaper.reap(why)
+
+            def on_trial_start(self, iteration, trials, trial, **info):
+                self._reap(f"trial {trial.trial_id} starts")
 
             def on_trial_error(self, iteration, trials, trial, **info):
-                if self.reaper:
-                    self.reaper.reap()
+                self._reap(f"trial {trial.trial_id} failed")
 
             def on_trial_recover(self, iteration, trials, trial, **info):
-                if self.reaper:
-                    self.reaper.reap()
+                self._reap(f"trial {trial.trial_id} is retried")
 
-        return ReapOnTrialEnd(self)
+            def on_step_end(self, iteration, trials, **info):
+                if time.monotonic() >= self.next_s:
+                    self._reap("periodic")
+
+        return Reap(self)
 
 
 def _fit_trial(trainer) -> None:
@@ -464,7 +494,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data", flush=True)
     grid = _fit(cfg, train_cfg, data, seed, plan, ctx, ray_dir, s3)
-    trials = _summaries(grid, cfg)
+    trials = _summaries(grid, cfg, ctx)
     fs, root = storage.filesystem(out, s3)
     _write_tables(fs, root, trials, cfg)
     unfinished = [t for t in trials if t["status"] not in ("TERMINATED", "ERROR")]
@@ -534,7 +564,46 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
 
 
 # ---- results --------------------------------------------------------------------------------------
-def _summaries(grid, cfg: TuneConfig) -> list[dict[str, Any]]:
+def _pyarrow_fs(ctx: dict):
+    import pyarrow.fs as pafs
+
+    from stages.train import pyarrow_filesystem
+
+    fs, base = pyarrow_filesystem(ctx["ray_dir"], ctx["s3"])
+    return fs or pafs.LocalFileSystem(), base
+
+
+def _checkpoint_history(ctx: dict, trial_id: str, metric: str) -> list[dict[str, Any]]:
+    """Epoch-end checkpoints that the trial's Train runs kept, with the metric from meta.json.
+
+    Tune's own record misses a report that was in flight when a search was interrupted (the
+    Train run still saved that epoch's checkpoint), so the kept checkpoints complete it.
+    """
+    import re
+
+    import pyarrow.fs as pafs
+
+    fs, base = _pyarrow_fs(ctx)
+    runs = [i for i in fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+            if i.type == pafs.FileType.Directory and re.fullmatch(rf"trial-{re.escape(trial_id)}(-from-\w+)?",
+                                                                   i.base_name)]
+    found = []
+    for run in runs:
+        for item in fs.get_file_info(pafs.FileSelector(run.path, allow_not_found=True)):
+            m = re.fullmatch(r"checkpoint-e(\d+)-s0+", item.base_name)
+            if not m or item.type != pafs.FileType.Directory:
+                continue
+            try:
+                with fs.open_input_stream(f"{item.path}/meta.json") as f:
+                    value = json.loads(f.read()).get("val", {}).get(metric)
+            except (OSError, ValueError):  # incomplete checkpoint: meta.json is written last
+                continue
+            if value is not None and not _nan(value) and int(m.group(1)) >= 1:
+                found.append({"epoch": int(m.group(1)), "value": float(value), "checkpoint_path": item.path})
+    return found
+
+
+def _summaries(grid, cfg: TuneConfig, ctx: dict) -> list[dict[str, Any]]:
     """One dict per trial: params, status, per-epoch history of the metric, best value, timing."""
     # ResultGrid builds its Results from these trials in this order; only Trial has the status.
     trials = grid._experiment_analysis.trials
@@ -549,9 +618,14 @@ def _summaries(grid, cfg: TuneConfig) -> list[dict[str, Any]]:
                 if r["epoch"] >= 1 and r.get(cfg.metric) is not None and not _nan(r[cfg.metric]):
                     history.append({"epoch": int(r["epoch"]), "value": float(r[cfg.metric]),
                                     "checkpoint_path": r.get("checkpoint_path")})
-        pick = max if cfg.mode == "max" else min
-        best = pick(history, key=lambda h: h["value"]) if history else None
+        # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
+        # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
         epochs_run = max((h["epoch"] for h in history), default=0)
+        seen = {h["epoch"] for h in history}
+        kept = [h for h in _checkpoint_history(ctx, trial.trial_id, cfg.metric) if h["epoch"] not in seen]
+        candidates = sorted(history + kept, key=lambda h: h["epoch"])
+        pick = max if cfg.mode == "max" else min
+        best = pick(history or candidates, key=lambda h: h["value"]) if candidates else None
         status = trial.status
         if status == "TERMINATED" and not (result.metrics or {}).get("done"):
             # Tune marks the trials it stops on an interrupted search TERMINATED in memory (the
@@ -575,7 +649,7 @@ def _summaries(grid, cfg: TuneConfig) -> list[dict[str, Any]]:
                      "best": best["value"] if best else None, "best_epoch": best["epoch"] if best else None,
                      "epochs_run": epochs_run, "stopped_early": outcome == "stopped_early",
                      "wall_s": round(float(wall), 1) if wall is not None else None, "error": error,
-                     "history": history, "last": {k: v for k, v in (result.metrics or {}).items()
+                     "history": history, "candidates": candidates, "last": {k: v for k, v in (result.metrics or {}).items()
                                                   if k in ("images_per_s", "stall_fraction", "verdict")}})
     return rows
 
@@ -620,18 +694,15 @@ def _write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
 
 
 def _checkpoint_exists(path: str, ctx: dict) -> bool:
-    import pyarrow.fs as pafs_mod
+    import pyarrow.fs as pafs
 
-    from stages.train import pyarrow_filesystem
-
-    fs, _ = pyarrow_filesystem(ctx["ray_dir"], ctx["s3"])
-    fs = fs or pafs_mod.LocalFileSystem()
-    return fs.get_file_info(f"{path}/meta.json").type != pafs_mod.FileType.NotFound
+    fs, _ = _pyarrow_fs(ctx)
+    return fs.get_file_info(f"{path}/meta.json").type != pafs.FileType.NotFound
 
 
 def _pick_best(trials: list[dict], cfg: TuneConfig, ctx: dict) -> dict | None:
     """(trial, history entry with an existing checkpoint) of the best epoch over all trials."""
-    candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["history"]
+    candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["candidates"]
                   if isinstance(h["checkpoint_path"], str)]
     sign = -1 if cfg.mode == "max" else 1
     # best value first; ties: the earlier epoch, then the earlier trial

@@ -4,7 +4,7 @@ Every trial is a Ray Train run (20-40 s of fixed start-up here), so one search s
 tests: 4 samples of lr x precision, one worker per trial, one trial at a time. lr=1e-5 learns
 nothing, so ASHA stops such a trial at its first rung once a good one has been recorded; a
 sampled precision=fp16 passes config validation but raises in the worker on CPU (a trial that
-fails at run time). The search is interrupted after its first trial (SIGUSR1, Tune's stop signal)
+fails at run time). The search is interrupted during its third trial (SIGUSR1, Tune's stop signal)
 and resumed by calling the stage again.
 """
 from __future__ import annotations
@@ -46,11 +46,13 @@ def _trials_csv(out: Path) -> dict[str, dict]:
         return {row["trial_id"]: row for row in csv.DictReader(f)}
 
 
-def _interrupt_when_second_trial_starts(out: Path, sent: list, deadline_s: float = 400) -> None:
-    """One trial at a time: a second Train run folder means the first trial is over."""
+def _interrupt_in_second_trained_trial(out: Path, sent: list, deadline_s: float = 400) -> None:
+    """SIGUSR1 once a second trial has checkpointed its first epoch (one trial runs at a time,
+    so the first is over). A trial this far along has its Train controller up, so Tune's stop
+    aborts it cleanly; the resumed search continues it from that checkpoint."""
     deadline = time.time() + deadline_s
     while time.time() < deadline:
-        if len(list((out / "ray").glob("trial-*"))) >= 2:
+        if len({p.parent for p in (out / "ray").glob("trial-*/checkpoint-e*")}) >= 2:
             if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):  # Tune's handler
                 os.kill(os.getpid(), signal.SIGUSR1)
                 sent.append(time.time())
@@ -71,7 +73,7 @@ def search(dataset, tmp_path_factory):
     cfg = _cfg()
     out = tmp_path_factory.mktemp("search") / "tune"
     sent: list = []
-    watcher = threading.Thread(target=_interrupt_when_second_trial_starts, args=(out, sent), daemon=True)
+    watcher = threading.Thread(target=_interrupt_in_second_trained_trial, args=(out, sent), daemon=True)
     watcher.start()
     with pytest.raises(tune.TuneInterrupted, match="to resume it"):
         tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
@@ -88,7 +90,7 @@ def test_resume_after_interruption_keeps_finished_trials(search):
     before, results, artifact, out = search
     finished = {t: r for t, r in before.items() if r["status"] == "TERMINATED"}
     assert finished, f"no trial had finished before the interruption: {before}"
-    assert any(r["status"] not in ("TERMINATED", "ERROR") for r in before.values()), before
+    assert len(before) < 4 or any(r["status"] == "UNFINISHED" for r in before.values()), before
     after = _trials_csv(out)
     assert len(after) == 4 and set(before) <= set(after)
     for trial_id, row in finished.items():  # not re-run: same wall time, same result rows
