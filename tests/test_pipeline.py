@@ -21,6 +21,10 @@ def test_run_with_serve_end_to_end_then_reuse(tmp_path, ray_session, caplog):
         report = pipeline.run(cfg, serve=True)
     finally:
         serve.shutdown(cfg.serve)
+        # Serve's proxy keeps its port for the whole Ray session; later tests need their own.
+        from ray import serve as ray_serve
+
+        ray_serve.shutdown()
     run = tmp_path / "run"
     for name in ("config.yaml", "report.json", "report.md", "etl/manifest.json", "train/model.pt",
                  "infer/predictions.parquet"):
