@@ -51,9 +51,11 @@ def _check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
         if problems:
             raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
                              f"Re-run ETL (raymill etl --overwrite)")
+    # Absolute: Ray Train workers run in their own working directory, not the driver's.
+    root = data.path if storage.is_remote(data.path) else storage.local_path(data.path)
     shards = {}
     for split in ("train", "val", "test"):
-        shards[split] = [{"uri": storage.join(data.path, s["path"]), "format": s["format"],
+        shards[split] = [{"uri": storage.join(root, s["path"]), "format": s["format"],
                           "rows": s["rows"], "bytes": s["bytes"], "sha256": s["sha256"]}
                          for s in manifest["shards"] if s["split"] == split and s["format"] == cfg.data_format]
     if not shards["train"]:
