@@ -280,3 +280,18 @@ def combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("peak_rss_mb", "peak_rss_tree_mb", "peak_rss_driver_mb", "peak_rss_workers_mb"):
         out[key] = max(r[key] for r in runs)
     return out
+
+
+def with_retry(fn: Callable[[], dict[str, Any]], what: str, attempts: int = 2) -> dict[str, Any]:
+    """Run one measurement; retry once if it crashed (other jobs on a shared machine can kill
+    its worker processes). The dict it returns records how many attempts it took."""
+    for attempt in range(1, attempts + 1):
+        try:
+            m = fn()
+            m["attempts"] = attempt
+            return m
+        except Exception as e:
+            if attempt == attempts:
+                raise
+            print(f"{what} failed ({type(e).__name__}: {str(e)[:200]}); retrying once", flush=True)
+    raise AssertionError("unreachable")

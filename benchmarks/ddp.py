@@ -122,19 +122,6 @@ def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path) -> dict[str,
     return m
 
 
-def _with_retry(fn, what: str, attempts: int = 2) -> dict[str, Any]:
-    """Run one measurement; retry once if it crashed. On a shared machine other jobs kill
-    processes by name (the test suite SIGKILLs a `ray::RayTrainWorker` in its recovery test)."""
-    for attempt in range(1, attempts + 1):
-        try:
-            m = fn()
-            m["attempts"] = attempt
-            return m
-        except Exception as e:
-            if attempt == attempts:
-                raise
-            print(f"ddp: {what} failed ({type(e).__name__}: {str(e)[:200]}); retrying once", flush=True)
-    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------------------------------
@@ -167,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import ray
 
-    from benchmarks.common import loadavg
+    from benchmarks.common import loadavg, with_retry
     from workflow import session
     from workflow.config import RayConfig
 
@@ -191,8 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 pairs = pairs[::-1]
             for launcher, n in pairs:
                 load = loadavg()
-                m = _with_retry(lambda: run_ray(args, n, tmp / "ray") if launcher == "ray"
-                                else run_torchrun(args, n, tmp), f"{launcher} x{n}")
+                m = with_retry(lambda: run_ray(args, n, tmp / "ray") if launcher == "ray"
+                                else run_torchrun(args, n, tmp), f"ddp: {launcher} x{n}")
                 m["loadavg_before"] = load
                 m["round"] = r
                 runs[f"{launcher}_{n}"].append(m)

@@ -377,19 +377,6 @@ def run_stall(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "etl_s": round(t_etl - t0, 1), "train_s": round(t_train - t_etl, 1)}
 
 
-def _with_retry(fn, what: str, attempts: int = 2) -> dict[str, Any]:
-    """Run one measurement; retry once if it crashed. On a shared machine other jobs kill
-    processes by name (the test suite SIGKILLs a `ray::RayTrainWorker` in its recovery test)."""
-    for attempt in range(1, attempts + 1):
-        try:
-            m = fn()
-            m["attempts"] = attempt
-            return m
-        except Exception as e:
-            if attempt == attempts:
-                raise
-            print(f"ingest: {what} failed ({type(e).__name__}: {str(e)[:200]}); retrying once", flush=True)
-    raise AssertionError("unreachable")
 
 
 # ------------------------------------------------------------------------------------------
@@ -433,6 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     import ray
 
+    from benchmarks.common import with_retry
     from stages import data as sd
     from stages import etl
     from workflow import demo_data, session
@@ -477,8 +465,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if r % 2:
                 methods = methods[::-1]
             for key in methods:
-                m = _with_retry(lambda: run_dataloader(tmp / "src", args) if key == "dataloader"
-                                else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray"), key)
+                m = with_retry(lambda: run_dataloader(tmp / "src", args) if key == "dataloader"
+                                else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray"), f"ingest: {key}")
                 m["round"] = r
                 runs[key].append(m)
                 order.append(key)
