@@ -15,7 +15,7 @@ from typing import Any
 from workflow import storage
 
 __all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
-           "base_manifest", "config_hash"]
+           "base_manifest", "config_hash", "data_fingerprint"]
 
 MANIFEST = "manifest.json"
 
@@ -56,6 +56,17 @@ def new_run_id() -> str:
 
 def config_hash(section: dict[str, Any]) -> str:
     return storage.sha256_bytes(json.dumps(section, sort_keys=True).encode())[:16]
+
+
+def data_fingerprint(manifest: dict[str, Any]) -> str:
+    """What an ETL output *contains*, independent of where and when it was written.
+
+    Checkpoints, searches and stage reuse compare this, so re-running the same ETL on the same
+    images (a new run id in the shard names) keeps old checkpoints valid, and new data does not.
+    """
+    shards = sorted((s["split"], s["format"], s["rows"], s["sha256"]) for s in manifest.get("shards", []))
+    return config_hash({"classes": manifest.get("classes"), "config": manifest.get("config"),
+                        "shards": shards})
 
 
 def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
