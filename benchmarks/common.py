@@ -13,7 +13,11 @@ import time
 from importlib import metadata
 from typing import Any, Callable
 
-__all__ = ["machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb"]
+__all__ = ["machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb",
+           "ratio", "fmt", "pct", "wait_for_quiet", "md_table", "targets_table", "NOISY_SPREAD", "with_retry"]
+
+# Fastest / slowest run of one method above this: a 5-15% verdict is inside the noise, so say so.
+NOISY_SPREAD = 1.15
 
 # Ray processes that are not task/actor workers (daemons and agents), by process name.
 _RAY_SYSTEM_NAMES = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -295,3 +299,48 @@ def with_retry(fn: Callable[[], dict[str, Any]], what: str, attempts: int = 2) -
                 raise
             print(f"{what} failed ({type(e).__name__}: {str(e)[:200]}); retrying once", flush=True)
     raise AssertionError("unreachable")
+
+
+def ratio(x: float | None, y: float | None, nd: int = 2) -> float | None:
+    """x / y rounded, or None when either side is missing or zero (a ratio of nothing is not 0)."""
+    return round(x / y, nd) if x and y else None
+
+
+def fmt(v: Any, nd: int = 1) -> str:
+    """A table cell: '-' for missing, thousands separators, `nd` decimals for floats."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{nd}f}"
+    return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+
+def pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def wait_for_quiet(limit_s: float, cores: int) -> dict[str, Any]:
+    """Wait (up to `limit_s`) for the 1-minute load average to drop below `cores`; say what it was."""
+    t0 = time.perf_counter()
+    while limit_s > 0 and (loadavg() or [0])[0] >= cores and time.perf_counter() - t0 < limit_s:
+        time.sleep(5)
+    return {"limit_s": limit_s, "waited_s": round(time.perf_counter() - t0, 1), "loadavg": loadavg()}
+
+
+def md_table(headers: list[str], rows: list[list[Any]], align: str | None = None) -> list[str]:
+    """Markdown table lines; `align` is one character per column ('l' or 'r'), default: first left."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    rule = "|" + "|".join("---" if a == "l" else "---:" for a in align) + "|"
+    return ["| " + " | ".join(headers) + " |", rule] + ["| " + " | ".join(str(c) for c in r) + " |"
+                                                          for r in rows]
+
+
+def targets_table(targets: list[dict[str, Any]], nd: int = 2) -> list[str]:
+    """The PASS/FAIL table every benchmark ends with; a noisy verdict says how noisy."""
+    rows = []
+    for t in targets:
+        verdict = "n/a" if t.get("pass") is None else ("PASS" if t["pass"] else "FAIL")
+        if t.get("noisy"):
+            verdict += f" (noisy: runs of one method differ up to x{fmt(t['spread'], 2)})"
+        rows.append([t["target"], fmt(t.get("measured"), nd), verdict])
+    return md_table(["target", "measured", "result"], rows, "lrl")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,10 +31,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import NOISY_SPREAD, loadavg, ratio, targets_table, with_retry
+from benchmarks.common import fmt as _fmt1
+
+
+def fmt(v: Any, nd: int = 2) -> str:
+    return _fmt1(v, nd)
+
 __all__ = ["add_arguments", "run", "render"]
 
 TARGETS = {"ray_vs_torchrun": 0.95}
-NOISY_SPREAD = 1.15  # fastest / slowest run of one method above this: the verdict is flagged noisy
+log = logging.getLogger(__name__)
 WORKER_SCRIPT = Path(__file__).resolve().parent / "ddp_torchrun_worker.py"
 
 
@@ -127,40 +136,82 @@ def run_torchrun(args: argparse.Namespace, workers: int, tmp: Path) -> dict[str,
 # ------------------------------------------------------------------------------------------
 
 def _summ(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best run of one (launcher, workers) pair, with medians beside it and every run's rate."""
     rates = [r["steps_per_s"] for r in runs]
     best = max(runs, key=lambda r: r["steps_per_s"])
-    return {"steps_per_s": round(best["steps_per_s"], 3), "steps_per_s_median": round(statistics.median(rates), 3),
-            "samples_per_s": round(best["samples_per_s"], 1),
-            "samples_per_s_median": round(statistics.median(r["samples_per_s"] for r in runs), 1),
+
+    def med(key: str, nd: int = 1) -> float:
+        return round(statistics.median(r[key] for r in runs), nd)
+
+    return {"steps_per_s": round(best["steps_per_s"], 3), "steps_per_s_median": med("steps_per_s", 3),
+            "samples_per_s": round(best["samples_per_s"], 1), "samples_per_s_median": med("samples_per_s"),
             "step_ms_p50": round(best["step_ms_p50"], 1), "step_ms_p90": round(best["step_ms_p90"], 1),
-            "job_wall_s": round(min(r["job_wall_s"] for r in runs), 1),
-            "job_wall_s_median": round(statistics.median(r["job_wall_s"] for r in runs), 1),
+            "job_wall_s": round(min(r["job_wall_s"] for r in runs), 1), "job_wall_s_median": med("job_wall_s"),
             "startup_s": round(min(r["startup_s"] for r in runs), 1),
             "runs_steps_per_s": [round(x, 3) for x in rates],
             "runs_job_wall_s": [round(r["job_wall_s"], 1) for r in runs],
             "torch_threads": best["torch_threads"], "omp_num_threads_env": best.get("omp_num_threads_env"),
             "cpu_ms_per_step": round(min(r["cpu_ms_per_step"] for r in runs), 1),
-            "cpu_ms_per_step_median": round(statistics.median(r["cpu_ms_per_step"] for r in runs), 1),
+            "cpu_ms_per_step_median": med("cpu_ms_per_step"),
             "spread": round(max(rates) / min(rates), 2),
             "final_loss": round(best["final_loss"], 4), "ddp_wrapped": best.get("ddp_wrapped")}
 
 
-def _ratio(x: float | None, y: float | None, nd: int = 3) -> float | None:
-    return round(x / y, nd) if x and y else None
+def _rounds(args: argparse.Namespace, counts: list[int], tmp: Path) -> tuple[dict[str, list], list[str]]:
+    """`--repeat` rounds of every (launcher, workers) pair; the order flips every other round."""
+    runs: dict[str, list[dict[str, Any]]] = {f"{l}_{n}": [] for n in counts for l in ("ray", "torchrun")}
+    order_log = []
+    for r in range(max(1, args.repeat)):
+        pairs = [(launcher, n) for n in counts for launcher in ("torchrun", "ray")]
+        for launcher, n in (pairs[::-1] if r % 2 else pairs):
+            load = loadavg()
+            m = with_retry(lambda: run_ray(args, n, tmp / "ray") if launcher == "ray"
+                           else run_torchrun(args, n, tmp), f"ddp: {launcher} x{n}")
+            m.update(loadavg_before=load, round=r)
+            runs[f"{launcher}_{n}"].append(m)
+            order_log.append(f"{launcher}_{n}")
+            log.warning("ddp: round %d/%d %-8s x%d: %.2f steps/s (%.0f samples/s), job %.1f s, load %s",
+                        r + 1, args.repeat, launcher, n, m["steps_per_s"], m["samples_per_s"],
+                        m["job_wall_s"], load)
+    return runs, order_log
+
+
+def _ratios(runs: dict[str, list], methods: dict[str, dict], counts: list[int]) -> dict[str, Any]:
+    ratios: dict[str, Any] = {}
+    for n in counts:
+        ray_k, tr_k = f"ray_{n}", f"torchrun_{n}"
+        paired = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[ray_k], runs[tr_k])]
+        ratios[f"ray_vs_torchrun_{n}"] = ratio(methods[ray_k]["steps_per_s"], methods[tr_k]["steps_per_s"], 3)
+        ratios[f"ray_vs_torchrun_{n}_median"] = ratio(methods[ray_k]["steps_per_s_median"],
+                                                      methods[tr_k]["steps_per_s_median"], 3)
+        ratios[f"ray_vs_torchrun_{n}_paired"] = [round(x, 3) for x in paired]
+        ratios[f"ray_vs_torchrun_{n}_paired_median"] = round(statistics.median(paired), 3) if paired else None
+        # CPU time per step, torchrun / Ray: above 1 means Ray's workers spend less CPU per step
+        ratios[f"cpu_per_step_torchrun_vs_ray_{n}"] = ratio(methods[tr_k]["cpu_ms_per_step_median"],
+                                                            methods[ray_k]["cpu_ms_per_step_median"], 3)
+        ratios[f"job_wall_ray_vs_torchrun_{n}"] = ratio(methods[ray_k]["job_wall_s"], methods[tr_k]["job_wall_s"])
+    return ratios
+
+
+def _targets(methods: dict, ratios: dict, top: int) -> list[dict[str, Any]]:
+    measured = ratios[f"ray_vs_torchrun_{top}"]
+    spread = max(methods[f"ray_{top}"]["spread"], methods[f"torchrun_{top}"]["spread"])
+    cpu_ratio = ratios.get(f"cpu_per_step_torchrun_vs_ray_{top}")
+    goal = TARGETS["ray_vs_torchrun"]
+    return [{"target": f"Ray Train steps/s >= {goal} x torchrun ({top} workers, best run of each)",
+             "measured": measured, "pass": measured is not None and measured >= goal,
+             "noisy": spread > NOISY_SPREAD, "spread": spread},
+            {"target": f"(proxy, not the target) CPU time per step: torchrun ÷ Ray >= {goal} ({top} workers, "
+                       f"median runs)", "measured": cpu_ratio, "pass": cpu_ratio is not None and cpu_ratio >= goal}]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import logging
-
     import ray
 
-    from benchmarks.common import loadavg, with_retry
     from workflow import session
     from workflow.config import RayConfig
 
-    logging.basicConfig(level=logging.WARNING)
     counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
-    repeat = max(1, args.repeat)
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ddp-"))
     started_ray = not ray.is_initialized()
     t0 = time.perf_counter()
@@ -169,81 +220,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
         raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "
                          f"{resources['CPU']:g} CPUs; lower --cpus-per-worker")
-    runs: dict[str, list[dict[str, Any]]] = {f"{l}_{n}": [] for n in counts for l in ("ray", "torchrun")}
-    order_log = []
     try:
-        for r in range(repeat):
-            pairs = [(launcher, n) for n in counts for launcher in ("torchrun", "ray")]
-            if r % 2:  # alternate: every launcher goes first in some round
-                pairs = pairs[::-1]
-            for launcher, n in pairs:
-                load = loadavg()
-                m = with_retry(lambda: run_ray(args, n, tmp / "ray") if launcher == "ray"
-                                else run_torchrun(args, n, tmp), f"ddp: {launcher} x{n}")
-                m["loadavg_before"] = load
-                m["round"] = r
-                runs[f"{launcher}_{n}"].append(m)
-                order_log.append(f"{launcher}_{n}")
-                print(f"ddp: round {r + 1}/{repeat} {launcher:8s} x{n}: {m['steps_per_s']:.2f} steps/s "
-                      f"({m['samples_per_s']:.0f} samples/s, p50 {m['step_ms_p50']:.0f} ms/step), job "
-                      f"{m['job_wall_s']:.1f} s, load {load}", flush=True)
+        runs, order_log = _rounds(args, counts, tmp)
     finally:
         if started_ray:
             ray.shutdown()
-        import shutil
         shutil.rmtree(tmp, ignore_errors=True)
-
     methods = {k: _summ(v) for k, v in runs.items() if v}
-    ratios: dict[str, Any] = {}
-    scaling: dict[str, Any] = {}
-    for n in counts:
-        ray_k, tr_k = f"ray_{n}", f"torchrun_{n}"
-        paired = [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(runs[ray_k], runs[tr_k])]
-        ratios[f"ray_vs_torchrun_{n}"] = _ratio(methods[ray_k]["steps_per_s"], methods[tr_k]["steps_per_s"])
-        ratios[f"ray_vs_torchrun_{n}_median"] = _ratio(methods[ray_k]["steps_per_s_median"],
-                                                       methods[tr_k]["steps_per_s_median"])
-        ratios[f"ray_vs_torchrun_{n}_paired"] = [round(x, 3) for x in paired]
-        ratios[f"ray_vs_torchrun_{n}_paired_median"] = round(statistics.median(paired), 3) if paired else None
-        # CPU-time per step, torchrun / Ray: > 1 means Ray's workers spend less CPU per step
-        ratios[f"cpu_per_step_torchrun_vs_ray_{n}"] = _ratio(methods[tr_k]["cpu_ms_per_step_median"],
-                                                             methods[ray_k]["cpu_ms_per_step_median"])
-        ratios[f"job_wall_ray_vs_torchrun_{n}"] = _ratio(methods[ray_k]["job_wall_s"], methods[tr_k]["job_wall_s"], 2)
+    ratios = _ratios(runs, methods, counts)
+    scaling = {}
     if 1 in counts and 2 in counts:
         for launcher in ("ray", "torchrun"):
             two, one = methods[f"{launcher}_2"], methods[f"{launcher}_1"]
-            scaling[launcher] = {"efficiency": _ratio(two["samples_per_s"], 2 * one["samples_per_s"]),
-                                 "efficiency_median": _ratio(two["samples_per_s_median"],
-                                                             2 * one["samples_per_s_median"])}
+            scaling[launcher] = {"efficiency": ratio(two["samples_per_s"], 2 * one["samples_per_s"], 3),
+                                 "efficiency_median": ratio(two["samples_per_s_median"],
+                                                            2 * one["samples_per_s_median"], 3)}
     top = max(counts)
-    measured = ratios[f"ray_vs_torchrun_{top}"]
-    spread = max(methods[f"ray_{top}"]["spread"], methods[f"torchrun_{top}"]["spread"])
-    targets = [{"target": f"Ray Train steps/s >= {TARGETS['ray_vs_torchrun']} x torchrun ({top} workers, "
-                          f"best run of each)", "measured": measured,
-                "pass": measured is not None and measured >= TARGETS["ray_vs_torchrun"],
-                # runs of one method differing by more than this make a 5% comparison meaningless
-                "noisy": spread > NOISY_SPREAD, "spread": spread}]
-    cpu_ratio = ratios.get(f"cpu_per_step_torchrun_vs_ray_{top}")
-    targets.append({"target": f"(proxy, not the target) CPU time per step: torchrun ÷ Ray >= "
-                              f"{TARGETS['ray_vs_torchrun']} ({top} workers, median runs)", "measured": cpu_ratio,
-                    "pass": cpu_ratio is not None and cpu_ratio >= TARGETS["ray_vs_torchrun"]})
     return {"config": {k: getattr(args, k) for k in ("warmup", "steps", "batch_size", "image_size", "width",
                                                       "classes", "threads", "cpus_per_worker", "repeat")},
             "workers": counts, "cores": os.cpu_count(), "ray_start_s": round(ray_start_s, 1),
             "cluster_cpus": resources["CPU"], "methods": methods, "ratios": ratios, "scaling": scaling,
-            "order": order_log, "targets": targets,
+            "order": order_log, "targets": _targets(methods, ratios, top),
             "runs": {k: [{kk: vv for kk, vv in m.items() if kk != "command"} for m in v] for k, v in runs.items()},
             "torchrun_command": runs[f"torchrun_{top}"][0]["command"] if runs.get(f"torchrun_{top}") else None}
 
 
 # ------------------------------------------------------------------------------------------
-
-def _fmt(v: Any, nd: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.{nd}f}"
-    return str(v)
-
 
 def render(result: dict[str, Any]) -> str:
     c, methods, ratios = result["config"], result["methods"], result["ratios"]
@@ -266,25 +268,20 @@ def render(result: dict[str, Any]) -> str:
             m = methods.get(f"{launcher}_{n}")
             if not m:
                 continue
-            rel = (f"{_fmt(ratios.get(f'ray_vs_torchrun_{n}'), 3)} / {_fmt(ratios.get(f'ray_vs_torchrun_{n}_median'), 3)}"
+            rel = (f"{fmt(ratios.get(f'ray_vs_torchrun_{n}'), 3)} / {fmt(ratios.get(f'ray_vs_torchrun_{n}_median'), 3)}"
                    if launcher == "ray" else "1.000")
-            lines.append(f"| {launcher} | {n} | {_fmt(m['steps_per_s'])} | {_fmt(m['steps_per_s_median'])} | "
-                         f"{_fmt(m['samples_per_s'], 1)} | {_fmt(m['step_ms_p50'], 1)} | {rel} | "
-                         f"{_fmt(m.get('cpu_ms_per_step_median'), 1)} | "
-                         f"{_fmt(m['job_wall_s'], 1)} | {_fmt(m['startup_s'], 1)} | "
-                         f"{', '.join(_fmt(x) for x in m['runs_steps_per_s'])} (x{_fmt(m.get('spread'))}) |")
+            lines.append(f"| {launcher} | {n} | {fmt(m['steps_per_s'])} | {fmt(m['steps_per_s_median'])} | "
+                         f"{fmt(m['samples_per_s'], 1)} | {fmt(m['step_ms_p50'], 1)} | {rel} | "
+                         f"{fmt(m.get('cpu_ms_per_step_median'), 1)} | "
+                         f"{fmt(m['job_wall_s'], 1)} | {fmt(m['startup_s'], 1)} | "
+                         f"{', '.join(fmt(x) for x in m['runs_steps_per_s'])} (x{fmt(m.get('spread'))}) |")
     lines.append("")
     if result.get("scaling"):
         lines += ["| launcher | 2-worker scaling efficiency (best) | (median) |", "|---|---:|---:|"]
         for launcher, s in result["scaling"].items():
-            lines.append(f"| {launcher} | {_fmt(s['efficiency'], 3)} | {_fmt(s['efficiency_median'], 3)} |")
+            lines.append(f"| {launcher} | {fmt(s['efficiency'], 3)} | {fmt(s['efficiency_median'], 3)} |")
         lines.append("")
-    lines += ["| target | measured | result |", "|---|---:|---|"]
-    for t in result["targets"]:
-        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
-        if t.get("noisy"):
-            verdict += f" (noisy: runs of one launcher differ up to x{_fmt(t['spread'])})"
-        lines.append(f"| {t['target']} | {_fmt(t['measured'], 3)} | {verdict} |")
+    lines += targets_table(result["targets"], 3)
     top = max(result["workers"])
     lines += [
         "",
@@ -292,18 +289,18 @@ def render(result: dict[str, Any]) -> str:
         f"{result['cores']} cores, so 2 single-threaded workers can at best double a 1-worker run; gloo's "
         f"all-reduce and the machine's other load eat into that.",
         f"- Per-round paired ratios Ray ÷ torchrun at {top} workers (runs next to each other in time): "
-        f"{', '.join(_fmt(x, 3) for x in ratios.get(f'ray_vs_torchrun_{top}_paired', []))} (median "
-        f"{_fmt(ratios.get(f'ray_vs_torchrun_{top}_paired_median'), 3)}).",
+        f"{', '.join(fmt(x, 3) for x in ratios.get(f'ray_vs_torchrun_{top}_paired', []))} (median "
+        f"{fmt(ratios.get(f'ray_vs_torchrun_{top}_paired_median'), 3)}).",
         f"- CPU time per step (all ranks' processes, all threads, median run): torchrun ÷ Ray = "
-        f"{_fmt(ratios.get(f'cpu_per_step_torchrun_vs_ray_{top}'), 3)} at {top} workers"
-        + "".join(f", {_fmt(ratios.get(f'cpu_per_step_torchrun_vs_ray_{n}'), 3)} at {n}"
+        f"{fmt(ratios.get(f'cpu_per_step_torchrun_vs_ray_{top}'), 3)} at {top} workers"
+        + "".join(f", {fmt(ratios.get(f'cpu_per_step_torchrun_vs_ray_{n}'), 3)} at {n}"
                   for n in result["workers"] if n != top)
         + " (above 1: Ray's workers use less CPU per step). Other load on the machine moves CPU time much "
           "less than wall time, so this is the steadier comparison of per-step overhead on a shared box.",
         f"- A verdict is flagged noisy when the fastest and slowest run of one launcher differ by more than "
         f"x{NOISY_SPREAD}: the 5% the target asks about is then inside the run-to-run noise.",
         f"- Whole-job wall time, launcher start-up included, Ray ÷ torchrun at {top} workers: "
-        f"{_fmt(ratios.get(f'job_wall_ray_vs_torchrun_{top}'))} x (Ray was already running; `ray.init` took "
+        f"{fmt(ratios.get(f'job_wall_ray_vs_torchrun_{top}'))} x (Ray was already running; `ray.init` took "
         f"{result['ray_start_s']} s once, not counted). Ray's fixed cost is the Train controller, the worker "
         f"actors and the process-group set-up; it does not grow with the number of steps.",
         "- Launch → loop start: from `trainer.fit()` / the torchrun subprocess launch to the first line of "

@@ -23,16 +23,20 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from benchmarks.common import combine, fmt, measure, pct, ratio, targets_table, wait_for_quiet
 
 __all__ = ["add_arguments", "run", "render"]
 
 TARGETS = {"ours_vs_c": 0.8, "ours_vs_b": 5.0, "memory_ratio": 1.3, "time_linear_tolerance": 1.1}
+log = logging.getLogger(__name__)
 CHUNK = 250  # images per generator call; chunks run in parallel
 
 
@@ -230,172 +234,150 @@ def _cpu_scaling(base: dict[str, Any], big: dict[str, Any]) -> dict[str, Any]:
     """CPU seconds of the large run over one N run's: linearity that other load disturbs less."""
     per_run = base["cpu_s"] / max(1, len(base["runs_s"]))
     return {"cpu_s_per_n_run": round(per_run, 2), "cpu_s_large": big["cpu_s"],
-            "cpu_ratio": _ratio(big["cpu_s"], per_run)}
+            "cpu_ratio": ratio(big["cpu_s"], per_run)}
 
 
-def _wait_for_quiet(limit_s: float, cores: int) -> dict[str, Any]:
-    from benchmarks.common import loadavg
+def _ours_cold(small: Path, out: Path, size: int, n: int) -> dict[str, Any]:
+    """Ray start plus the stage's first call (workers cold): what a one-off CLI run pays."""
+    import ray
+
+    from workflow import session
+    from workflow.config import RayConfig
 
     t0 = time.perf_counter()
-    while limit_s > 0 and (loadavg() or [0])[0] >= cores and time.perf_counter() - t0 < limit_s:
-        time.sleep(5)
-    return {"limit_s": limit_s, "waited_s": round(time.perf_counter() - t0, 1), "loadavg": loadavg()}
+    resources = session.start(RayConfig())
+    ray_start_s = time.perf_counter() - t0
+    log.warning("etl: ray started in %.1f s: %s", ray_start_s, resources)
+    m, r = measure(lambda: _etl(small, out, size), images=n)
+    _check(r, n)
+    m.update(what="stages.etl.run, first call in the process (Ray started, workers cold)",
+             shards=r["shards"], manifest_metrics=r["manifest_metrics"], ray_start_s=round(ray_start_s, 2),
+             with_ray_start_s=round(m["seconds"] + ray_start_s, 3),
+             with_ray_start_images_per_s=round(n / (m["seconds"] + ray_start_s), 1))
+    return m
 
 
-def _ratio(x: float | None, y: float | None) -> float | None:
-    return round(x / y, 2) if x and y else None
+def _check(r: dict[str, Any], n: int) -> None:
+    if r["rows_out"] != n or r["quarantined"]:
+        raise RuntimeError(f"ETL wrote {r['rows_out']} rows and quarantined {r['quarantined']} of {n} images")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import logging
+def _round(small: Path, out_dir: Callable[[str], Path], size: int, n: int,
+           runs: dict[str, list]) -> dict[str, Any]:
+    """One interleaved round: on a shared machine the load drifts, so each method sees every phase."""
+    for key, fn in (("c", lambda: single_core_decode(small, size)),
+                    ("d", lambda: stage_work_one_process(small, out_dir("d"), size)),
+                    ("a", lambda: user_pool_script(small, out_dir("a"), size, False)),
+                    ("a_draft", lambda: user_pool_script(small, out_dir("a_draft"), size, True))):
+        m, count = measure(fn, images=n, ray=False)
+        if count != n:
+            raise RuntimeError(f"method {key} handled {count} of {n} images")
+        runs[key].append(m)
+    m, r = measure(lambda: _etl(small, out_dir("ours"), size), images=n)
+    _check(r, n)
+    runs["ours"].append(m)
+    log.warning("etl: round: %s img/s", ", ".join(f"{k} {v[-1]['images_per_s']}" for k, v in runs.items()))
+    return {"shards": r["shards"], "manifest_metrics": r["manifest_metrics"]}
 
-    from benchmarks.common import combine, measure
 
-    logging.basicConfig(level=logging.WARNING)
-    w, h = (int(v) for v in args.source_size.lower().split("x"))
-    n, scale, size, repeat = args.images, max(1, args.scale), args.image_size, max(1, args.repeat)
-    tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-etl-", dir=args.workdir))
-    cores = os.cpu_count() or 1
-    runs: dict[str, list[dict[str, Any]]] = {"c": [], "d": [], "a": [], "a_draft": [], "ours": []}
-    methods: dict[str, dict[str, Any]] = {}
-    started_ray = False
+def _per_core(m: dict[str, Any], cores: int, what: str) -> dict[str, Any]:
+    """A one-process rate scaled to every core: the ceiling a perfect layout would reach."""
+    return {**m, "single_core_images_per_s": m["images_per_s"],
+            "images_per_s": round(m["images_per_s"] * cores, 1), "what": what}
+
+
+def _methods(runs: dict[str, list], ours_meta: dict, cores: int) -> dict[str, dict[str, Any]]:
+    methods = {
+        "c": {**_per_core(combine(runs["c"]), cores, f"{cores} cores x single-process decode_rgb loop "
+                          "(JPEG draft), reads files, no encode/write"), "draft": True},
+        "d": _per_core(combine(runs["d"]), cores, f"{cores} cores x ours' per-image work in one process "
+                       "without Ray (stages.shards.process_task over the planned tasks: read, sha256, decode "
+                       "with draft, JPEG q90 encode, parquet write)"),
+        "ours": {**combine(runs["ours"]), **ours_meta,
+                 "what": "stages.etl.run, whole call, Ray and workers warm (marginal rate at N)"}}
+    for key, draft in (("a", False), ("a_draft", True)):
+        methods[key] = {**combine(runs[key]), "draft": draft,
+                        "what": f"multiprocessing.Pool({cores}) + Pillow (open, convert RGB, crop-resize "
+                                f"BILINEAR, JPEG q90) + pyarrow write_table, Image.draft() "
+                                f"{'used' if draft else 'NOT used'}"}
+    return methods
+
+
+def _ratios(methods: dict[str, dict]) -> dict[str, Any]:
+    ips = {k: m["images_per_s"] for k, m in methods.items()}
+    per_cpu = {k: m.get("images_per_cpu_s") for k, m in methods.items()}
+    out = {f"ours_vs_{k}": ratio(ips["ours"], ips[k]) for k in ("a", "a_draft", "b", "c", "d")}
+    out.update(d_vs_c=ratio(ips["d"], ips["c"]), ours_cold_vs_c=ratio(ips["ours_cold"], ips["c"]))
+    # images per CPU-second of the whole process tree: less sensitive to other load, blind to idle cores
+    out.update({f"ours_vs_{k}_per_cpu_s": ratio(per_cpu["ours"], per_cpu[k]) for k in ("c", "b", "a", "d")})
+    return out
+
+
+def _scaling(methods: dict[str, dict], n: int, scale: int) -> dict[str, Any]:
+    big, base = methods["ours_large"], methods["ours"]
+    base_s = base["median_s"]  # the large run is a single run: compare with the median, not the best
+    extra_s = big["seconds"] - base_s
+    out = {"input_ratio": scale, "base_seconds": base_s, "large_seconds": big["seconds"],
+           "time_ratio": ratio(big["seconds"], base_s),
+           "memory_ratio": ratio(big["peak_rss_mb"], base["peak_rss_mb"]),
+           "memory_ratio_tree": ratio(big["peak_rss_tree_mb"], base["peak_rss_tree_mb"]),
+           # images/s of the extra (scale-1) x N images: per-call fixed costs cancel out
+           "slope_images_per_s": round(n * (scale - 1) / extra_s, 1) if extra_s > 0 else None,
+           "fixed_cost_s": round(base_s - extra_s / (scale - 1), 2) if extra_s > 0 else None}
+    return {**out, **_cpu_scaling(base, big)}
+
+
+def _measure_all(args: argparse.Namespace, tmp: Path, n: int, scale: int, size: int) -> dict[str, Any]:
     counter = iter(range(10**6))
 
     def out_dir(key: str) -> Path:
         return tmp / f"out_{key}_{next(counter)}"
 
+    small, large = tmp / "small", tmp / "large"
+    cores = os.cpu_count() or 1
+    quiet = wait_for_quiet(args.wait_for_quiet, cores)
+    layout = {"n": task_layout(small, size), **({"large": task_layout(large, size)} if scale > 1 else {})}
+    cold = _ours_cold(small, out_dir("ours_cold"), size, n)  # one Ray session for ours and (b)
+    runs: dict[str, list[dict[str, Any]]] = {"c": [], "d": [], "a": [], "a_draft": [], "ours": []}
+    ours_meta: dict[str, Any] = {}
+    for _ in range(max(1, args.repeat)):
+        ours_meta = _round(small, out_dir, size, n, runs)
+    methods = {"ours_cold": cold, **_methods(runs, ours_meta, cores)}
+    if scale > 1:
+        m, r = measure(lambda: _etl(large, out_dir("ours_large"), size), images=n * scale)
+        _check(r, n * scale)
+        methods["ours_large"] = {**m, "what": f"stages.etl.run, whole call on {scale} x N images, warm",
+                                 "shards": r["shards"], "manifest_metrics": r["manifest_metrics"]}
+    m, count = measure(lambda: ray_read_images(small, out_dir("b"), size), images=n)
+    methods["b"] = {**m, "what": f"ray.data.read_images(dir, size=({size}, {size}), mode='RGB')"
+                                 f".write_parquet(out), same Ray session (workers warm); read_images stretches, "
+                                 f"no crop; stores raw pixels"}
+    return {"methods": methods, "task_layout": layout, "wait_for_quiet": quiet, "cores": cores}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    w, h = (int(v) for v in args.source_size.lower().split("x"))
+    n, scale, size = args.images, max(1, args.scale), args.image_size
+    tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-etl-", dir=args.workdir))
+    started_ray = not ray.is_initialized()
     try:
-        print(f"etl: generating {n} (+{n * (scale - 1)}) JPEGs {w}x{h} in {tmp} ...", flush=True)
         data = make_data(tmp, n, scale, (w, h), args.seed)
-        print(f"etl: generated in {data['generate_seconds']} s", flush=True)
-        small, large = tmp / "small", tmp / "large"
-        quiet = _wait_for_quiet(args.wait_for_quiet, cores)
-        layout = {"n": task_layout(small, size)}
-        if scale > 1:
-            layout["large"] = task_layout(large, size)
-
-        # One Ray session for ours and (b). Ray is idle while c, a and a' run.
-        import ray
-
-        from workflow import session
-        from workflow.config import RayConfig
-
-        t0 = time.perf_counter()
-        started_ray = not ray.is_initialized()
-        resources = session.start(RayConfig())
-        ray_start_s = time.perf_counter() - t0
-        print(f"etl: ray started in {ray_start_s:.1f} s: {resources}", flush=True)
-
-        m, r = measure(lambda: _etl(small, out_dir("ours_cold"), size), images=n)
-        assert r["rows_out"] == n and r["quarantined"] == 0, r
-        m.update(what="stages.etl.run, first call in the process (Ray started, workers cold)",
-                 shards=r["shards"], manifest_metrics=r["manifest_metrics"], ray_start_s=round(ray_start_s, 2),
-                 with_ray_start_s=round(m["seconds"] + ray_start_s, 3),
-                 with_ray_start_images_per_s=round(n / (m["seconds"] + ray_start_s), 1))
-        methods["ours_cold"] = m
-        print(f"etl: ours cold  {m['images_per_s']} img/s ({m['seconds']} s; +{ray_start_s:.1f} s Ray start)",
-              flush=True)
-
-        # Interleaved rounds: on a shared machine the load drifts; each method sees every phase.
-        ours_meta: dict[str, Any] = {}
-        for round_ in range(repeat):
-            m, count = measure(lambda: single_core_decode(small, size), images=n, ray=False)
-            assert count == n, count
-            runs["c"].append(m)
-            m, count = measure(lambda: stage_work_one_process(small, out_dir("d"), size), images=n, ray=False)
-            assert count == n, count
-            runs["d"].append(m)
-            for key, draft in (("a", False), ("a_draft", True)):
-                m, count = measure(lambda: user_pool_script(small, out_dir(key), size, draft), images=n,
-                                   ray=False)
-                assert count == n, count
-                runs[key].append(m)
-            m, r = measure(lambda: _etl(small, out_dir("ours"), size), images=n)
-            assert r["rows_out"] == n and r["quarantined"] == 0, r
-            runs["ours"].append(m)
-            ours_meta = {"shards": r["shards"], "manifest_metrics": r["manifest_metrics"]}
-            print(f"etl: round {round_ + 1}/{repeat}: " + ", ".join(
-                f"{k} {v[-1]['images_per_s']}" for k, v in runs.items()) + " img/s "
-                f"(c on one core; load {runs['c'][-1]['loadavg_before']})", flush=True)
-
-        c = combine(runs["c"])
-        c["single_core_images_per_s"] = c["images_per_s"]
-        c["images_per_s"] = round(c["images_per_s"] * cores, 1)
-        c["what"] = f"{cores} cores x single-process decode_rgb loop (JPEG draft), reads files, no encode/write"
-        c["draft"] = True
-        methods["c"] = c
-        d = combine(runs["d"])
-        d["single_core_images_per_s"] = d["images_per_s"]
-        d["images_per_s"] = round(d["images_per_s"] * cores, 1)
-        d["what"] = (f"{cores} cores x ours' per-image work in one process without Ray "
-                     f"(stages.shards.process_task over the planned tasks: read, sha256, decode with "
-                     f"draft, JPEG q90 encode, parquet write)")
-        methods["d"] = d
-        for key, draft in (("a", False), ("a_draft", True)):
-            m = combine(runs[key])
-            m["what"] = (f"multiprocessing.Pool({cores}) + Pillow (open, convert RGB, crop-resize BILINEAR, "
-                         f"JPEG q90) + pyarrow write_table, Image.draft() {'used' if draft else 'NOT used'}")
-            m["draft"] = draft
-            methods[key] = m
-        methods["ours"] = {**combine(runs["ours"]), **ours_meta,
-                           "what": "stages.etl.run, whole call, Ray and workers warm (marginal rate at N)"}
-
-        if scale > 1:
-            m, r = measure(lambda: _etl(large, out_dir("ours_large"), size), images=n * scale)
-            assert r["rows_out"] == n * scale and r["quarantined"] == 0, r
-            m.update(what=f"stages.etl.run, whole call on {scale} x N images, warm",
-                     shards=r["shards"], manifest_metrics=r["manifest_metrics"])
-            methods["ours_large"] = m
-            print(f"etl: ours x{scale} {m['images_per_s']} img/s ({m['seconds']} s)", flush=True)
-
-        m, count = measure(lambda: ray_read_images(small, out_dir("b"), size), images=n)
-        assert count == n, count
-        m["what"] = (f"ray.data.read_images(dir, size=({size}, {size}), mode='RGB').write_parquet(out), "
-                     f"same Ray session (workers warm); read_images stretches, no crop; stores raw pixels")
-        methods["b"] = m
-        print(f"etl: b   {m['images_per_s']} img/s ({m['seconds']} s)", flush=True)
+        log.warning("etl: generated %d (+%d) JPEGs in %s s", n, n * (scale - 1), data["generate_seconds"])
+        measured = _measure_all(args, tmp, n, scale, size)
     finally:
         if started_ray:
-            import ray
             ray.shutdown()
-        if args.keep:
-            print(f"etl: kept {tmp}")
-        else:
+        if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-
-    ours = methods["ours"]["images_per_s"]
-    per_cpu = {k: m.get("images_per_cpu_s") for k, m in methods.items()}
-    ratios = {"ours_vs_a": _ratio(ours, methods["a"]["images_per_s"]),
-              "ours_vs_a_draft": _ratio(ours, methods["a_draft"]["images_per_s"]),
-              "ours_vs_b": _ratio(ours, methods["b"]["images_per_s"]),
-              "ours_vs_c": _ratio(ours, methods["c"]["images_per_s"]),
-              "ours_vs_d": _ratio(ours, methods["d"]["images_per_s"]),
-              "d_vs_c": _ratio(methods["d"]["images_per_s"], methods["c"]["images_per_s"]),
-              "ours_cold_vs_c": _ratio(methods["ours_cold"]["images_per_s"], methods["c"]["images_per_s"]),
-              # CPU-normalised: images per CPU-second of the whole process tree; less sensitive to
-              # other load on the machine, blind to idle cores (parallelism).
-              "ours_vs_c_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["c"]),
-              "ours_vs_b_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["b"]),
-              "ours_vs_a_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["a"]),
-              "ours_vs_d_per_cpu_s": _ratio(per_cpu["ours"], per_cpu["d"])}
-    scaling = None
-    if "ours_large" in methods:
-        big, base = methods["ours_large"], methods["ours"]
-        base_s = base["median_s"]  # the large run is a single run: compare with the median, not the best
-        extra_s = big["seconds"] - base_s
-        scaling = {"input_ratio": scale, "base_seconds": base_s, "large_seconds": big["seconds"],
-                   "time_ratio": _ratio(big["seconds"], base_s),
-                   "memory_ratio": _ratio(big["peak_rss_mb"], base["peak_rss_mb"]),
-                   "memory_ratio_tree": _ratio(big["peak_rss_tree_mb"], base["peak_rss_tree_mb"]),
-                   # images/s of the extra (scale-1) x N images: per-call fixed costs cancel out
-                   "slope_images_per_s": round(n * (scale - 1) / extra_s, 1) if extra_s > 0 else None,
-                   "fixed_cost_s": round(base_s - extra_s / (scale - 1), 2) if extra_s > 0 else None}
-        scaling.update(_cpu_scaling(base, big))
-        ratios["slope_vs_c"] = _ratio(scaling["slope_images_per_s"], methods["c"]["images_per_s"])
-    targets = _targets(ratios, scaling, scale)
-    return {"data": data, "cores": cores, "image_size": size, "repeat": repeat, "methods": methods,
-            "task_layout": layout, "wait_for_quiet": quiet,
-            "ratios": ratios, "scaling": scaling, "targets": targets,
+    methods = measured["methods"]
+    ratios = _ratios(methods)
+    scaling = _scaling(methods, n, scale) if "ours_large" in methods else None
+    if scaling:
+        ratios["slope_vs_c"] = ratio(scaling["slope_images_per_s"], methods["c"]["images_per_s"])
+    return {"data": data, "image_size": size, "repeat": args.repeat, **measured,
+            "ratios": ratios, "scaling": scaling, "targets": _targets(ratios, scaling, scale),
             "notes": ["ours is the warm whole-call rate at N (Ray started, workers warm by the cold call); "
                       "targets use it.",
                       "c, a, a' and ours ran in `repeat` interleaved rounds with Ray up and idle between "
@@ -437,25 +419,13 @@ _LABEL = {"ours": "ours (warm)", "ours_cold": "ours (first call)", "ours_large":
           "d": "(d) diagnostic: cores x ours' work, 1 process, no Ray"}
 
 
-def _fmt(v: Any, nd: int = 1) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.{nd}f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
-
-
 def render(result: dict[str, Any]) -> str:
     d, methods, ratios = result["data"], result["methods"], result["ratios"]
     ours = methods["ours"]["images_per_s"]
     lines = [
         f"ETL throughput: {d['images']:,} JPEGs of {d['source_size'][0]}x{d['source_size'][1]} px "
         f"(mean {d['mean_file_kb']} KiB) to {result['image_size']} px parquet; ours also on "
-        f"{_fmt(d.get('large_images'))} images. All methods ran in one process on the same files "
+        f"{fmt(d.get('large_images'))} images. All methods ran in one process on the same files "
         f"(page-cached). Data: {d['how']} ({d['generate_seconds']} s).",
         "",
         "| method | images | seconds | images/s | ours ÷ method | images per CPU-s | CPU busy | "
@@ -467,23 +437,23 @@ def render(result: dict[str, Any]) -> str:
         m = methods.get(key)
         if not m:
             continue
-        rel = "1.00" if key == "ours" else _fmt(_ratio(ours, m["images_per_s"]), 2)
+        rel = "1.00" if key == "ours" else fmt(ratio(ours, m["images_per_s"]), 2)
         load = m.get("loadavg_before")
         if load and isinstance(load[0], list):  # several runs: the first run's
             load = load[0]
-        daemons = _fmt(m["peak_rss_tree_mb"]) if m.get("counts_ray_processes", True) else "n/a"
-        lines.append(f"| {_LABEL[key]} | {_fmt(m['images'])} | {_fmt(m['seconds'], 2)} | "
-                     f"{_fmt(m['images_per_s'])} | {rel} | {_fmt(m.get('images_per_cpu_s'))} | "
-                     f"{_pct(m.get('cpu_util'))} | "
-                     f"{_fmt(m.get('busy_procs_mean'), 2)}/{_fmt(m.get('busy_procs_max'))} | "
-                     f"{_fmt(m.get('start_rss_mb'))} → {_fmt(m['peak_rss_mb'])} | {daemons} | "
+        daemons = fmt(m["peak_rss_tree_mb"]) if m.get("counts_ray_processes", True) else "n/a"
+        lines.append(f"| {_LABEL[key]} | {fmt(m['images'])} | {fmt(m['seconds'], 2)} | "
+                     f"{fmt(m['images_per_s'])} | {rel} | {fmt(m.get('images_per_cpu_s'))} | "
+                     f"{pct(m.get('cpu_util'))} | "
+                     f"{fmt(m.get('busy_procs_mean'), 2)}/{fmt(m.get('busy_procs_max'))} | "
+                     f"{fmt(m.get('start_rss_mb'))} → {fmt(m['peak_rss_mb'])} | {daemons} | "
                      f"{load[0] if load else '-'} |")
     cold, c = methods["ours_cold"], methods["c"]
     lines += [
         "",
         f"- ours (first call) includes Ray Data start-up and cold workers; with `ray.init` "
         f"({cold['ray_start_s']} s) as well it is {cold['with_ray_start_s']} s, "
-        f"{_fmt(cold['with_ray_start_images_per_s'])} images/s end to end.",
+        f"{fmt(cold['with_ray_start_images_per_s'])} images/s end to end.",
         "- CPU busy: CPU seconds used by the driver and all its child processes during the "
         "measurement, over wall time x cores (c runs on one core, so at most 1/cores); busy procs: "
         "processes using at least half a core, per 0.1 s sample; images per CPU-s: images over "
@@ -491,17 +461,17 @@ def render(result: dict[str, Any]) -> str:
         "which other load on the machine affects less than images/s.",
         f"- c, (a) and (a') ran while Ray was up and idle (interleaved with ours); their RSS and CPU "
         f"leave Ray's processes out. Ray's idle background used "
-        f"{_fmt(sum(methods[k].get('excluded_cpu_s', 0) for k in ('c', 'a', 'a_draft')), 2)} CPU-s over "
-        f"those runs ({_fmt(sum(sum(methods[k]['runs_s']) for k in ('c', 'a', 'a_draft')), 2)} s of wall time). "
-        f"The driver has Ray imported, so its RSS starts at {_fmt(methods['c']['start_rss_mb'])} MiB, and "
+        f"{fmt(sum(methods[k].get('excluded_cpu_s', 0) for k in ('c', 'a', 'a_draft')), 2)} CPU-s over "
+        f"those runs ({fmt(sum(sum(methods[k]['runs_s']) for k in ('c', 'a', 'a_draft')), 2)} s of wall time). "
+        f"The driver has Ray imported, so its RSS starts at {fmt(methods['c']['start_rss_mb'])} MiB, and "
         f"Pool children forked from it count those shared copy-on-write pages again.",
-        f"- (c): one process reached {_fmt(c['single_core_images_per_s'])} images/s "
+        f"- (c): one process reached {fmt(c['single_core_images_per_s'])} images/s "
         f"(decode_rgb with JPEG draft, no encode, no write); the ceiling is {result['cores']} x that.",
         f"- (d) runs the stage's own per-shard function (`stages.shards.process_task`: read, sha256, "
         f"decode with draft, JPEG q90 encode, parquet write) over the same planned tasks in one process "
-        f"without Ray: {_fmt(methods['d']['single_core_images_per_s'])} images/s, so ours' extra per-image "
-        f"work costs d/c = {_fmt(ratios.get('d_vs_c'), 2)} of the ceiling, and Ray, scheduling and task "
-        f"layout cost ours/d = {_fmt(ratios.get('ours_vs_d'), 2)}.",
+        f"without Ray: {fmt(methods['d']['single_core_images_per_s'])} images/s, so ours' extra per-image "
+        f"work costs d/c = {fmt(ratios.get('d_vs_c'), 2)} of the ceiling, and Ray, scheduling and task "
+        f"layout cost ours/d = {fmt(ratios.get('ours_vs_d'), 2)}.",
         f"- Task layout (images per Ray task, one per shard group): N: {result['task_layout']['n']}"
         + (f"; {d['scale']} x N: {len(result['task_layout']['large'])} tasks, largest "
            f"{max(result['task_layout']['large'])}" if result['task_layout'].get('large') else "") + ".",
@@ -510,30 +480,27 @@ def render(result: dict[str, Any]) -> str:
         f"ours, (a) and (a') centre-crop and store JPEG q90.",
     ]
     lines.append(f"- For scale: the best plain multi-process script, (a'), reached "
-                 f"{_fmt(_ratio(methods['a_draft']['images_per_s'], c['images_per_s']), 2)} x c; where it is far "
+                 f"{fmt(ratio(methods['a_draft']['images_per_s'], c['images_per_s']), 2)} x c; where it is far "
                  f"below 1 the machine's other load, not the method, is what keeps 2 processes from 2 cores.")
     lines.append(f"- Per CPU-second (which other load on the machine distorts less than images/s, "
-                 f"and which is blind to idle cores): ours {_fmt(ratios.get('ours_vs_c_per_cpu_s'), 2)} x c, "
-                 f"{_fmt(ratios.get('ours_vs_a_per_cpu_s'), 2)} x (a), "
-                 f"{_fmt(ratios.get('ours_vs_b_per_cpu_s'), 2)} x (b).")
+                 f"and which is blind to idle cores): ours {fmt(ratios.get('ours_vs_c_per_cpu_s'), 2)} x c, "
+                 f"{fmt(ratios.get('ours_vs_a_per_cpu_s'), 2)} x (a), "
+                 f"{fmt(ratios.get('ours_vs_b_per_cpu_s'), 2)} x (b).")
     s = result.get("scaling")
     if s:
         lines.append(f"- Scaling (ours, {s['input_ratio']}x input): {s['large_seconds']} s vs {s['base_seconds']} s "
-                     f"(median of the N runs): time x{_fmt(s['time_ratio'], 2)}, "
-                     f"peak memory x{_fmt(s['memory_ratio'], 2)} (x{_fmt(s['memory_ratio_tree'], 2)} incl. "
-                     f"Ray daemons); slope {_fmt(s['slope_images_per_s'])} images/s "
-                     f"({_fmt(ratios.get('slope_vs_c'), 2)} x c), fixed cost per call "
-                     + (f"about {_fmt(s['fixed_cost_s'], 2)} s." if (s['fixed_cost_s'] or 0) > 0 else
+                     f"(median of the N runs): time x{fmt(s['time_ratio'], 2)}, "
+                     f"peak memory x{fmt(s['memory_ratio'], 2)} (x{fmt(s['memory_ratio_tree'], 2)} incl. "
+                     f"Ray daemons); slope {fmt(s['slope_images_per_s'])} images/s "
+                     f"({fmt(ratios.get('slope_vs_c'), 2)} x c), fixed cost per call "
+                     + (f"about {fmt(s['fixed_cost_s'], 2)} s." if (s['fixed_cost_s'] or 0) > 0 else
                         "not measurable here (the estimate is negative: the load changed between the runs)."))
         cs = s if "cpu_ratio" in s else _cpu_scaling(methods["ours"], methods["ours_large"])
-        lines.append(f"- CPU time (whole process tree) at {s['input_ratio']}x input: {_fmt(cs['cpu_s_large'], 2)} "
-                     f"CPU-s vs {_fmt(cs['cpu_s_per_n_run'], 2)} per N run, x{_fmt(cs['cpu_ratio'], 2)}; "
+        lines.append(f"- CPU time (whole process tree) at {s['input_ratio']}x input: {fmt(cs['cpu_s_large'], 2)} "
+                     f"CPU-s vs {fmt(cs['cpu_s_per_n_run'], 2)} per N run, x{fmt(cs['cpu_ratio'], 2)}; "
                      f"load average before/after the large run {methods['ours_large'].get('loadavg_before')}"
                      f" / {methods['ours_large'].get('loadavg_after')}.")
-    lines += ["", "| target | measured | result |", "|---|---:|---|"]
-    for t in result["targets"]:
-        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
-        lines.append(f"| {t['target']} | {_fmt(t['measured'], 2)} | {verdict} |")
+    lines += [""] + targets_table(result["targets"])
     wq = result.get("wait_for_quiet")
     if wq and wq.get("limit_s"):
         lines += ["", f"Waited {wq['waited_s']} s (limit {wq['limit_s']:g} s) for the 1-minute load average to "
