@@ -18,11 +18,27 @@ import torch
 
 from workflow import fingerprint
 
-__all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state"]
+__all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in"]
 
 
 class CheckpointRefused(RuntimeError):
     """A checkpoint that must not be loaded: unsafe content, another run's fingerprint, or half-written."""
+
+
+def refusal_in(error: BaseException) -> str | None:
+    """The worker's CheckpointRefused message, when that is why a fit failed; else None.
+
+    `ray.train.WorkerGroupError.worker_failures` (public) maps each rank to its exception; if
+    a wrapper with traceback text comes instead, its `module.CheckpointRefused: ...` line counts.
+    """
+    prefix = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
+    for failure in (getattr(error, "worker_failures", None) or {}).values():
+        if isinstance(failure, CheckpointRefused):
+            return str(failure)
+        for line in str(failure).splitlines():
+            if line.startswith(prefix):
+                return line[len(prefix):]
+    return None
 
 
 def load_plain(path: Path, map_location: Any = "cpu") -> Any:
@@ -30,7 +46,10 @@ def load_plain(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        # torch's message suggests weights_only=False, which is exactly what must not happen here;
+        # keep only the line naming the refused object.
+        lines = [line for line in str(e).splitlines() if "unsupported" in line.lower()]
+        reason = lines[0].strip() if lines else type(e).__name__
         raise CheckpointRefused(
             f"checkpoint file {path} holds objects that are not plain tensors or numbers, and loading "
             f"it would run their code; refused ({reason}). Someone or something wrote it outside "

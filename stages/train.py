@@ -110,6 +110,10 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
     try:
         result = _trainer(cfg, loop_config, plan, out, s3).fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
+        from stages.checkpoint_io import refusal_in
+
+        if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
+            raise TrainError(refusal) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
                          f"with the same --output to resume from the last checkpoint: "
                          f"{str(e).splitlines()[0]}") from e
