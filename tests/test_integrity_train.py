@@ -172,3 +172,21 @@ def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path
     with pytest.raises(ValueError, match="fails its checksum"):
         sd.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint)).local_path(ref)
     assert not planted.exists()
+
+
+def test_fingerprint_guard_on_s3(s3_bucket):
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    s3 = S3Config(endpoint_url=endpoint)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    made, other = fingerprint.compute({"train": {"lr": 0.05}}), fingerprint.compute({"train": {"lr": 0.2}})
+    state = f"s3://{bucket}/run/ray"
+    assert fingerprint.guard(state, "train", made, s3) is False  # fresh: records the fingerprint
+    fs.pipe_file(f"{bucket}/run/ray/train/checkpoint-e001-s000000/meta.json", b"{}")
+    assert fingerprint.guard(state, "train", made, s3) is True
+    with pytest.raises(ConfigError, match=r"train.lr: 0.05 -> 0.2"):
+        fingerprint.guard(state, "train", other, s3)
+    assert fingerprint.guard(state, "train", other, s3, overwrite=True) is False
+    assert not fs.exists(f"{bucket}/run/ray/train/checkpoint-e001-s000000/meta.json")
+    assert json.loads(fs.cat_file(f"{bucket}/run/ray/train.fingerprint.json"))["digest"] == other.digest
