@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
@@ -54,17 +54,20 @@ class ShardCache:
     used files are evicted past `max_bytes`. Local shards are read in place.
     """
 
+    # (path, inode) of cached files whose sha256 this process has checked: process-wide, so
+    # every cache object (training, evaluation) hashes a file once; a replaced file is rechecked.
+    _verified: ClassVar[set[tuple[str, int]]] = set()
+
     def __init__(self, cache_dir: str, max_bytes: float, s3: Any | None = None):
         self.dir = Path(os.path.expanduser(cache_dir))
         self.max_bytes, self.s3 = max_bytes, s3
         self.hits = self.misses = 0
-        self._verified: set[str] = set()
 
     def local_path(self, ref: ShardRef) -> str:
         if not storage.is_remote(ref.uri):
             return storage.local_path(ref.uri)
         path = self.dir / f"{ref.sha256}.{ref.format}"
-        if path.exists() and path.stat().st_size == ref.bytes:
+        if path.exists() and path.stat().st_size == ref.bytes and self._trusted(path, ref):
             self.hits += 1
             os.utime(path)  # LRU order
             return str(path)
@@ -79,8 +82,26 @@ class ShardCache:
             raise ValueError(f"shard {ref.uri} fails its checksum ({size} bytes, sha256 {digest[:12]}...); "
                              f"the data changed since ETL: run `raymill verify` and re-run ETL")
         os.replace(tmp, path)
+        self._verified.add((str(path), path.stat().st_ino))
         self._evict()
         return str(path)
+
+    def _trusted(self, path: Path, ref: ShardRef) -> bool:
+        """A cached file's content is its name's sha256. Hashed once per process per file: the
+        cache folder outlives runs and may be shared, so a right-sized file is not proof."""
+        try:
+            if (str(path), path.stat().st_ino) in self._verified:
+                return True
+            digest, _ = storage.sha256_file(storage.filesystem(str(path))[0], str(path))
+        except FileNotFoundError:  # evicted by another process meanwhile: fetch it
+            return False
+        if digest != ref.sha256:
+            log.warning("shard cache: %s does not match its sha256 (%s...); fetching it again",
+                        path, digest[:12])
+            path.unlink(missing_ok=True)
+            return False
+        self._verified.add((str(path), path.stat().st_ino))
+        return True
 
     def _evict(self) -> None:
         files = sorted(self.dir.glob("*.*"), key=lambda p: p.stat().st_mtime)

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages.checkpoint_io import load_plain
 from workflow import storage
 from workflow.artifacts import Artifact, base_manifest, config_hash, write_manifest
 from workflow.config import section_dict
@@ -27,7 +28,7 @@ def _read_checkpoint(checkpoint) -> tuple[dict, dict, dict[str, list]]:
     """(state dict, meta, merged ledger) of a Ray checkpoint."""
     with checkpoint.as_directory() as tmp:
         folder = Path(tmp)
-        state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)["model"]
+        state = load_plain(folder / "state.pt")["model"]  # plain tensors only: never unpickle code
         meta = json.loads((folder / "meta.json").read_text())
         ledger: dict[str, list] = {}
         for part in sorted(folder.glob("ledger-rank*.json")):

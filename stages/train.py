@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workflow import session, storage
+from workflow import fingerprint, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
 
@@ -90,20 +90,30 @@ def _entry(config: dict) -> None:
 
 
 def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
-        s3: Any | None = None) -> Artifact:
-    """Train on the ETL artifact `data`; publish the best model to `out`."""
+        s3: Any | None = None, overwrite: bool = False) -> Artifact:
+    """Train on the ETL artifact `data`; publish the best model to `out`.
+
+    Resumes the run state in `out` only if the same config and data made it (else ConfigError);
+    `overwrite` discards that state first.
+    """
     started = time.perf_counter()
     shards = _check_data(cfg, data, s3)
+    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
+    fingerprint.guard(cfg.storage_path or storage.join(out, "ray"), "train", made_by, s3, overwrite=overwrite)
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
     etl_cfg = data.manifest["config"]
     loop_config = {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
                    "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
                    "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
-                   "cpus_per_worker": plan.cpus_per_worker}
+                   "cpus_per_worker": plan.cpus_per_worker, "fingerprint": made_by.as_dict()}
     try:
         result = _trainer(cfg, loop_config, plan, out, s3).fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
+        from stages.checkpoint_io import refusal_in
+
+        if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
+            raise TrainError(refusal) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
                          f"with the same --output to resume from the last checkpoint: "
                          f"{str(e).splitlines()[0]}") from e

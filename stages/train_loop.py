@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import data as sd
+from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages.models import build_model
 from workflow.config import ConfigError, TrainConfig
 
@@ -116,6 +117,7 @@ class Worker:
         self.cache = sd.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
+        self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
 
     def gather(self, value: Any) -> list[Any]:
         if self.world == 1:
@@ -261,11 +263,11 @@ class Worker:
                             "schedule": self.schedule.state_dict(),
                             "scaler": self.scaler.state_dict() if self.scaler else None},
                            folder / "state.pt")
-            torch.save({"torch": torch.get_rng_state()}, folder / f"rng-rank{self.rank}.pt")
+            torch.save(rng_state(self.device), folder / f"rng-rank{self.rank}.pt")
             (folder / f"ledger-rank{self.rank}.json").write_text(json.dumps(self.ledger))
             if self.rank == 0:  # written last: a checkpoint without meta.json is incomplete
                 meta = {"epoch": epoch, "step": step, "world": self.world, "history": self.history,
-                        "val": self.val}
+                        "val": self.val, "fingerprint": self.fingerprint}
                 (folder / "meta.json").write_text(json.dumps(meta))
             metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
@@ -279,13 +281,10 @@ class Worker:
             return
         with checkpoint.as_directory() as tmp:
             folder = Path(tmp)
-            missing = [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
-            if missing:  # meta.json is written last: without it the checkpoint is half-written
-                raise RuntimeError(f"checkpoint {checkpoint.path} is incomplete (missing {missing}); "
-                                   f"refusing to load it")
-            meta = json.loads((folder / "meta.json").read_text())
+            # Fingerprint first: a foreign checkpoint's files are never even loaded.
+            meta = read_meta(folder, checkpoint.path, self.fingerprint)
             same_world = meta["world"] == self.world
-            state = torch.load(folder / "state.pt", map_location=self.device, weights_only=False)
+            state = load_plain(folder / "state.pt", map_location=self.device)
             self.net.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.schedule.load_state_dict(state["schedule"])
@@ -293,7 +292,7 @@ class Worker:
                 self.scaler.load_state_dict(state["scaler"])
             self.epoch, self.history, self.val = meta["epoch"], meta["history"], meta["val"]
             if same_world:
-                torch.set_rng_state(torch.load(folder / f"rng-rank{self.rank}.pt", weights_only=False)["torch"])
+                set_rng_state(load_plain(folder / f"rng-rank{self.rank}.pt"), self.device)
                 self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
                 self.step = meta["step"]
             else:

@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="DDP training on an ETL output; exports model.pt + model.json")
     p.add_argument("--data", required=True, help="ETL output folder or s3:// prefix")
     p.add_argument("--output", required=True, help="run folder for the model, metrics and checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="discard the output's checkpoints (Ray run state) and train from scratch")
     _common(p)
 
     p = sub.add_parser("tune", help="hyperparameter search (ASHA) over the DDP trainer")
@@ -133,7 +135,8 @@ def cmd_train(args) -> int:
     from workflow.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    artifact = train.run(cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3)
+    artifact = train.run(cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
+                         overwrite=args.overwrite)
     print(f"train: test_acc={artifact.manifest['metrics']['test_acc']:.3f} -> {artifact.path}")
     return 0
 

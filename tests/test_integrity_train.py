@@ -1,0 +1,192 @@
+"""Runs that cannot lie (issue 14, items 1, 6, 7): fingerprinted resume, plain-data checkpoints,
+and a shard cache that checks content, not size.
+
+One short TorchTrainer run (the module fixture) and one refused resume; the rest reuses its state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages import checkpoint_io, etl, export, train
+from stages import data as sd
+from workflow import demo_data, fingerprint, storage
+from workflow.__main__ import main
+from workflow.config import ConfigError, S3Config, load_config, section_dict
+from tests.conftest import REPO
+
+SMOKE = REPO / "configs/smoke.yaml"
+BASE = ["train.epochs=2", "train.batch_size=8", "train.max_steps=2", "train.shuffle_buffer_rows=16",
+        "train.max_failures=0", "etl.shard_max_rows=40"]
+
+
+def _cfg(*extra: str):
+    return load_config(SMOKE, BASE + list(extra))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, ray_session):
+    root = tmp_path_factory.mktemp("integrity")
+    demo_data.generate(root / "src", images=100, seed=2)
+    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+
+
+@pytest.fixture(scope="module")
+def first_run(dataset, tmp_path_factory):
+    cfg = _cfg()
+    out = tmp_path_factory.mktemp("run") / "train"
+    return train.run(cfg.train, dataset, str(out), seed=cfg.run.seed, ray_cfg=cfg.ray)
+
+
+def _checkpoints(run) -> list[Path]:
+    found = sorted((Path(run.path) / "ray/train").glob("checkpoint-*"))
+    assert found, "the run left no checkpoints"
+    return found
+
+
+def _published(run) -> tuple[bytes, bytes]:
+    out = Path(run.path)
+    return (out / "model.pt").read_bytes(), (out / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize("change", ["train.lr=0.2", "train.batch_size=4", "train.epochs=3",
+                                    "train.model=resnet18", "run.seed=7"])
+def test_rerun_with_another_config_is_refused_with_exit_2(first_run, dataset, capsys, change):
+    before = _published(first_run)
+    sets = [a for s in BASE + [change] for a in ("--set", s)]
+    rc = main(["train", "--data", dataset.path, "--output", first_run.path, "--config", str(SMOKE), *sets])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    key = change.split("=")[0].removeprefix("run.")
+    assert key in err and "--overwrite" in err and "--output" in err, err
+    assert _published(first_run) == before, "a refused run must not touch the published model"
+
+
+def test_resumable_keys_resume_and_other_data_is_refused(first_run, dataset):
+    cfg = _cfg()
+    state = str(Path(first_run.path) / "ray")
+    made = fingerprint.for_train(section_dict(cfg.train), cfg.run.seed, dataset.manifest)
+    ops = cfg.train.model_copy(update={"max_failures": 5, "num_to_keep": 4, "decode_threads": 1,
+                                       "cache_dir": "/elsewhere", "num_workers": 1})
+    same = fingerprint.for_train(section_dict(ops), cfg.run.seed, dataset.manifest)
+    assert same.digest == made.digest
+    assert fingerprint.guard(state, "train", same) is True  # resumes: only operational keys changed
+    # Same config, other data content (one shard's bytes differ): refused, and the message says so.
+    manifest = json.loads(json.dumps(dataset.manifest))
+    manifest["shards"][0]["sha256"] = "0" * 64
+    other = fingerprint.for_train(section_dict(cfg.train), cfg.run.seed, manifest)
+    with pytest.raises(ConfigError, match=r"data: '.*' -> '.*'.*--overwrite"):
+        fingerprint.guard(state, "train", other)
+
+
+def test_overwrite_discards_state_and_unfingerprinted_state_is_refused(first_run, tmp_path):
+    copy = tmp_path / "ray"
+    shutil.copytree(Path(first_run.path) / "ray", copy)
+    stored = json.loads((copy / "train.fingerprint.json").read_text())
+    changed = fingerprint.compute({**stored["parts"], "seed": 99})
+    with pytest.raises(ConfigError, match="seed: 0 -> 99"):
+        fingerprint.guard(str(copy), "train", changed)
+    assert fingerprint.guard(str(copy), "train", changed, overwrite=True) is False
+    assert not (copy / "train").exists()
+    assert json.loads((copy / "train.fingerprint.json").read_text())["digest"] == changed.digest
+    # State from before fingerprints (or whose file was deleted): nobody can say what made it.
+    (copy / "train").mkdir()
+    (copy / "train/checkpoint-e001-s000000").mkdir()
+    (copy / "train.fingerprint.json").unlink()
+    with pytest.raises(ConfigError, match="records no fingerprint"):
+        fingerprint.guard(str(copy), "train", changed)
+
+
+def test_checkpoints_carry_the_fingerprint_and_a_foreign_one_is_refused(first_run):
+    stored = json.loads((Path(first_run.path) / "ray/train.fingerprint.json").read_text())
+    foreign = fingerprint.compute({**stored["parts"], "train": {**stored["parts"]["train"], "lr": 0.2}})
+    for folder in _checkpoints(first_run):
+        meta = checkpoint_io.read_meta(folder, str(folder), stored)
+        assert meta["fingerprint"]["digest"] == stored["digest"]
+        with pytest.raises(checkpoint_io.CheckpointRefused, match=r"train.lr: 0.05 -> 0.2"):
+            checkpoint_io.read_meta(folder, str(folder), foreign.as_dict())
+        # every file loads as plain data (model, SGD state, LR schedule, RNG states)
+        state = checkpoint_io.load_plain(folder / "state.pt")
+        assert set(state) == {"model", "optimizer", "schedule", "scaler"}
+        for rng in folder.glob("rng-rank*.pt"):
+            assert set(checkpoint_io.load_plain(rng)) >= {"torch", "numpy", "python"}
+
+
+class _Payload:
+    """Pickled, this runs code when loaded: what a writer to a shared bucket could plant."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, dataset, tmp_path):
+    import ray.train
+
+    marker = tmp_path / "payload-ran"
+    folders = _checkpoints(first_run)
+    saved = {p: p.read_bytes() for f in folders for p in [f / "state.pt", *f.glob("rng-rank*.pt")]}
+    try:
+        for path in saved:
+            torch.save({"model": _Payload(marker), "optimizer": {}, "schedule": {}, "scaler": None,
+                        "torch": _Payload(marker)}, path)
+        with pytest.raises(checkpoint_io.CheckpointRefused, match="not plain tensors"):
+            export._read_checkpoint(ray.train.Checkpoint.from_directory(str(folders[-1])))
+        cfg = _cfg()
+        with pytest.raises(train.TrainError) as refused:
+            train.run(cfg.train, dataset, first_run.path, seed=cfg.run.seed, ray_cfg=cfg.ray)
+        assert "not plain tensors" in str(refused.value) and "--overwrite" in str(refused.value), \
+            str(refused.value)
+    finally:
+        for path, payload in saved.items():
+            path.write_bytes(payload)
+    assert not marker.exists(), "a checkpoint file ran code on load"
+
+
+def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path):
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    good = os.urandom(4096)
+    fs.pipe_file(f"{bucket}/shard.tar", good)
+    ref = sd.ShardRef(f"s3://{bucket}/shard.tar", "tar", 1, len(good), storage.sha256_bytes(good))
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    planted = cache_dir / f"{ref.sha256}.tar"
+    planted.write_bytes(bytes(len(good)))  # right name, right size, wrong content
+    cache = sd.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint))
+    assert Path(cache.local_path(ref)).read_bytes() == good
+    assert (cache.hits, cache.misses) == (0, 1)
+    assert Path(cache.local_path(ref)).read_bytes() == good and cache.hits == 1  # verified once: a hit
+    # A wrong object in the bucket itself is refused, not cached.
+    fs.pipe_file(f"{bucket}/shard.tar", bytes(len(good)))
+    planted.unlink()
+    with pytest.raises(ValueError, match="fails its checksum"):
+        sd.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint)).local_path(ref)
+    assert not planted.exists()
+
+
+def test_fingerprint_guard_on_s3(s3_bucket):
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    s3 = S3Config(endpoint_url=endpoint)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    made, other = fingerprint.compute({"train": {"lr": 0.05}}), fingerprint.compute({"train": {"lr": 0.2}})
+    state = f"s3://{bucket}/run/ray"
+    assert fingerprint.guard(state, "train", made, s3) is False  # fresh: records the fingerprint
+    fs.pipe_file(f"{bucket}/run/ray/train/checkpoint-e001-s000000/meta.json", b"{}")
+    assert fingerprint.guard(state, "train", made, s3) is True
+    with pytest.raises(ConfigError, match=r"train.lr: 0.05 -> 0.2"):
+        fingerprint.guard(state, "train", other, s3)
+    assert fingerprint.guard(state, "train", other, s3, overwrite=True) is False
+    assert not fs.exists(f"{bucket}/run/ray/train/checkpoint-e001-s000000/meta.json")
+    assert json.loads(fs.cat_file(f"{bucket}/run/ray/train.fingerprint.json"))["digest"] == other.digest
