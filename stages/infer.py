@@ -28,6 +28,7 @@ import torch
 from workflow import storage
 from workflow.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
 from workflow.config import InferConfig, section_dict
+from workflow.locks import output_lock
 from stages import data as sd, export, shards
 from stages.etl import InputNotFoundError, sample_key
 from stages.images import BadImage
@@ -61,7 +62,15 @@ class Plan:
 
 
 def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None) -> Artifact:
-    """Predict every image of `source` with the model in `model_path`; publish into `out`."""
+    """Predict every image of `source` with the model in `model_path`; publish into `out`.
+
+    `out` is locked for the run, and refused when it holds another stage's output (exit 2).
+    """
+    with output_lock(out, "infer", s3):
+        return _run_locked(cfg, model_path, source, out, s3)
+
+
+def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: Any | None) -> Artifact:
     started = time.perf_counter()
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))

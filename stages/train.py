@@ -14,6 +14,7 @@ from typing import Any
 from workflow import session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
+from workflow.locks import output_lock
 
 __all__ = ["run", "TrainError", "pyarrow_filesystem"]
 
@@ -92,6 +93,12 @@ def _entry(config: dict) -> None:
 def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
         s3: Any | None = None) -> Artifact:
     """Train on the ETL artifact `data`; publish the best model to `out`."""
+    with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
+        return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3)
+
+
+def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
+                s3: Any | None) -> Artifact:
     started = time.perf_counter()
     shards = _check_data(cfg, data, s3)
     resources = session.start(ray_cfg)
