@@ -133,7 +133,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
         quarantine_rel = f"quarantine-{run_id}.jsonl"
         manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
-        write_manifest(out, manifest, s3)  # the publish step
+        _publish(out, manifest, s3, out_fs, out_root)
     except BaseException:
         # A write can raise after the store committed it (an S3 response timeout): then the
         # manifest names these shards, and deleting them would publish a dataset with holes.
@@ -158,6 +158,18 @@ def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | 
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")
     return None
+
+
+def _publish(out: str, manifest: dict[str, Any], s3: Any | None, fs, root: str) -> None:
+    """Write the manifest: the publish step. A write that raised after the store committed it
+    (a response timeout on S3) is a publish, not a failure: the manifest names these shards."""
+    try:
+        write_manifest(out, manifest, s3)
+    except Exception as e:
+        if _published_run(fs, root) != manifest["run_id"]:
+            raise
+        log.warning("etl: the manifest write raised %s: %s, but the store committed it; published",
+                    type(e).__name__, e)
 
 
 def _published_run(fs, root: str) -> str | None:

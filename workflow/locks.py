@@ -123,11 +123,14 @@ def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
 class _LocalLock:
     def __init__(self, path: str, out: str, kind: str):
         self.path, self.out, self.kind, self.fd = path, out, kind, -1
+        self.created_folder = False
 
     def acquire(self) -> None:
         import fcntl
 
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        folder = os.path.dirname(self.path)
+        self.created_folder = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -158,6 +161,9 @@ class _LocalLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still locked: a waiter that opened it re-checks the inode
         os.close(self.fd)  # closing releases the flock
+        if self.created_folder:  # a run that failed before writing anything leaves no empty folder
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
 
 
 def _read_json_fd(fd: int) -> dict[str, Any] | None:
