@@ -122,8 +122,11 @@ def test_symlink_policy_and_read_cap(hostile_tree):
         sources.read_capped(fs, str(hostile_tree), "bird/bird_000.jpg", 100, "inside_source")
 
 
-def test_files_in_check_survives_python_dash_o():
-    listing = etl.Listing(["a"], [("a/1.jpg", 10), ("a/2.jpg", 10)], [], 0, "x")
+def test_files_in_check_survives_python_dash_o(tmp_path):
+    for name in ("1.jpg", "2.jpg"):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / name).write_bytes(image_bytes(1))
+    listing = etl.discover(str(tmp_path))
     results = [{"split": "train", "shards": [], "quarantine": [], "counts": {"a": 1}}]  # one file lost
     with pytest.raises(etl.EtlError, match="files_in=2 != rows_out=1"):
         etl._manifest(CFG, "src", "run", listing, results, [], time.perf_counter())

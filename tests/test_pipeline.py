@@ -62,14 +62,16 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
         write_manifest(out, manifest)
         return Artifact("etl", out, manifest)
 
-    def reused() -> bool:
-        return pipeline.stage("etl", cfg, cfg.etl, pipeline.etl_inputs(cfg), build)[1]
+    def reused(inputs=None) -> bool:
+        return pipeline.stage("etl", cfg, cfg.etl, inputs or pipeline.etl_inputs(cfg), build)[1]
 
-    assert not reused() and reused()
+    by_path = {"source": str(src)}
+    assert not reused(by_path) and reused(by_path)
     # A manual `raymill etl --overwrite` at another image_size replaced the published manifest.
     other = section_dict(cfg.etl.model_copy(update={"image_size": 16}))
     write_manifest(str(tmp_path / "run" / "etl"), base_manifest("etl", other, {"source": str(src)}))
+    assert not reused(by_path), "reused a manifest made with another config"
     assert not reused() and reused()
     (src / "cat" / "cat_new.jpg").write_bytes(image_bytes(1))  # images added to the same source path
     assert not reused() and reused()
-    assert len(builds) == 3
+    assert len(builds) == 4
