@@ -1,7 +1,8 @@
 """The single entrypoint: ETL -> train -> (tune) -> batch inference -> (serve), straight-line.
 
-Each stage writes into `<run.dir>/<stage>/`. A stage whose published manifest has the same config
-and inputs is reused (and says so); `run.force` recomputes. An interrupted stage (no manifest)
+Each stage writes into `<run.dir>/<stage>/`, holding its lock. A stage whose published manifest is
+the one it published, with the same config and inputs (for ETL: a listing fingerprint of the
+source), is reused (and says so); `run.force` recomputes. An interrupted stage (no manifest)
 resumes when its config is unchanged: Ray Train restores from its own checkpoints.
 """
 from __future__ import annotations
@@ -41,7 +42,8 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         if same and not cfg.run.force and fs.exists(manifest_path):
             published = fs.cat_file(manifest_path)
             manifest_hash = json.loads(published).get("config_hash")
-            if marker.get("manifest_sha256") == storage.sha256_bytes(published) and manifest_hash == key["config_hash"]:
+            unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
+            if unchanged and manifest_hash == key["config_hash"]:
                 log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
                 return load_artifact(out, s3=cfg.s3), True
             log.info("%s: %s was replaced since this run published it; recomputing", name, manifest_path)
@@ -87,23 +89,24 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     data, _ = stage("etl", cfg, cfg.etl, etl_inputs(cfg),
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
+    fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models
 
     t = time.perf_counter()
     if cfg.tune.enabled:
         from stages import tune
 
-        model, _ = stage("tune", cfg, cfg.tune, {"data": data_fingerprint(data.manifest), "train": section_dict(cfg.train)},
+        model, _ = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
                          lambda out: tune.run(cfg.tune, cfg.train, data, out, seed=cfg.run.seed,
                                               ray_cfg=cfg.ray, s3=cfg.s3))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, _ = stage("train", cfg, cfg.train, {"data": data_fingerprint(data.manifest), "seed": cfg.run.seed},
+        model, _ = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
                          lambda out: train.run(cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3))
         timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
     preds, _ = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
-                                                "data_fingerprint": data_fingerprint(data.manifest)},
+                                                "data_fingerprint": fingerprint},
                      lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
     timings["infer"] = time.perf_counter() - t
 
