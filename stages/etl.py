@@ -14,13 +14,14 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from workflow import storage
 from workflow.artifacts import Artifact, base_manifest, new_run_id, write_manifest
 from workflow.config import ConfigError, EtlConfig, section_dict
-from stages import shards
+from workflow.locks import LOCK_NAME, output_lock
+from stages import shards, sources
 
 __all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key"]
 
@@ -42,44 +43,43 @@ class InputNotFoundError(ConfigError):
 @dataclass(frozen=True)
 class Listing:
     classes: list[str]
-    files: list[tuple[str, int]]  # (path relative to source, size in bytes) inside class folders
-    outside: list[tuple[str, int]]  # files with no class folder: quarantined, never dropped
+    files: list[tuple[str, int]]  # (path relative to source as the OS names it, size in bytes) in class folders
+    rejected: list[dict[str, Any]]  # quarantine rows found by listing (loose files, links, FIFOs): never read
     hidden: int  # dotfiles such as .DS_Store, skipped and counted
+    fingerprint: str = ""  # names, sizes and mtimes of everything listed: changes when the source does
 
 
-def discover(source: str, s3: Any | None = None) -> Listing:
+def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source") -> Listing:
     """List an ImageFolder tree: the class is the first folder under `source`."""
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root):
         raise InputNotFoundError(f"input '{source}' does not exist; pass --input with a folder or s3:// prefix "
                        f"laid out as <input>/<class_name>/<image file>")
-    found = fs.find(root, detail=True)
-    files, outside, hidden, classes = [], [], 0, set()
-    for path, info in sorted(found.items()):
-        if info.get("type") == "directory":
-            continue
-        rel = path[len(root):].lstrip("/")
-        if any(part.startswith(".") for part in rel.split("/")):
-            hidden += 1
-        elif "/" not in rel:
-            outside.append((rel, int(info.get("size") or 0)))
+    entries, hidden = sources.list_tree(fs, root, follow_symlinks)
+    files, rejected, classes = [], [], set()
+    for entry in entries:
+        if entry.problem:
+            rejected.append(sources.entry_row(entry))
+        elif "/" not in entry.rel:
+            rejected.append(sources.entry_row(replace(entry, problem=(
+                "outside_class_folder", "file is not inside a <class_name>/ folder"))))
         else:
-            classes.add(rel.split("/", 1)[0])
-            files.append((rel, int(info.get("size") or 0)))
+            classes.add(sources.shown(entry.rel.split("/", 1)[0]))
+            files.append((entry.rel, entry.size))
     if not files:
         raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
-                       f"layout (one sub-folder per class) — found {len(outside)} loose file(s)")
-    return Listing(sorted(classes), files, outside, hidden)
+                       f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
+    return Listing(sorted(classes), files, rejected, hidden, sources.tree_fingerprint(entries))
 
 
 def sample_key(relpath: str) -> str:
     """Stable id of a source file: dot-free (WebDataset keys) and independent of the run."""
-    return storage.sha256_bytes(relpath.encode())[:20]
+    return storage.sha256_bytes(sources.name_bytes(relpath))[:20]
 
 
 def split_of(relpath: str, fractions: Any) -> str:
     """Hash-based split: adding files never moves an existing file to another split."""
-    u = int(storage.sha256_bytes(b"split:" + relpath.encode())[:16], 16) / 16**16
+    u = int(storage.sha256_bytes(b"split:" + sources.name_bytes(relpath))[:16], 16) / 16**16
     if u < fractions.train:
         return "train"
     return "val" if u < fractions.train + fractions.val else "test"
@@ -96,7 +96,8 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
     label_of = {name: i for i, name in enumerate(listing.classes)}
     by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
     for rel, size in listing.files:
-        by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label_of[rel.split("/")[0]], size))
+        label = label_of[sources.shown(rel.split("/", 1)[0])]
+        by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label, size))
     rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
     tasks = []
     for split, items in by_split.items():
@@ -108,39 +109,80 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
 
 def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
         overwrite: bool = False) -> Artifact:
-    """Run ETL from `source` into `out` and return the published artifact."""
+    """Run ETL from `source` into `out` and return the published artifact.
+
+    The output is locked for the run (workflow.locks): a second run on it exits 2 naming this one.
+    """
+    with output_lock(out, "etl", s3):
+        return _run_locked(cfg, source, out, s3, overwrite)
+
+
+def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:
     started = time.perf_counter()
-    listing = discover(source, s3)
+    listing = discover(source, s3, cfg.follow_symlinks)
     out_fs, out_root = storage.filesystem(out, s3)
-    _check_output(out_fs, out_root, out, overwrite)
+    previous = _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
     tasks = plan_tasks(listing, cfg, parallelism=cfg.min_shards)
     log.info("etl: %d files in %d classes -> %d shard task(s), run %s",
              len(listing.files), len(listing.classes), len(tasks), run_id)
-    results = []
     try:
         results = _execute(tasks, cfg, source, out, s3, run_id, listing.classes)
         quarantine = _quarantine_rows(results, listing)
-        _check_bad_fraction(cfg, quarantine, len(listing.files) + len(listing.outside), out)
+        _check_bad_fraction(cfg, quarantine, len(listing.files) + len(listing.rejected), out)
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
         quarantine_rel = f"quarantine-{run_id}.jsonl"
         manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
-        write_manifest(out, manifest, s3)  # the publish step
+        _publish(out, manifest, s3, out_fs, out_root)
     except BaseException:
-        _remove_run_files(out_fs, out_root, run_id)
+        # A write can raise after the store committed it (an S3 response timeout): then the
+        # manifest names these shards, and deleting them would publish a dataset with holes.
+        if _published_run(out_fs, out_root) not in (run_id, "unknown"):
+            _remove_run_files(out_fs, out_root, run_id)
         raise
-    _remove_stale(out_fs, out_root, manifest)
+    _remove_stale(out_fs, out_root, manifest, previous)
     _log_summary(manifest)
     return Artifact("etl", str(out).rstrip("/"), manifest)
 
 
-def _check_output(fs, root: str, out: str, overwrite: bool) -> None:
-    if fs.exists(storage.join(root, "manifest.json")) and not overwrite:
-        raise OutputExistsError(f"output '{out}' already holds a published dataset; pass --overwrite "
-                                f"to replace it (atomically), or choose another --output")
-    if fs.exists(root) and not overwrite and fs.find(root):
+def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse a used output unless overwriting; return the manifest being replaced, if any."""
+    manifest_path = storage.join(root, "manifest.json")
+    if fs.exists(manifest_path):
+        if not overwrite:
+            raise OutputExistsError(f"output '{out}' already holds a published dataset; pass --overwrite "
+                                    f"to replace it (atomically), or choose another --output")
+        return storage.read_json(fs, manifest_path)
+    ours = [p for p in fs.find(root) if not p.endswith("/" + LOCK_NAME)] if fs.exists(root) else []
+    if ours and not overwrite:
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")
+    return None
+
+
+def _publish(out: str, manifest: dict[str, Any], s3: Any | None, fs, root: str) -> None:
+    """Write the manifest: the publish step. A write that raised after the store committed it
+    (a response timeout on S3) is a publish, not a failure: the manifest names these shards."""
+    try:
+        write_manifest(out, manifest, s3)
+    except Exception as e:
+        if _published_run(fs, root) != manifest["run_id"]:
+            raise
+        log.warning("etl: the manifest write raised %s: %s, but the store committed it; published",
+                    type(e).__name__, e)
+
+
+def _published_run(fs, root: str) -> str | None:
+    """run_id of the manifest in `root` now; None when there is none; "unknown" when unreadable."""
+    try:
+        fs.invalidate_cache(root)
+        return storage.read_json(fs, storage.join(root, "manifest.json")).get("run_id")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # the endpoint that just failed may still be failing: keep the files
+        log.warning("etl: cannot tell whether the manifest was published (%s); keeping this run's files; "
+                    "check with: raymill verify", e)
+        return "unknown"
 
 
 def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, classes: list[str]):
@@ -168,8 +210,7 @@ def _root_cause(e: BaseException) -> str:
 
 def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:
     rows = [q for r in results for q in r["quarantine"]]
-    rows += [{"path": rel, "size": size, "sha256": None, "reason": "outside_class_folder",
-              "detail": "file is not inside a <class_name>/ folder"} for rel, size in listing.outside]
+    rows += listing.rejected
     return sorted(rows, key=lambda q: q["path"])
 
 
@@ -190,19 +231,22 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
             counts[r["split"]][name] = counts[r["split"]].get(name, 0) + n
     rows_out = sum(sum(c.values()) for c in counts.values())
     seconds = time.perf_counter() - started
-    manifest = base_manifest("etl", section_dict(cfg), {"source": str(source)})
+    manifest = base_manifest("etl", section_dict(cfg), {"source": str(source),
+                                                       "source_listing": listing.fingerprint})
     manifest.update({
         "run_id": run_id, "classes": listing.classes,
         "image_shape": [cfg.image_size, cfg.image_size, 3],
         "counts": {split: dict(sorted(c.items())) for split, c in counts.items()},
         "shards": shard_list,
-        "totals": {"files_in": len(listing.files) + len(listing.outside), "rows_out": rows_out,
+        "totals": {"files_in": len(listing.files) + len(listing.rejected), "rows_out": rows_out,
                    "quarantined": len(quarantine), "hidden_skipped": listing.hidden},
         "metrics": {"seconds": round(seconds, 3), "images_per_s": round(rows_out / seconds, 1),
                     "mb_written": round(sum(s["bytes"] for s in shard_list) / 1e6, 3)},
     })
     totals = manifest["totals"]
-    assert totals["files_in"] == totals["rows_out"] + totals["quarantined"], totals  # invariant
+    if totals["files_in"] != totals["rows_out"] + totals["quarantined"]:  # not assert: python -O drops those
+        raise EtlError(f"files_in={totals['files_in']} != rows_out={totals['rows_out']} + quarantined="
+                       f"{totals['quarantined']}: a file was lost; nothing was published. Please report this")
     return manifest
 
 
@@ -223,18 +267,29 @@ def _remove_run_files(fs, root: str, run_id: str) -> None:
         log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
 
 
-def _remove_stale(fs, root: str, manifest: dict[str, Any]) -> None:
-    """After an overwrite is published, delete our files the manifest no longer names.
+def _remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
+    """After an overwrite is published, delete the files of the manifest it replaced.
 
-    Only shards and quarantine reports: anything else in the folder is not ours to delete.
+    Only files that manifest named: another run's shards, or anything else in the folder, are not
+    ours to delete (a killed run's leftovers are listed in the log for the user to remove).
     """
-    keep = {storage.join(root, s["path"]) for s in manifest["shards"]}
-    keep.add(storage.join(root, manifest["quarantine"]["path"]))
-    for path in fs.find(root):
-        relative = path[len(root):].lstrip("/")
-        ours = relative.startswith("shards/") or relative.startswith("quarantine-")
-        if ours and path not in keep:
-            fs.rm_file(path)
+    keep = {s["path"] for s in manifest["shards"]} | {manifest["quarantine"]["path"]}
+    named = set()
+    if previous:
+        named = {s["path"] for s in previous.get("shards", [])} | {previous.get("quarantine", {}).get("path")}
+    for relative in sorted(named - keep - {None}):
+        if fs.exists(storage.join(root, relative)):
+            fs.rm_file(storage.join(root, relative))
+    fs.invalidate_cache(root)
+    leftovers = [p for p in fs.find(root) if _is_shard_file(p[len(root):].lstrip("/"))
+                 and p[len(root):].lstrip("/") not in keep | named]
+    if leftovers:
+        log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
+                    len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
+
+
+def _is_shard_file(relative: str) -> bool:
+    return relative.startswith("shards/") or relative.startswith("quarantine-")
 
 
 def _log_summary(m: dict[str, Any]) -> None:

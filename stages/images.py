@@ -8,7 +8,7 @@ import io
 import warnings
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 __all__ = ["BadImage", "open_image", "decode_rgb", "encode", "REASONS"]
 
@@ -18,7 +18,8 @@ Image.MAX_IMAGE_PIXELS = None
 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
 
 REASONS = ("empty_file", "too_large", "not_an_image", "unsupported_format", "truncated",
-           "decompression_bomb", "corrupt", "read_error", "outside_class_folder")
+           "decompression_bomb", "corrupt", "read_error", "outside_class_folder", "decode_error",
+           "not_a_regular_file", "symlink_outside_source", "symlink_not_followed", "symlink_loop")
 
 
 class BadImage(ValueError):
@@ -40,7 +41,9 @@ def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -
         raise BadImage("not_an_image", "no known image signature") from None
     except Exception as e:  # Pillow raises many types on malformed headers
         raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
-    if img.format not in allowed_formats:
+    # A JPEG with an MPF segment (phones, some cameras) opens as MPO; its first frame is the JPEG.
+    fmt = "JPEG" if img.format == "MPO" else img.format
+    if fmt not in allowed_formats:
         raise BadImage("unsupported_format", f"{img.format}; allowed: {', '.join(allowed_formats)}")
     width, height = img.size
     if width * height > max_pixels:
@@ -59,13 +62,22 @@ def decode_rgb(data: bytes, size: int, *, resize: str = "crop",
     """
     img = open_image(data, allowed_formats, max_pixels)
     try:
-        if img.format == "JPEG":
+        if img.format in ("JPEG", "MPO"):
             img.draft("RGB", (size, size))
         img.load()
     except Exception as e:
         reason = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
         raise BadImage(reason, f"{type(e).__name__}: {e}") from None
-    img = _to_rgb(img)
+    try:
+        # Phones store pixels sideways plus an EXIF orientation tag: without this they train sideways.
+        sixteen_bit = img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG")
+        img = _to_rgb(ImageOps.exif_transpose(img), sixteen_bit)
+        return _resize(img, size, resize)
+    except Exception as e:  # any other decoder failure is this file's problem, never the job's
+        raise BadImage("decode_error", f"{type(e).__name__}: {e}") from None
+
+
+def _resize(img: Image.Image, size: int, resize: str) -> np.ndarray:
     width, height = img.size
     if resize == "crop":
         side = min(width, height)
@@ -77,7 +89,11 @@ def decode_rgb(data: bytes, size: int, *, resize: str = "crop",
     return np.asarray(img, dtype=np.uint8)
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
+def _to_rgb(img: Image.Image, sixteen_bit: bool = False) -> Image.Image:
+    if sixteen_bit:
+        # 16-bit greyscale: convert("RGB") clips every value above 255 to white; scale instead.
+        grey = np.asarray(img, dtype=np.uint32) // 257
+        return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")
     # Transparent pixels become white, not whatever colour the encoder left under alpha 0.
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
         rgba = img.convert("RGBA")

@@ -28,7 +28,8 @@ import torch
 from workflow import storage
 from workflow.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
 from workflow.config import InferConfig, section_dict
-from stages import data as sd, export, shards
+from workflow.locks import output_lock
+from stages import data as sd, export, shards, sources
 from stages.etl import InputNotFoundError, sample_key
 from stages.images import BadImage
 
@@ -61,7 +62,15 @@ class Plan:
 
 
 def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None) -> Artifact:
-    """Predict every image of `source` with the model in `model_path`; publish into `out`."""
+    """Predict every image of `source` with the model in `model_path`; publish into `out`.
+
+    `out` is locked for the run, and refused when it holds another stage's output (exit 2).
+    """
+    with output_lock(out, "infer", s3):
+        return _run_locked(cfg, model_path, source, out, s3)
+
+
+def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: Any | None) -> Artifact:
     started = time.perf_counter()
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
@@ -129,16 +138,15 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
 
 
 def _plan_files(cfg: InferConfig, fs, root: str, source: str) -> Plan:
-    """Every non-hidden file is an item: unreadable ones come back as error rows, never dropped."""
-    items, hidden = [], 0
-    for path, meta in sorted(fs.find(root, detail=True).items()):
-        rel = path[len(root):].lstrip("/")
-        if meta.get("type") == "directory" or not rel:
-            continue
-        if any(part.startswith(".") for part in rel.split("/")):
-            hidden += 1  # .DS_Store and friends
-            continue
-        items.append({"path": rel, "size": int(meta.get("size") or 0)})
+    """Every non-hidden entry is an item: links out of the folder, FIFOs and unreadable files come
+    back as error rows (never read, never dropped); a non-UTF-8 name travels as hex bytes."""
+    entries, hidden = sources.list_tree(fs, root, "inside_source")
+    items = []
+    for e in entries:
+        name = sources.shown(e.rel)
+        reason, detail = e.problem or ("", "")
+        items.append({"path": name, "name_hex": "" if name == e.rel else sources.name_bytes(e.rel).hex(),
+                      "size": e.size, "reason": reason, "detail": detail})
     if not items:
         raise InferError(f"no files under '{source}'; pass an image folder or an ETL output")
     blocks = max(min(len(items), cfg.num_actors), math.ceil(len(items) / FILES_PER_BLOCK))
@@ -194,9 +202,11 @@ class Predictor:
 
     def _samples(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         if self.mode == "images":
-            rel = item["path"]
-            parent = rel.split("/")[-2] if "/" in rel else None
-            return [{"key": sample_key(rel), "path": rel, "size": item["size"],
+            rel = bytes.fromhex(item["name_hex"]).decode("utf-8", "surrogateescape") if item["name_hex"] \
+                else item["path"]
+            parent = item["path"].split("/")[-2] if "/" in item["path"] else None
+            return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
+                     "reason": item["reason"], "detail": item["detail"],
                      "true_class": parent if parent in self.known else None}]
         ref = sd.ShardRef(**item)
         return [{"key": key, "path": path, "image": image, "true_class": self.etl_classes[label]}
@@ -207,9 +217,11 @@ class Predictor:
         try:
             if "image" in sample:
                 return sd.decode_sample(sample["image"], self.info["image_size"], self.raw), None, None
+            if sample["reason"]:  # a link out of the folder, a FIFO, a device: never read
+                return None, sample["reason"], sample["detail"]
             if sample["size"] > MAX_FILE_BYTES:  # not even read: one huge file must not sink the actor
                 return None, "too_large", f"{sample['size']} bytes > {MAX_FILE_BYTES}"
-            data = self.fs.cat_file(storage.join(self.root, sample["path"]))
+            data = sources.read_capped(self.fs, self.root, sample["rel"], MAX_FILE_BYTES, "inside_source")
             return export.preprocess(data, self.info), None, None
         except BadImage as e:
             return None, e.reason, e.detail

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from workflow import storage
+from stages import sources
 from stages.images import BadImage, decode_rgb, encode
 
 __all__ = ["process_task", "parquet_bytes", "tar_bytes", "read_parquet_table", "iter_tar",
@@ -34,7 +35,7 @@ def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: d
     out_fs, out_root = storage.filesystem(out, s3)
     good, quarantine = [], []
     for key, rel, label, size in task["items"]:
-        record = _load_one(src_fs, storage.join(src_root, rel), key, rel, label, size, cfg)
+        record = _load_one(src_fs, src_root, key, rel, label, size, cfg)
         (quarantine if "reason" in record else good).append(record)
     shard_meta = []
     for part, rows in enumerate(_split_by_bytes(good, cfg["shard_max_mb"] * 1e6)):
@@ -54,12 +55,16 @@ def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: d
     return {"result": json.dumps(result)}
 
 
-def _load_one(fs, path: str, key: str, rel: str, label: int, size: int, cfg: dict) -> dict[str, Any]:
-    bad = {"path": rel, "size": size, "sha256": None}
-    if size > cfg["max_file_mb"] * 1e6:
+def _load_one(fs, root: str, key: str, rel: str, label: int, size: int, cfg: dict) -> dict[str, Any]:
+    """A good row, or a quarantine row: no exception from reading or decoding one file fails the job."""
+    bad = {"path": sources.shown(rel), "size": size, "sha256": None}
+    cap_bytes = int(cfg["max_file_mb"] * 1e6)
+    if size > cap_bytes:
         return {**bad, "reason": "too_large", "detail": f"{size} bytes > etl.max_file_mb"}
     try:
-        data = fs.cat_file(path)
+        data = sources.read_capped(fs, root, rel, cap_bytes, cfg["follow_symlinks"])
+    except BadImage as e:
+        return {**bad, "reason": e.reason, "detail": e.detail}
     except Exception as e:
         return {**bad, "reason": "read_error", "detail": f"{type(e).__name__}: {e}"}
     bad["sha256"] = hashlib.sha256(data).hexdigest()
@@ -69,7 +74,9 @@ def _load_one(fs, path: str, key: str, rel: str, label: int, size: int, cfg: dic
                             max_pixels=cfg["max_image_pixels"])
     except BadImage as e:
         return {**bad, "reason": e.reason, "detail": e.detail}
-    return {"key": key, "path": rel, "label": label, "sha256": bad["sha256"], "pixels": pixels}
+    except Exception as e:  # decode_rgb maps what it knows; anything else is still this file's fault
+        return {**bad, "reason": "decode_error", "detail": f"{type(e).__name__}: {e}"}
+    return {"key": key, "path": sources.shown(rel), "label": label, "sha256": bad["sha256"], "pixels": pixels}
 
 
 def _split_by_bytes(rows: list[dict], max_bytes: float) -> Iterator[list[dict]]:

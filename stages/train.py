@@ -14,6 +14,7 @@ from typing import Any
 from workflow import fingerprint, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
+from workflow.locks import output_lock
 
 __all__ = ["run", "TrainError", "pyarrow_filesystem"]
 
@@ -94,8 +95,14 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
     """Train on the ETL artifact `data`; publish the best model to `out`.
 
     Resumes the run state in `out` only if the same config and data made it (else ConfigError);
-    `overwrite` discards that state first.
+    `overwrite` discards that state first. One run per output: the output is locked for the run.
     """
+    with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
+        return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite)
+
+
+def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
+                s3: Any | None, overwrite: bool) -> Artifact:
     started = time.perf_counter()
     shards = _check_data(cfg, data, s3)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)

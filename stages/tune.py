@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from workflow import session, storage
-from workflow.artifacts import Artifact, base_manifest, config_hash, write_manifest
+from workflow.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
 __all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search"]
@@ -525,7 +525,7 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
     reaper = _PlacementGroupReaper()
     trainable = tune.with_resources(_make_driver(ctx), {"CPU": DRIVER_CPUS})
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
-           "data_manifest_hash": config_hash(data.manifest)}
+           "data_manifest_hash": data_fingerprint(data.manifest)}  # content, not run id: re-runs match
     fs, root = storage.filesystem(ray_dir, s3)
     key_path = storage.join(root, "search.json")
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):

@@ -11,6 +11,7 @@ import pytest
 
 from stages import etl
 from stages.images import decode_rgb
+from workflow.artifacts import data_fingerprint
 from workflow.config import EtlConfig, S3Config, load_config
 from tests.conftest import BAD_FILES, FlakyS3Proxy, make_tree
 
@@ -91,6 +92,8 @@ def test_rerun_is_deterministic_and_refuses_existing_output(tree, published, tmp
     digest = lambda a: sorted((s["split"], s["format"], s["first_key"], s["sha256"]) for s in a.manifest["shards"])
     assert digest(again) == digest(published)
     assert again.manifest["run_id"] != published.manifest["run_id"]
+    # Same images and config, new run id in every shard name: the same content fingerprint.
+    assert data_fingerprint(again.manifest) == data_fingerprint(published.manifest)
 
 
 def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_session):

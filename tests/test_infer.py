@@ -21,7 +21,7 @@ from stages.export import load_model, predict_arrays, preprocess, save_model
 from stages.models import build_model
 from stages.train_loop import to_batch
 from workflow import demo_data
-from workflow.config import EtlConfig, InferConfig
+from workflow.config import ConfigError, EtlConfig, InferConfig
 from tests.conftest import BAD_FILES, image_bytes, make_tree
 
 INFO = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "image_size": 32, "resize": "crop",
@@ -132,3 +132,33 @@ def test_model_folder_without_model_json_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no model.json in .*train or tune output"):
         infer.run(InferConfig(), str(tmp_path / "model"), str(tmp_path / "src"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_output_holding_another_stages_manifest_is_refused_with_exit_2(setup, capsys):
+    from workflow.__main__ import main
+
+    data, model_path = setup
+    before = (Path(data.path) / "manifest.json").read_bytes()
+    with pytest.raises(ConfigError, match="holds a published raymill.etl output"):
+        infer.run(InferConfig(), model_path, data.path, data.path)
+    assert main(["infer", "--model", model_path, "--data", data.path, "--output", data.path]) == 2
+    assert "raymill.etl" in capsys.readouterr().err
+    assert (Path(data.path) / "manifest.json").read_bytes() == before and etl.verify(data.path) == []
+
+
+def test_raw_folder_with_fifo_outside_link_and_non_utf8_name(setup, tmp_path):
+    import os
+
+    data, model_path = setup
+    src = tmp_path / "raw"
+    (src / "circle").mkdir(parents=True)
+    (src / "circle" / "a.jpg").write_bytes(image_bytes(1))
+    (src / os.fsdecode(b"circle/caf\xe9.jpg")).write_bytes(image_bytes(2))
+    os.mkfifo(src / "circle" / "pipe.jpg")  # read, it would block the actor forever
+    (tmp_path / "secret.jpg").write_bytes(image_bytes(3))
+    os.symlink(tmp_path / "secret.jpg", src / "circle" / "link.jpg")
+    art = infer.run(InferConfig(batch_size=4, num_actors=1), model_path, str(src), str(tmp_path / "out"))
+    rows, _ = _outputs(art)
+    assert {r["path"]: r["error"] for r in rows} == {
+        "circle/a.jpg": None, "circle/caf\\xe9.jpg": None, "circle/pipe.jpg": "not_a_regular_file",
+        "circle/link.jpg": "symlink_outside_source"}

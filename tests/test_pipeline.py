@@ -44,3 +44,34 @@ def test_run_with_serve_end_to_end_then_reuse(tmp_path, ray_session, caplog):
     pipeline.run(changed)  # only the stage whose config changed runs again
     reused = [r.getMessage().split(":")[0] for r in caplog.records if "reusing" in r.getMessage()]
     assert reused == ["etl", "train"]
+
+
+def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path):
+    from tests.conftest import image_bytes, make_tree
+    from workflow.artifacts import Artifact, base_manifest, write_manifest
+    from workflow.config import section_dict
+
+    src = tmp_path / "src"
+    make_tree(src, per_class=2, bad=False)
+    cfg = load_config(REPO / "configs/smoke.yaml", [f"run.source={src}", f"run.dir={tmp_path / 'run'}"])
+    builds = []
+
+    def build(out: str) -> Artifact:  # stands in for etl.run: publishes a manifest of this config
+        builds.append(out)
+        manifest = base_manifest("etl", section_dict(cfg.etl), {"source": str(src)})
+        write_manifest(out, manifest)
+        return Artifact("etl", out, manifest)
+
+    def reused(inputs=None) -> bool:
+        return pipeline.stage("etl", cfg, cfg.etl, inputs or pipeline.etl_inputs(cfg), build)[1]
+
+    by_path = {"source": str(src)}
+    assert not reused(by_path) and reused(by_path)
+    # A manual `raymill etl --overwrite` at another image_size replaced the published manifest.
+    other = section_dict(cfg.etl.model_copy(update={"image_size": 16}))
+    write_manifest(str(tmp_path / "run" / "etl"), base_manifest("etl", other, {"source": str(src)}))
+    assert not reused(by_path), "reused a manifest made with another config"
+    assert not reused() and reused()
+    (src / "cat" / "cat_new.jpg").write_bytes(image_bytes(1))  # images added to the same source path
+    assert not reused() and reused()
+    assert len(builds) == 4

@@ -85,6 +85,9 @@ class EtlConfig(Section):
     max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
     max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP")  # Pillow format names
+    # Symlinks in the source: inside_source follows only links that resolve inside the source tree;
+    # never quarantines every link; always follows any (reads whatever they point at).
+    follow_symlinks: Literal["inside_source", "never", "always"] = "inside_source"
     cpus_per_task: float = Field(1.0, gt=0)
 
 

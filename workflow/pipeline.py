@@ -1,7 +1,8 @@
 """The single entrypoint: ETL -> train -> (tune) -> batch inference -> (serve), straight-line.
 
-Each stage writes into `<run.dir>/<stage>/`. A stage whose published manifest has the same config
-and inputs is reused (and says so); `run.force` recomputes. An interrupted stage (no manifest)
+Each stage writes into `<run.dir>/<stage>/`, holding its lock. A stage whose published manifest is
+the one it published, with the same config and inputs (for ETL: a listing fingerprint of the
+source), is reused (and says so); `run.force` recomputes. An interrupted stage (no manifest)
 resumes when its config is unchanged: Ray Train restores from its own checkpoints.
 """
 from __future__ import annotations
@@ -14,29 +15,65 @@ from typing import Any, Callable
 import yaml
 
 from workflow import session, storage
-from workflow.artifacts import Artifact, config_hash, load_artifact
+from workflow.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
 from workflow.config import Config, section_dict
+from workflow.locks import LOCK_NAME, output_lock
 
-__all__ = ["run", "stage"]
+__all__ = ["run", "stage", "etl_inputs"]
 
 log = logging.getLogger(__name__)
 
 
 def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
           build: Callable[[str], Artifact]) -> tuple[Artifact, bool]:
-    """Run `build(out)` unless `out` already holds this stage's output for the same config+inputs."""
+    """Run `build(out)` unless `out` already holds this stage's output for the same config+inputs.
+
+    Reuse needs all three: the marker written with the output names this config and these inputs;
+    the manifest is the very one published then (its sha256), so a manual overwrite is noticed;
+    and the manifest's own config_hash is this config's.
+    """
     out = storage.join(cfg.run.dir, name)
     fs, root = storage.filesystem(out, cfg.s3)
     key = {"config_hash": config_hash(section_dict(section)), "inputs": inputs}
-    marker = storage.join(root, "stage.json")
-    same = fs.exists(marker) and storage.read_json(fs, marker) == key
-    if same and not cfg.run.force and fs.exists(storage.join(root, "manifest.json")):
-        log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
-        return load_artifact(out, s3=cfg.s3), True
-    if fs.exists(root) and (cfg.run.force or not same):
-        fs.rm(root, recursive=True)  # stale or changed: never resume into another config's state
-    storage.write_bytes_atomic(fs, marker, json.dumps(key).encode())
-    return build(out), False
+    with output_lock(out, name, cfg.s3):
+        marker_path, manifest_path = storage.join(root, "stage.json"), storage.join(root, MANIFEST)
+        marker = storage.read_json(fs, marker_path) if fs.exists(marker_path) else {}
+        same = marker.get("key") == key
+        if same and not cfg.run.force and fs.exists(manifest_path):
+            published = fs.cat_file(manifest_path)
+            manifest_hash = json.loads(published).get("config_hash")
+            unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
+            if unchanged and manifest_hash == key["config_hash"]:
+                log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
+                return load_artifact(out, s3=cfg.s3), True
+            log.info("%s: %s was replaced since this run published it; recomputing", name, manifest_path)
+            same = False
+        if cfg.run.force or not same:
+            _clear(fs, root)  # stale or changed: never resume into another config's state
+        storage.write_bytes_atomic(fs, marker_path, json.dumps({"key": key}).encode())
+        artifact = build(out)
+        published = fs.cat_file(manifest_path)
+        marker = {"key": key, "manifest_sha256": storage.sha256_bytes(published)}
+        storage.write_bytes_atomic(fs, marker_path, json.dumps(marker).encode())
+        return artifact, False
+
+
+def _clear(fs, root: str) -> None:
+    """Delete the stage folder's contents, except the lock this run holds on it."""
+    if not fs.exists(root):
+        return
+    for path in fs.ls(root, detail=False):
+        if path.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME:
+            fs.rm(path, recursive=True)
+
+
+def etl_inputs(cfg: Config) -> dict[str, Any]:
+    """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
+    changed images are noticed without hashing every file."""
+    from stages import etl
+
+    listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks)
+    return {"source": cfg.run.source, "source_listing": listing.fingerprint}
 
 
 def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
@@ -49,25 +86,27 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    data, _ = stage("etl", cfg, cfg.etl, {"source": cfg.run.source},
+    data, _ = stage("etl", cfg, cfg.etl, etl_inputs(cfg),
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
+    fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models
 
     t = time.perf_counter()
     if cfg.tune.enabled:
         from stages import tune
 
-        model, _ = stage("tune", cfg, cfg.tune, {"data": data.manifest["run_id"], "train": section_dict(cfg.train)},
+        model, _ = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
                          lambda out: tune.run(cfg.tune, cfg.train, data, out, seed=cfg.run.seed,
                                               ray_cfg=cfg.ray, s3=cfg.s3))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, _ = stage("train", cfg, cfg.train, {"data": data.manifest["run_id"], "seed": cfg.run.seed},
+        model, _ = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
                          lambda out: train.run(cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3))
         timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    preds, _ = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path},
+    preds, _ = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
+                                                "data_fingerprint": fingerprint},
                      lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
     timings["infer"] = time.perf_counter() - t
 

@@ -1,0 +1,172 @@
+"""Listing and reading an untrusted source tree (local or s3://): only regular files inside it are read.
+
+A source folder may hold anything: symlinks out of the tree (to /etc/passwd, /dev/zero), FIFOs
+that block a reader forever, device files, names that are not UTF-8. Each such entry becomes a
+quarantine row with its reason; none is read, none hangs the job, none is dropped silently.
+Every read is capped at etl.max_file_mb, whatever the listing said the size was.
+
+Symlink policy (etl.follow_symlinks): "inside_source" (default) follows a link only when its
+target resolves inside the source tree; "never" quarantines every link; "always" follows any.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+from workflow import storage
+from stages.images import BadImage
+
+__all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "entry_row"]
+
+CHUNK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    rel: str  # path relative to the root as the OS names it (undecodable bytes as surrogate escapes)
+    size: int
+    mtime: float
+    problem: tuple[str, str] | None = None  # (reason, detail): listed, never read
+
+
+def name_bytes(rel: str) -> bytes:
+    """The file name's bytes: the same as UTF-8 for every valid name, and defined for the rest."""
+    return rel.encode("utf-8", "surrogateescape")
+
+
+def shown(rel: str) -> str:
+    """A printable, valid UTF-8 form of a name: b'caf\\xe9.jpg' shows as 'caf\\\\xe9.jpg'."""
+    return name_bytes(rel).decode("utf-8", "backslashreplace")
+
+
+def tree_fingerprint(entries: list[Entry]) -> str:
+    """Cheap identity of a listing (names, sizes, mtimes): a changed or added file changes it."""
+    rows = sorted((shown(e.rel), e.size, round(e.mtime, 6)) for e in entries)
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:
+    """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/) are skipped and counted."""
+    entries, hidden = _list_local(root, policy) if _is_local(fs) else _list_object_store(fs, root)
+    return sorted(entries, key=lambda e: name_bytes(e.rel)), hidden
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _list_object_store(fs, root: str) -> tuple[list[Entry], int]:
+    entries, hidden = [], 0
+    for path, info in fs.find(root, detail=True).items():
+        rel = path[len(root):].lstrip("/")
+        if info.get("type") == "directory" or not rel:
+            continue
+        if any(part.startswith(".") for part in rel.split("/")):
+            hidden += 1
+            continue
+        modified = info.get("LastModified") or info.get("mtime") or 0
+        mtime = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
+        entries.append(Entry(rel, int(info.get("size") or 0), mtime))
+    return entries, hidden
+
+
+def _list_local(root: str, policy: str) -> tuple[list[Entry], int]:
+    real_root = os.path.realpath(root)
+    entries, hidden, pending, visited = [], 0, [""], {real_root}
+    while pending:
+        folder = pending.pop()
+        with os.scandir(os.path.join(root, folder) if folder else root) as found:
+            children = list(found)
+        for child in children:
+            rel = f"{folder}/{child.name}" if folder else child.name
+            if child.name.startswith("."):
+                hidden += 1
+                continue
+            info = child.stat(follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                problem, info = _follow(os.path.join(root, rel), real_root, policy, info)
+                if problem:
+                    entries.append(Entry(rel, 0, info.st_mtime, problem))
+                    continue
+            if stat.S_ISDIR(info.st_mode):
+                real = os.path.realpath(os.path.join(root, rel))
+                if real in visited:  # a link back up the tree, or to a folder listed already
+                    entries.append(Entry(rel, 0, info.st_mtime, ("symlink_loop", f"-> {shown(real)}")))
+                else:
+                    visited.add(real)
+                    pending.append(rel)
+            elif stat.S_ISREG(info.st_mode):
+                entries.append(Entry(rel, info.st_size, info.st_mtime))
+            else:
+                entries.append(Entry(rel, 0, info.st_mtime, ("not_a_regular_file", _kind(info.st_mode))))
+    return entries, hidden
+
+
+def _follow(path: str, real_root: str, policy: str, link_info: os.stat_result):
+    """(problem or None, stat of what to list) for a symlink under the policy."""
+    target = shown(os.readlink(path))
+    if policy == "never":
+        return ("symlink_not_followed", f"-> {target}; etl.follow_symlinks=never"), link_info
+    try:
+        info = os.stat(path)
+    except OSError as e:
+        reason = "symlink_loop" if e.errno == errno.ELOOP else "read_error"
+        return (reason, f"-> {target}: {e.strerror}"), link_info
+    if policy == "inside_source" and not _inside(os.path.realpath(path), real_root):
+        return ("symlink_outside_source", f"-> {target}; set etl.follow_symlinks=always to read it"), link_info
+    return None, info
+
+
+def _inside(real: str, real_root: str) -> bool:
+    return real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_capped(fs, root: str, rel: str, cap_bytes: int, policy: str) -> bytes:
+    """Read one listed file, at most `cap_bytes`; BadImage when it is too large or not a regular file."""
+    path = storage.join(root, rel)
+    if _is_local(fs):
+        data = _read_local(path, root, cap_bytes, policy)
+    else:
+        data = fs.cat_file(path, start=0, end=cap_bytes + 1)
+    if len(data) > cap_bytes:
+        raise BadImage("too_large", f"more than {cap_bytes} bytes (etl.max_file_mb)")
+    return data
+
+
+def _read_local(path: str, root: str, cap_bytes: int, policy: str) -> bytes:
+    # Checked again at read time: the tree may have changed since it was listed.
+    if policy == "inside_source" and not _inside(os.path.realpath(path), os.path.realpath(root)):
+        raise BadImage("symlink_outside_source", "resolves outside the source tree")
+    flags = os.O_RDONLY | os.O_NONBLOCK | (os.O_NOFOLLOW if policy == "never" else 0)  # a FIFO must not block
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise BadImage("not_a_regular_file", _kind(mode))
+        chunks, total = [], 0
+        while total <= cap_bytes and (chunk := os.read(fd, min(CHUNK_BYTES, cap_bytes + 1 - total))):
+            chunks.append(chunk)
+            total += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def entry_row(entry: Entry) -> dict[str, Any]:
+    """The quarantine row of a listed entry that is never read."""
+    reason, detail = entry.problem or ("read_error", "")
+    return {"path": shown(entry.rel), "size": entry.size, "sha256": None, "reason": reason, "detail": detail}

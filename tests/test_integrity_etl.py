@@ -1,0 +1,209 @@
+"""Issue 14: untrusted inputs cannot hang or fool the ETL, and outputs cannot be clobbered.
+
+Real files (symlinks, a FIFO, a device, a non-UTF-8 name), real Ray, real locks across processes,
+a loopback S3 (moto) for the conditional-PUT lock.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages import etl, sources
+from stages.export import preprocess
+from stages.images import decode_rgb
+from workflow import locks, storage
+from workflow.config import EtlConfig, S3Config
+from tests.conftest import REPO, image_bytes, make_tree
+
+CFG = EtlConfig(image_size=32, shard_max_rows=10)
+
+
+def _halves(width: int, height: int) -> np.ndarray:
+    """Left half red, right half blue: any rotation shows."""
+    array = np.zeros((height, width, 3), np.uint8)
+    array[:, : width // 2] = (220, 20, 20)
+    array[:, width // 2:] = (20, 20, 220)
+    return array
+
+
+def _jpeg(img: Image.Image, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=95, **kwargs)
+    return buf.getvalue()
+
+
+def test_exif_orientation_is_applied_the_same_in_etl_and_inference():
+    stored = Image.fromarray(_halves(80, 40))  # pixels as the phone stored them
+    exif = stored.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    with_tag = _jpeg(stored, exif=exif.tobytes())
+    upright = _jpeg(stored.transpose(Image.Transpose.ROTATE_270))  # what the user sees
+    expected = decode_rgb(upright, 32, resize="stretch").astype(int)
+    got = decode_rgb(with_tag, 32, resize="stretch").astype(int)
+    assert np.abs(got - expected).mean() < 6  # sideways, it differs by ~100
+    info = {"image_size": 32, "resize": "stretch"}
+    assert np.array_equal(preprocess(with_tag, info), got)  # batch and online inference decode the same
+
+
+def test_16_bit_greyscale_png_is_scaled_not_clipped():
+    grey = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (64, 1))
+    buf = io.BytesIO()
+    Image.fromarray(grey).save(buf, format="PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
+    pixels = decode_rgb(buf.getvalue(), 64, resize="stretch")
+    assert pixels[:, :4].mean() < 10 and pixels[:, -4:].mean() > 245  # dark to light, not all white
+    assert 110 < pixels.mean() < 145
+
+
+def test_mpo_jpeg_is_accepted_as_jpeg():
+    first, second = Image.fromarray(_halves(40, 40)), Image.new("RGB", (40, 40), (0, 255, 0))
+    buf = io.BytesIO()
+    first.save(buf, format="MPO", save_all=True, append_images=[second])
+    assert Image.open(io.BytesIO(buf.getvalue())).format == "MPO"
+    got = decode_rgb(buf.getvalue(), 32).astype(int)
+    assert np.abs(got - decode_rgb(_jpeg(first), 32).astype(int)).mean() < 3  # the first frame
+
+
+@pytest.fixture
+def hostile_tree(tmp_path):
+    """A class tree plus everything that must not be read as an image."""
+    root, outside = tmp_path / "src", tmp_path / "outside"
+    make_tree(root, per_class=4, bad=False)
+    outside.mkdir()
+    (outside / "secret.jpg").write_bytes(image_bytes(5))
+    (outside / "lion_000.jpg").write_bytes(image_bytes(6))
+    os.symlink(outside / "secret.jpg", root / "cat" / "escape.jpg")
+    os.symlink("/dev/zero", root / "cat" / "zero.jpg")
+    os.symlink(root / "dog" / "dog_000.jpg", root / "cat" / "inside.jpg")  # inside the tree: followed
+    os.mkfifo(root / "dog" / "pipe.jpg")
+    os.symlink(outside, root / "lion")  # a class folder that is a link out of the tree
+    (root / os.fsdecode(b"bird/caf\xe9.jpg")).write_bytes(image_bytes(7))  # not UTF-8
+    return root
+
+
+def test_links_fifos_devices_and_bad_names_are_quarantined_not_read(hostile_tree, tmp_path, ray_session):
+    started = time.monotonic()
+    art = etl.run(CFG, str(hostile_tree), str(tmp_path / "ds"))  # a FIFO read would block forever
+    assert time.monotonic() - started < 120
+    m = art.manifest
+    rows = (Path(art.path) / m["quarantine"]["path"]).read_text().splitlines()
+    reasons = {q["path"]: q["reason"] for q in map(json.loads, rows)}
+    assert reasons == {"cat/escape.jpg": "symlink_outside_source", "cat/zero.jpg": "symlink_outside_source",
+                       "dog/pipe.jpg": "not_a_regular_file", "lion": "symlink_outside_source"}
+    assert m["classes"] == ["bird", "cat", "dog"]  # the linked class folder is a row, not silently gone
+    assert m["totals"]["rows_out"] == 3 * 4 + 2  # + cat/inside.jpg + the non-UTF-8 name, keyed by bytes
+    import pyarrow.parquet as pq
+
+    paths = [p for s in m["shards"] if s["format"] == "parquet"
+             for p in pq.read_table(Path(art.path) / s["path"])["path"].to_pylist()]
+    assert "bird/caf\\xe9.jpg" in paths and "cat/inside.jpg" in paths
+    assert etl.verify(art.path) == []
+
+
+def test_symlink_policy_and_read_cap(hostile_tree):
+    never = etl.discover(str(hostile_tree), follow_symlinks="never")
+    assert {q["path"]: q["reason"] for q in never.rejected}["cat/inside.jpg"] == "symlink_not_followed"
+    always = etl.discover(str(hostile_tree), follow_symlinks="always")
+    assert "lion/secret.jpg" in [rel for rel, _ in always.files]  # followed when asked
+    fs = storage.filesystem(str(hostile_tree))[0]
+    with pytest.raises(sources.BadImage, match="not_a_regular_file"):  # not read until MemoryError
+        sources.read_capped(fs, str(hostile_tree), "cat/zero.jpg", 10**6, "always")
+    with pytest.raises(sources.BadImage, match="too_large"):  # the cap holds whatever the listing said
+        sources.read_capped(fs, str(hostile_tree), "bird/bird_000.jpg", 100, "inside_source")
+
+
+def test_files_in_check_survives_python_dash_o(tmp_path):
+    for name in ("1.jpg", "2.jpg"):
+        (tmp_path / "a").mkdir(exist_ok=True)
+        (tmp_path / "a" / name).write_bytes(image_bytes(1))
+    listing = etl.discover(str(tmp_path))
+    results = [{"split": "train", "shards": [], "quarantine": [], "counts": {"a": 1}}]  # one file lost
+    with pytest.raises(etl.EtlError, match="files_in=2 != rows_out=1"):
+        etl._manifest(CFG, "src", "run", listing, results, [], time.perf_counter())
+
+
+HOLDER = """
+import sys, time
+from workflow import locks, storage
+with locks.output_lock(sys.argv[1], "etl"):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, ray_session, capsys):
+    from workflow.__main__ import main
+
+    src, out = tmp_path / "src", tmp_path / "ds"
+    make_tree(src, per_class=3, bad=False)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(locks.OutputLockedError, match=f"pid {holder.pid}"):
+            etl.run(CFG, str(src), str(out))
+        assert main(["etl", "--input", str(src), "--output", str(out)]) == 2
+        assert f"pid {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.send_signal(signal.SIGKILL)  # dies holding the lock: the lock file stays behind
+        holder.wait()
+    assert (out / locks.LOCK_NAME).exists()
+    art = etl.run(CFG, str(src), str(out))  # stale: taken over
+    assert etl.verify(art.path) == [] and not (out / locks.LOCK_NAME).exists()
+
+
+def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    s3, out = S3Config(endpoint_url=endpoint), f"s3://{bucket}/ds"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    key = f"{bucket}/ds/{locks.LOCK_NAME}"
+    with locks.output_lock(out, "etl", s3):
+        held = json.loads(fs.cat_file(key))
+        assert held["pid"] == os.getpid() and held["kind"] == "etl"
+        with pytest.raises(FileExistsError):  # what a second run's create gets: If-None-Match holds
+            fs.pipe_file(key, b"{}", mode="create")
+    assert not fs.exists(key)
+    other = {"owner": "ann", "host": "node-7", "pid": 4242, "kind": "train", "since": "earlier",
+             "heartbeat_unix": time.time()}
+    fs.pipe_file(key, json.dumps(other).encode())
+    with pytest.raises(locks.OutputLockedError, match="ann on host node-7, pid 4242"):
+        with locks.output_lock(out, "etl", s3):
+            pass
+    fs.pipe_file(key, json.dumps({**other, "heartbeat_unix": time.time() - locks.STALE_AFTER_S - 1}).encode())
+    with locks.output_lock(out, "etl", s3):  # the holder stopped refreshing: taken over
+        assert json.loads(fs.cat_file(key))["pid"] == os.getpid()
+
+
+def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(tmp_path, ray_session,
+                                                                            monkeypatch):
+    src, out = tmp_path / "src", tmp_path / "ds"
+    make_tree(src, per_class=3, bad=False)
+    etl.run(CFG, str(src), str(out))
+    foreign = out / "shards" / "train-00000-00-20990101T000000-abcdef.parquet"
+    foreign.write_bytes(b"another run's shard")
+    real = etl.write_manifest
+
+    def committed_then_timed_out(*args, **kwargs):
+        real(*args, **kwargs)
+        raise TimeoutError("read timeout on the PUT response")
+
+    monkeypatch.setattr(etl, "write_manifest", committed_then_timed_out)
+    second = etl.run(CFG.model_copy(update={"image_size": 16}), str(src), str(out), overwrite=True)
+    assert etl.verify(str(out)) == []  # the published manifest's shards are all there
+    assert json.loads((out / "manifest.json").read_text())["run_id"] == second.manifest["run_id"]
+    named = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"]}
+    on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    # The replaced run's files are gone; another run's shard, named by no manifest we replaced, is not ours.
+    assert on_disk == named | {"manifest.json", str(foreign.relative_to(out))}
