@@ -16,6 +16,9 @@ import contextlib
 import io
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -47,14 +50,50 @@ def _mid_epoch_checkpoint_registered(run_dir: Path) -> bool:
         return False
 
 
-def _lose_worker_node(cluster: Cluster, node, run_dir: Path, log: list, replace: bool) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_replacement_node(gcs_address: str) -> subprocess.Popen:
+    """`ray start --address` with 1 CPU: what an autoscaler runs on a fresh instance.
+
+    It finds the cluster's token in ~/.ray/auth_token, as a real replacement node must. Its agents
+    get free ports, so it can't collide with other Ray clusters on this machine. On a loaded 2-core
+    machine its dashboard agent took over 30 s to start, and the raylet then aborted ("Timed out
+    waiting for file .../dashboard_agent_listen_port_..."): the node never joined. Give it longer.
+    """
+    ports = ("dashboard-agent-grpc-port", "dashboard-agent-listen-port", "metrics-export-port",
+             "runtime-env-agent-port")
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", f"--address={gcs_address}", "--num-cpus=1",
+           "--object-store-memory=157286400", "--node-manager-port=0", "--object-manager-port=0",
+           "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats", "--block",
+           *[f"--{name}={_free_port()}" for name in ports]]
+    env = {**os.environ, "RAY_agent_register_timeout_ms": "180000"}
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def _lose_worker_node(cluster: Cluster, node, run_dir: Path, log: list, spares: list) -> None:
     deadline = time.time() + 300
     while time.time() < deadline and not _mid_epoch_checkpoint_registered(run_dir):
         time.sleep(0.1)
     cluster.remove_node(node, allow_graceful=False)
     log.append("removed")
-    if replace:  # what an autoscaler does after a spot-instance loss: a fresh node, same shape
-        log.append(cluster.add_node(num_cpus=1).node_id)
+    if spares is not None:  # a fresh node of the same shape, as after a spot-instance loss
+        spares.append(_start_replacement_node(cluster.address))
+        log.append("replacement started")
+
+
+def _stop(procs: list) -> None:
+    for proc in procs:  # only the `ray start` this script started, and its own process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _train_via_cli(cfg_overrides: list[str], data: Path, out: Path) -> dict:
@@ -99,13 +138,15 @@ def main(workdir: str, mode: str) -> None:
     data = load_artifact(str(work / "ds"), "etl")
     out = work / f"train-{mode}"
     events: list = []
+    spares: list | None = [] if mode == "node-replace" else None
     if mode != "complete":
         threading.Thread(target=_lose_worker_node, daemon=True,
-                         args=(cluster, worker_node, out / "ray/train", events, mode == "node-replace")).start()
-    result = {"mode": mode, "cluster_nodes": sorted(nodes), "events": events}
+                         args=(cluster, worker_node, out / "ray/train", events, spares)).start()
+    result = {"mode": mode, "cluster_nodes": sorted(nodes), "events": events,
+              "removed_node": worker_node.node_id}
     if mode == "capacity-timeout":
         result.update(_train_via_cli(overrides, work / "ds", out))
-        _finish(result, cluster)
+        _finish(result, cluster, [])
         return
     try:
         model = train.run(cfg.train, data, str(out), seed=0, ray_cfg=cfg.ray)
@@ -117,12 +158,35 @@ def main(workdir: str, mode: str) -> None:
                       infer_rows=preds.manifest.get("metrics", {}).get("rows"))
     except Exception as e:
         result.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-    _finish(result, cluster)
+    _finish(result, cluster, spares or [])
 
 
-def _finish(result: dict, cluster: Cluster) -> None:
+def problems(result: dict) -> list[str]:
+    """What went wrong in one run's RESULT, judged by its mode; [] when it behaved as it must."""
+    mode, found = result["mode"], []
+    if mode != "complete" and "removed" not in result["events"]:
+        found.append("the worker node was never removed")
+    if mode in ("complete", "node-loss-recover", "node-replace"):
+        if not result.get("ok"):
+            return found + [f"training failed: {result.get('error', '')[:300]}"]
+        if result["epochs"] != 2:
+            found.append(f"{result['epochs']} epochs, not 2")
+    last = set(result.get("last_worker_nodes") or [])
+    if mode == "node-loss-recover" and len(last) != 1:
+        found.append(f"training did not continue on the surviving node alone: {sorted(last)}")
+    if mode == "node-replace" and (len(last) != 2 or result["removed_node"] in last):
+        found.append(f"the last epoch did not run on the survivor + the replacement: {sorted(last)}")
+    if mode == "node-loss-fail" and (result.get("ok") or "max_failures=0" not in result.get("error", "")):
+        found.append(f"expected a clear max_failures=0 error, got ok={result.get('ok')}")
+    if mode == "capacity-timeout" and (result.get("exit_code") != 1 or "CapacityError" not in result.get("error", "")):
+        found.append(f"expected exit 1 with CapacityError, got {result.get('exit_code')}")
+    return found
+
+
+def _finish(result: dict, cluster: Cluster, spares: list) -> None:
     print("RESULT " + json.dumps(result), flush=True)
     ray.shutdown()
+    _stop(spares)
     cluster.shutdown()
 
 
