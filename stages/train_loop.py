@@ -96,8 +96,9 @@ class Worker:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self.nodes = self.gather(ray.get_runtime_context().get_node_id())  # placement, for the report
-        # One token per attempt (rank 0's): after an elastic restart the step restarts at 0, and a
-        # reused checkpoint name makes Ray's num_to_keep delete the newest checkpoint's folder.
+        # One token per attempt (rank 0's) in every checkpoint name: after an elastic restart the
+        # step restarts at 0, and a reused name let Ray's num_to_keep delete, by path, a folder a
+        # newer checkpoint shared; deleting it again crashed Train's controller.
         self.attempt = self.gather(os.urandom(4).hex())[0]
         torch.manual_seed(self.seed)  # identical init everywhere; DDP also broadcasts rank 0's
         if self.device.type == "cpu":

@@ -70,7 +70,7 @@ def _start_replacement_node(gcs_address: str) -> subprocess.Popen:
            "--object-store-memory=157286400", "--node-manager-port=0", "--object-manager-port=0",
            "--min-worker-port=0", "--max-worker-port=0", "--disable-usage-stats", "--block",
            *[f"--{name}={_free_port()}" for name in ports]]
-    env = {**os.environ, "RAY_agent_register_timeout_ms": "180000"}
+    env = {**os.environ, "RAY_raylet_start_wait_time_s": "180", "RAY_agent_register_timeout_ms": "180000"}
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)
 
