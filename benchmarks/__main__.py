@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "ddp": "benchmarks.ddp",
     "serve": "benchmarks.serve",
     "tune": "benchmarks.tune",
+    "chaos": "benchmarks.chaos",
 }
 
 HERE = Path(__file__).resolve().parent

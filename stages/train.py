@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stages import capacity
 from workflow import fingerprint, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
@@ -78,7 +79,8 @@ def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out:
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name="train", storage_path=path, storage_filesystem=fs,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
+                cfg.max_failures, cfg.capacity_timeout_s)),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_acc",
                 checkpoint_score_order="max")))
@@ -121,6 +123,8 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
 
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
             raise TrainError(refusal) from e
+        if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
+            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
                          f"with the same --output to resume from the last checkpoint: "
                          f"{str(e).splitlines()[0]}") from e

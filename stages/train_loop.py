@@ -97,6 +97,10 @@ class Worker:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self.nodes = self.gather(ray.get_runtime_context().get_node_id())  # placement, for the report
+        # One token per attempt (rank 0's) in every checkpoint name: after an elastic restart the
+        # step restarts at 0, and a reused name let Ray's num_to_keep delete, by path, a folder a
+        # newer checkpoint shared; deleting it again crashed Train's controller.
+        self.attempt = self.gather(os.urandom(4).hex())[0]
         torch.manual_seed(self.seed)  # identical init everywhere; DDP also broadcasts rank 0's
         if self.device.type == "cpu":
             torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1) + 0.5)))
@@ -271,7 +275,7 @@ class Worker:
                 (folder / "meta.json").write_text(json.dumps(meta))
             metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=f"checkpoint-e{epoch:03d}-s{step:06d}")
+                             checkpoint_dir_name=f"checkpoint-e{epoch:03d}-s{step:06d}-{self.attempt}")
 
     def restore(self) -> None:
         import ray.train

@@ -590,7 +590,7 @@ def _checkpoint_history(ctx: dict, trial_id: str, metric: str) -> list[dict[str,
     found = []
     for run in runs:
         for item in fs.get_file_info(pafs.FileSelector(run.path, allow_not_found=True)):
-            m = re.fullmatch(r"checkpoint-e(\d+)-s0+", item.base_name)
+            m = re.fullmatch(r"checkpoint-e(\d+)-s0+(-[0-9a-f]+)?", item.base_name)
             if not m or item.type != pafs.FileType.Directory:
                 continue
             try:

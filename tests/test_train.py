@@ -73,7 +73,7 @@ def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
 
     deadline = time.time() + 240
     while time.time() < deadline and not killed:
-        if any(checkpoint_dir.glob("checkpoint-e000-s000004")):
+        if any(checkpoint_dir.glob("checkpoint-e000-s000004-*")):
             # only this test session's Ray (our descendants), never another session's workers
             for proc in psutil.Process().children(recursive=True):
                 try:

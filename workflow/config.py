@@ -127,6 +127,9 @@ class TrainConfig(Section):
     checkpoint_every_steps: int = Field(0, ge=0)  # 0: only at epoch ends
     num_to_keep: int = Field(2, ge=1)
     max_failures: int = Field(3, ge=0)
+    # After a node loss Ray Train waits for room for the whole group (or min_workers); past this
+    # many seconds of waiting, training stops with an error naming what is missing (exit 1).
+    capacity_timeout_s: float = Field(600.0, gt=0)
     storage_path: str | None = None  # Ray Train storage (local or s3://); None: <run dir>/ray
     cache_dir: str = "~/.cache/raymill/shards"  # local copies of remote shards
     cache_max_gb: float = Field(20.0, gt=0)

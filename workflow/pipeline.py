@@ -82,7 +82,11 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
 
     started = time.perf_counter()
     _write_config(cfg)
-    session.start(cfg.ray)
+    resources = session.start(cfg.ray)
+    train_cfg = cfg.train
+    if serve:  # checked before ETL; a previous run's replicas may still hold CPUs while this trains
+        plan = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
+        train_cfg = cfg.train.model_copy(update={"cpus_per_worker": plan.workers.cpus_per_worker})
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -100,8 +104,8 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
                                               ray_cfg=cfg.ray, s3=cfg.s3))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, _ = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
-                         lambda out: train.run(cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3))
+        model, _ = stage("train", cfg, train_cfg, {"data": fingerprint, "seed": cfg.run.seed},
+                         lambda out: train.run(train_cfg, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3))
         timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -10,9 +10,10 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from workflow.config import ConfigError, RayConfig, TrainConfig, TuneConfig
+from workflow.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
-__all__ = ["start", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials", "TrialPlan"]
+__all__ = ["start", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials", "TrialPlan",
+           "ServeTrainPlan", "plan_serve_and_train"]
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +129,41 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
             f"{free:g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
             f"tune.workers_per_trial or train.cpus_per_worker")
     return TrialPlan(concurrent, plan_workers(per_trial, resources, data_reserved_cpus, slots=concurrent))
+
+
+@dataclass(frozen=True)
+class ServeTrainPlan:
+    """CPUs for Serve replicas and a trainer that run at once, beside the Ray Data reserve."""
+    serve_replicas: int
+    serve_cpus: float
+    workers: WorkerPlan
+
+
+def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict[str, float],
+                         data_reserved_cpus: float) -> ServeTrainPlan:
+    """Fit serve's replicas (at their maximum count) and one trainer into `resources`.
+
+    A replica holds its CPUs for as long as the app is up, so while `raymill run --serve`
+    retrains on a cluster that still serves the previous model, the trainer only gets what
+    Serve and the Ray Data reserve leave. Raises ConfigError naming the keys when that is nothing.
+    """
+    replicas = serve.max_replicas if serve.autoscaling else serve.num_replicas
+    serve_cpus = replicas * serve.cpus_per_replica
+    serve_gpus = float(replicas) if serve.use_gpu else 0.0
+    key = "serve.max_replicas" if serve.autoscaling else "serve.num_replicas"
+    left = resources["CPU"] - data_reserved_cpus - serve_cpus
+    if left <= 1e-9:
+        raise ConfigError(
+            f"{key}={replicas} x serve.cpus_per_replica={serve.cpus_per_replica:g} CPU plus "
+            f"ray.data_reserved_cpus={data_reserved_cpus:g} leave {max(left, 0):g} of {resources['CPU']:g} "
+            f"CPUs for training; lower serve.cpus_per_replica or {key}, or add CPUs")
+    if serve_gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"serve.use_gpu with {key}={replicas} needs {serve_gpus:g} GPUs but the cluster "
+                          f"has {resources['GPU']:g}; set serve.use_gpu=false or add GPUs")
+    rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
+    try:
+        workers = plan_workers(train, rest, data_reserved_cpus)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
+                          f"training: lower {key} or serve.cpus_per_replica)") from None
+    return ServeTrainPlan(replicas, serve_cpus, workers)

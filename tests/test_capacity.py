@@ -1,0 +1,97 @@
+"""Failure-mode plans that need no cluster: the bounded capacity wait after a node loss, and
+Serve replicas planned beside a trainer (`raymill run --serve`). The real node-loss runs are
+in test_cluster.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stages import capacity
+from workflow import session
+from workflow.config import ConfigError, load_config
+from tests.conftest import REPO
+
+TWO_CPUS = {"CPU": 2.0, "GPU": 0.0}
+
+
+def _cfg(*extra):
+    return load_config(REPO / "configs/smoke.yaml", list(extra))
+
+
+@pytest.fixture
+def no_start_timeout_env(monkeypatch):
+    monkeypatch.delenv(capacity.START_TIMEOUT_ENV, raising=False)
+    monkeypatch.setattr(capacity, "_set_by_us", None)
+
+
+def test_capacity_timeout_bounds_rays_retries_of_a_group_that_cannot_be_placed(no_start_timeout_env):
+    kwargs = capacity.failure_config_kwargs(max_failures=2, capacity_timeout_s=600)
+    # 60 s per attempt (Ray's default), 10 attempts in all: limit 9 (Ray raises past the limit)
+    assert kwargs == {"max_failures": 2, "controller_failure_limit": 9}
+    assert os.environ[capacity.START_TIMEOUT_ENV] == "60"
+    # a small budget still holds two attempts, with shorter waits each
+    assert capacity.failure_config_kwargs(0, 30)["controller_failure_limit"] == 1
+    assert os.environ[capacity.START_TIMEOUT_ENV] == "15"
+
+
+def test_a_users_own_start_timeout_wins(no_start_timeout_env, monkeypatch):
+    monkeypatch.setenv(capacity.START_TIMEOUT_ENV, "20")
+    assert capacity.failure_config_kwargs(1, 100)["controller_failure_limit"] == 4
+    assert os.environ[capacity.START_TIMEOUT_ENV] == "20"
+
+
+def test_capacity_timeout_is_recognised_through_rays_controller_error():
+    import ray.train
+
+    class WorkerGroupStartupTimeoutError(RuntimeError):  # stands in for Ray's internal class
+        pass
+
+    assert capacity.is_capacity_timeout(ray.train.ControllerError(WorkerGroupStartupTimeoutError("15 s")))
+    assert not capacity.is_capacity_timeout(ray.train.ControllerError(ValueError("other")))
+    assert not capacity.is_capacity_timeout(RuntimeError("worker died"))
+
+
+def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
+    plan = session.plan_workers(_cfg().train, TWO_CPUS, 0.5)  # 2 workers x 0.75 CPU
+    nodes = [{"Alive": True, "Resources": {"CPU": 1.0}}, {"Alive": False, "Resources": {"CPU": 1.0}}]
+    assert capacity.workers_that_fit({"CPU": 0.75}, nodes) == 1
+    message = str(capacity.capacity_error(plan, 40, "runs/x/train", nodes))
+    assert "train.capacity_timeout_s=40s" in message and "1 alive node(s) (CPU 1)" in message
+    assert "missing: 1 x {CPU: 0.75}" in message and "ray start --address" in message
+    assert "train.min_workers=1" in message and "rerun the same command" in message and "runs/x/train" in message
+
+
+def test_serve_and_train_plan_leaves_ray_data_its_reserve():
+    cfg = _cfg()  # 1 replica x 0.5 CPU, 2 workers, 0.5 CPU Ray Data reserve
+    plan = session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
+    assert plan.serve_cpus == 0.5 and plan.workers.num_workers == 2
+    held = plan.serve_cpus + plan.workers.cpus_per_worker * plan.workers.num_workers
+    assert held <= 2.0 - 0.5 + 1e-9, "serve + trainer would starve Ray Data"
+    assert plan.workers.cpus_per_worker == 0.5
+    # autoscaling plans for the most replicas Serve may start
+    auto = _cfg("serve.autoscaling=true", "serve.max_replicas=2", "serve.cpus_per_replica=0.25")
+    assert session.plan_serve_and_train(auto.train, auto.serve, TWO_CPUS, 0.5).serve_cpus == 0.5
+
+
+def test_serve_and_train_plan_rejects_what_cannot_fit_with_the_keys_to_change():
+    cfg = _cfg("serve.num_replicas=3")
+    with pytest.raises(ConfigError, match=r"serve.num_replicas=3 x serve.cpus_per_replica=0.5 CPU plus "
+                                          r"ray.data_reserved_cpus=0.5 leave 0 of 2 CPUs"):
+        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
+    cfg = _cfg("train.cpus_per_worker=0.75")  # fits alone (1.5 CPUs), not beside a replica
+    with pytest.raises(ConfigError, match=r"lower serve.num_replicas or serve.cpus_per_replica"):
+        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
+    cfg = _cfg("serve.use_gpu=true")
+    with pytest.raises(ConfigError, match="serve.use_gpu"):
+        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
+
+
+def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session, tmp_path, capsys):
+    from workflow.__main__ import main
+
+    rc = main(["run", "--serve", "--config", str(REPO / "configs/smoke.yaml"), "--set", f"run.dir={tmp_path}",
+               "--set", f"run.source={tmp_path / 'missing'}", "--set", "serve.cpus_per_replica=1.5"])
+    assert rc == 2
+    assert "serve.num_replicas=1 x serve.cpus_per_replica=1.5 CPU" in capsys.readouterr().err
+    assert not (tmp_path / "etl").exists()
