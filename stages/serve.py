@@ -119,6 +119,7 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,  # past it callers get 503
+        "max_surge_percent": cfg.max_surge_percent,  # old replicas serve until replacements are up
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": 1 if cfg.use_gpu else 0,
                               "memory": cfg.replica_memory_mb * 2**20},
     }
@@ -139,6 +140,7 @@ def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
     model = serve.deployment(Classifier).options(**deployment_options(cfg)).bind(cfg, model_path, s3)
     ingress = Ingress.options(num_replicas=cfg.ingress_replicas, max_queued_requests=cfg.max_queued_requests,
                               max_ongoing_requests=cfg.max_ongoing_requests,
+                              max_surge_percent=cfg.max_surge_percent,
                               ray_actor_options={"num_cpus": cfg.ingress_cpus})
     return ingress.bind(model, cfg)
 
@@ -198,10 +200,9 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
 def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/") -> str:
     """Roll a running app to `model_path` with no failed request (Serve's rolling update).
 
-    Serve starts replacement replicas and drains the old ones (each finishes its in-flight
-    requests). With num_replicas >= 2 one old replica at a time is replaced while the others
-    serve; with one replica, requests that arrive between the old replica's drain and the new
-    one's start wait in Serve's queue (bounded by request_timeout_s) instead of failing.
+    With serve.max_surge_percent (default 100) Serve starts the replacement replicas first, then
+    drains the old ones (each finishes its in-flight requests), so the app never has fewer
+    replicas than configured; the surge needs that much spare CPU and memory for the rollout.
     """
     return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
 

@@ -130,7 +130,7 @@ async def first_file(body: bytes, request: Request) -> bytes:
                 return await value.read()
     finally:
         await form.close()
-    raise HTTPError(400, "missing_file", "no file part in the form; send the image as a file field")
+    raise HTTPError(400, "missing_file", "no complete file part in the form; send the image as a file field")
 
 
 @serve.deployment

@@ -216,6 +216,9 @@ class ServeConfig(Section):
     ingress: Literal["proxy", "throughput_optimized"] = "proxy"
     ingress_replicas: int = Field(1, ge=1)
     ingress_cpus: float = Field(0.25, gt=0)
+    # Extra replicas during a model update (percent of num_replicas): 100 = new ones start
+    # before old ones stop, so an update loses no request; 0 = no spare resources needed.
+    max_surge_percent: int = Field(100, ge=0, le=100)
 
 
 class Config(Section):
