@@ -120,6 +120,9 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,  # past it callers get 503
         "max_surge_percent": cfg.max_surge_percent,  # old replicas serve until replacements are up
+        # A killed replica is noticed at the next health check (default every 10 s): check often,
+        # so the replacement starts within seconds (the ingress retries calls meanwhile).
+        "health_check_period_s": 2.0,
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": 1 if cfg.use_gpu else 0,
                               "memory": cfg.replica_memory_mb * 2**20},
     }

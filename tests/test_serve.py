@@ -323,9 +323,10 @@ def test_replica_kill_under_load_loses_nothing(app, model_dir):
         while time.time() < killed_at + 30 and not new:
             await asyncio.sleep(0.5)
             new = await asyncio.to_thread(_pids, url, 4) - old
+        seconds = time.time() - killed_at
         await asyncio.sleep(1.0)
         stop.set()
-        return await load, time.time() - killed_at, new, victim
+        return await load, seconds, new, victim
 
     try:
         codes, seconds, new, victim = asyncio.run(scenario())
