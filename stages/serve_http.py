@@ -139,7 +139,9 @@ class Ingress:
     """One ingress replica: HTTP checks here, decode and forward pass in the model deployment."""
 
     def __init__(self, model: Any, cfg: ServeConfig):
-        self.model, self.cfg = model, cfg
+        self.cfg = cfg
+        # One handle per model method, made once (each attribute access builds a new handle).
+        self.model = {name: getattr(model, name) for name in ("classify", "health", "metadata")}
         formats = tuple(f.upper() for f in cfg.allowed_formats)
         self.media_types = {MEDIA_TYPES[f] for f in formats if f in MEDIA_TYPES}
 
@@ -182,7 +184,7 @@ class Ingress:
         """A model-deployment call, retried on another replica when the one it reached died."""
         for attempt in range(1, _MODEL_ATTEMPTS + 1):
             try:
-                return await getattr(self.model, method).remote(*args)
+                return await self.model[method].remote(*args)
             except (RayActorError, ActorUnavailableError) as e:
                 if attempt == _MODEL_ATTEMPTS:
                     raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 
@@ -167,13 +168,26 @@ def cmd_serve(args) -> int:
     from stages import serve
     from workflow import session
 
+    if serve.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
+        address = cfg.ray.address or serve.endpoint_ray_address(cfg.serve)
+        session.start(cfg.ray.model_copy(update={"address": address}))
+        url = serve.update(cfg.serve, args.model, s3=cfg.s3)
+        print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
+        return 0
+    serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
     url = serve.start(cfg.serve, args.model, s3=cfg.s3)
-    print(f"serve: POST images to {url}/predict (Ctrl-C stops)", flush=True)
+    record = serve.record_endpoint(cfg.serve)
+    print(f"serve: POST images to {url}/predict (Ctrl-C stops; `raymill serve --model NEW` with the "
+          f"same --port rolls this endpoint to NEW)", flush=True)
+    # SIGTERM (systemd, Kubernetes, kill) ends the serve loop like Ctrl-C: the app is deleted and
+    # the endpoint record removed, so the next start on this port begins clean.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while True:
             time.sleep(3600)
     finally:
+        record.unlink(missing_ok=True)
         serve.shutdown(cfg.serve)
 
 
