@@ -13,20 +13,18 @@ timeout is a protection, not just a default.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from ray import serve
 
+from stages.serve_endpoint import base_url
 from workflow.config import ConfigError, ServeConfig
 
 __all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "base_url", "Classifier",
-           "decode_slots", "ingress_env", "apply_ingress_env", "endpoint_running",
-           "record_endpoint", "endpoint_ray_address", "DECODE_BYTES_PER_PIXEL", "REPLICA_BASE_MB"]
+           "decode_slots", "ingress_env", "apply_ingress_env", "DECODE_BYTES_PER_PIXEL", "REPLICA_BASE_MB"]
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +149,6 @@ def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
     return ingress.bind(model, cfg)
 
 
-def base_url(cfg: ServeConfig) -> str:
-    """The URL a local client uses; a wildcard bind address is reached through loopback."""
-    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(cfg.host, cfg.host)
-    return f"http://{host}:{cfg.port}"
-
-
 def ingress_env(cfg: ServeConfig) -> dict[str, str]:
     """Environment Serve reads once at start-up for `serve.ingress`; set it before ray.init.
 
@@ -211,46 +203,6 @@ def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pr
     replicas than configured; the surge needs that much spare CPU and memory for the rollout.
     """
     return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
-
-
-def endpoint_running(cfg: ServeConfig) -> bool:
-    """Whether a raymill app answers /healthz at cfg's host:port (then `raymill serve` updates it)."""
-    import httpx
-
-    try:
-        body = httpx.get(f"{base_url(cfg)}/healthz", timeout=5).json()
-    except (httpx.HTTPError, ValueError):
-        return False
-    return isinstance(body, dict) and body.get("status") == "ok" and "ingress_pid" in body
-
-
-def _endpoint_file(cfg: ServeConfig) -> Path:
-    return Path(os.path.expanduser("~/.cache/raymill/serve")) / f"{cfg.port}.json"
-
-
-def record_endpoint(cfg: ServeConfig) -> Path:
-    """Note which Ray serves cfg.port, so a later `raymill serve --model NEW` joins that Ray.
-
-    Ray's own "auto" address means "the cluster started last on this machine", which on a
-    shared machine can be somebody else's; this file (mode 600) names the right one.
-    """
-    import ray
-
-    path = _endpoint_file(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid()}))
-    path.chmod(0o600)
-    return path
-
-
-def endpoint_ray_address(cfg: ServeConfig) -> str:
-    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint)."""
-    path = _endpoint_file(cfg)
-    try:
-        return json.loads(path.read_text())["ray_address"]
-    except (OSError, ValueError, KeyError):
-        raise ConfigError(f"an endpoint answers on port {cfg.port} but {path} does not name its Ray; "
-                          f"pass --set ray.address=<that Ray's address> to update it") from None
 
 
 def shutdown(cfg: ServeConfig) -> None:
