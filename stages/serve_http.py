@@ -23,7 +23,7 @@ from typing import Any, Awaitable, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
@@ -104,7 +104,7 @@ async def read_body(request: Request, limit: int) -> bytes:
             if size > limit:
                 raise HTTPError(413, "too_large", f"body exceeds serve.max_body_bytes={limit}; send a smaller image")
             chunks.append(chunk)
-    except ClientDisconnect:
+    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
         raise HTTPError(400, "client_disconnected", "the body ended early") from None
     return b"".join(chunks)
 

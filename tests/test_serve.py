@@ -424,3 +424,21 @@ def test_openapi_docs(client):
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/predict", "/healthz", "/metadata"} <= set(paths)
+
+
+def test_endpoint_record_names_the_ray_behind_a_port(app, tmp_path, monkeypatch):
+    """`raymill serve --model NEW` finds the running endpoint and the Ray serving it (not "auto")."""
+    import ray
+
+    from stages import serve_endpoint
+    from workflow.config import ConfigError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = app[0]
+    assert serve_endpoint.endpoint_running(cfg)
+    assert not serve_endpoint.endpoint_running(ServeConfig(port=free_port()))
+    with pytest.raises(ConfigError, match="ray.address"):
+        serve_endpoint.endpoint_ray_address(cfg)
+    path = serve_endpoint.record_endpoint(cfg)
+    assert path.stat().st_mode & 0o077 == 0
+    assert serve_endpoint.endpoint_ray_address(cfg) == ray.get_runtime_context().gcs_address
