@@ -8,7 +8,8 @@ Everything runs on loopback with one model and one set of request bodies:
            stages.export.preprocess + predict_arrays inline in an async handler.
   ours     stages.serve.start with ServeConfig defaults (what `raymill serve` runs);
   nobatch  the same with serve.batching=false;
-  2 replicas  the same with serve.num_replicas=2.
+  2 replicas  the same with serve.num_replicas=2;
+  one hop  the same with serve.model_deployment=false (model inside the ingress replica).
 
 The three Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
 cores as logical CPUs so that the idle variants can sit beside the measured one; the measured
@@ -17,7 +18,8 @@ with that mode's environment (stages.serve.ingress_env) and measures FastAPI aga
 
 Load: k async httpx clients (k = each of --levels) share --requests requests over keep-alive
 connections, after a few untimed warm-up requests, stopping early at --time-cap. Per level:
-client p50/p99 latency, requests/s (200s over wall time) and non-200 count. Variants are
+client p50/p99 latency, requests/s (200s over wall time), non-200 count, and the p50 of the
+response's `latency_ms` (time inside the app: ingress + model call) to show where the time goes. Variants are
 measured in --rounds interleaved rounds; the round with the most requests/s is reported.
 """
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any
 __all__ = ["add_arguments", "run", "render"]
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {"ours": {}, "nobatch": {"batching": False}, "2 replicas": {"num_replicas": 2}}
+VARIANTS = {"ours": {}, "nobatch": {"batching": False}, "2 replicas": {"num_replicas": 2},
+            "one hop": {"model_deployment": False}}
 # (what, variant, level, ratio of) -> bound; checked per ingress mode against FastAPI in that mode
 TARGETS = [("c=1 p50 ours / fastapi <= 1.5", "p50_ms", "1", 1.5, "max"),
            ("c=32 req/s ours / fastapi >= 1.0", "rps", "32", 1.0, "min")]
@@ -109,6 +112,7 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
     import httpx
 
     latencies: list[float] = []
+    inside: list[float] = []  # the app's own `latency_ms`: ingress + model, without proxy and HTTP
     errors, issued = 0, 0
     headers = {"content-type": "image/jpeg"}
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=k)) as ac:
@@ -128,6 +132,7 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
                     ok = False
                 if ok:
                     latencies.append((time.perf_counter() - t0) * 1000)
+                    inside.append(r.json().get("latency_ms", float("nan")))
                 else:
                     errors += 1
 
@@ -135,7 +140,8 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
         wall = time.perf_counter() - started
     lat = sorted(latencies) or [float("nan")]
     return {"p50_ms": round(statistics.median(lat), 2), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 2),
-            "rps": round(len(latencies) / wall, 1), "ok": len(latencies), "errors": errors}
+            "rps": round(len(latencies) / wall, 1), "ok": len(latencies), "errors": errors,
+            "server_p50_ms": round(statistics.median(inside), 2) if inside else None}
 
 
 def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: list[bytes]) -> dict[str, Any]:
@@ -216,12 +222,14 @@ def render(result: dict[str, Any]) -> str:
     levels = result["levels"]
     lines = [f"{result['bodies']} JPEG bodies of {result['size']} px (mean {result['mean_kib']} KiB), raw "
              f"`image/jpeg`, async httpx on loopback; {result['requests']} requests per level, best of "
-             f"{result['rounds']} interleaved rounds. Cells: client p50 ms / requests/s (non-200 count if any).", ""]
+             f"{result['rounds']} interleaved rounds. Cells: client p50 ms / requests/s [p50 of the app's own `latency_ms`; the rest of the client's p50 "
+             f"is the proxy, HTTP and the client] (non-200 count if any).", ""]
     for mode, best in result["modes"].items():
         lines += [f"`serve.ingress={mode}`:", "", "| variant | " + " | ".join(f"c={k}" for k in levels) + " |",
                   "|---|" + "---:|" * len(levels)]
         for name, per_level in best.items():
-            cells = [f"{m['p50_ms']:.1f} / {m['rps']:.0f}" + (f" ({m['errors']} err)" if m["errors"] else "")
+            cells = [f"{m['p50_ms']:.1f} / {m['rps']:.0f}" + (f" [{m['server_p50_ms']:.1f}]" if m.get("server_p50_ms")
+                                                              else "") + (f" ({m['errors']} err)" if m["errors"] else "")
                      for m in (per_level.get(k) for k in levels) if m]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines += ["", "| target | ratio | result |", "|---|---:|---|"]

@@ -138,9 +138,12 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
 
 
 def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
-    """The bound Serve application (not yet running): ingress -> model deployment."""
+    """The bound Serve application (not yet running): ingress -> model deployment, or one
+    deployment holding both when serve.model_deployment is false."""
     from stages.serve_http import Ingress
 
+    if not cfg.model_deployment:
+        return Ingress.options(**deployment_options(cfg)).bind(None, cfg, model_path, s3)
     model = serve.deployment(Classifier).options(**deployment_options(cfg)).bind(cfg, model_path, s3)
     ingress = Ingress.options(num_replicas=cfg.ingress_replicas, max_queued_requests=cfg.max_queued_requests,
                               max_ongoing_requests=cfg.max_ongoing_requests,

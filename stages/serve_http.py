@@ -133,15 +133,27 @@ async def first_file(body: bytes, request: Request) -> bytes:
     raise HTTPError(400, "missing_file", "no complete file part in the form; send the image as a file field")
 
 
+class _Local:
+    """A model method in this process, called like a DeploymentHandle method: `.remote(...)`."""
+
+    def __init__(self, method: Any):
+        self.remote = method
+
+
 @serve.deployment
 @serve.ingress(app)
 class Ingress:
     """One ingress replica: HTTP checks here, decode and forward pass in the model deployment."""
 
-    def __init__(self, model: Any, cfg: ServeConfig):
+    def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
         self.cfg = cfg
-        # One handle per model method, made once (each attribute access builds a new handle).
-        self.model = {name: getattr(model, name) for name in ("classify", "health", "metadata")}
+        if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
+            from stages.serve import Classifier
+
+            local = Classifier(cfg, model_path, s3)
+            self.model = {name: _Local(getattr(local, name)) for name in ("classify", "health", "metadata")}
+        else:  # one handle per model method, made once (each attribute access builds a new handle)
+            self.model = {name: getattr(model, name) for name in ("classify", "health", "metadata")}
         formats = tuple(f.upper() for f in cfg.allowed_formats)
         self.media_types = {MEDIA_TYPES[f] for f in formats if f in MEDIA_TYPES}
 

@@ -323,3 +323,19 @@ def test_openapi_docs(client):
     assert client.get("/docs").status_code == 200
     paths = client.get("/openapi.json").json()["paths"]
     assert {"/predict", "/healthz", "/metadata"} <= set(paths)
+
+
+def test_model_inside_the_ingress_replica(app, model_dir):
+    """serve.model_deployment=false: one deployment answers /predict, /healthz and /metadata."""
+    cfg = ServeConfig(port=app[0].port, app_name="test-onehop", model_deployment=False, replica_memory_mb=768)
+    url = serve_stage.start(cfg, model_dir, route_prefix="/onehop")
+    try:
+        r = httpx.post(f"{url}/predict", content=image_bytes(7), headers=JPEG, timeout=30)
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        bad = httpx.post(f"{url}/predict", content=b"nope", headers=JPEG, timeout=30)
+    finally:
+        serve_stage.shutdown(cfg)
+    assert r.status_code == 200, r.text
+    _check_prediction(r.json())
+    assert health["pid"] == health["ingress_pid"]
+    assert bad.status_code == 400 and bad.json()["error"] == "not_an_image"
