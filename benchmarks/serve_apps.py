@@ -1,22 +1,13 @@
-"""Helpers for the serving benchmark (benchmarks/serve.py).
+"""The baseline of the serving benchmark (benchmarks/serve.py): a bare FastAPI + uvicorn app.
 
-1. The baseline server, (c): the same model and the same preprocessing as the Serve app
-   (stages.export.preprocess + stages.export.predict_arrays) behind a plain FastAPI app in one
-   uvicorn process. Run as a subprocess:
+The same model and preprocessing as the Serve app (stages.export.preprocess + predict_arrays),
+in one uvicorn process bound to 127.0.0.1, run as a subprocess:
 
-       python -m benchmarks.serve_apps --model DIR --port PORT [--threads 1]
+    python -m benchmarks.serve_apps --model DIR --port PORT [--threads 1]
 
-   It binds 127.0.0.1 only. POST /predict takes a raw image body and answers the same JSON keys
-   as the Serve app; GET /healthz answers once the model is loaded and warmed up. The handler is
-   `async` and calls the model inline, as the simplest single-process app would: one request at
-   a time on the event loop, no batching.
-
-2. `HandleClassifier`: stages.serve.Classifier plus one method, `classify(image bytes)`, so the
-   same replica code (decode in a thread, batch queue, forward pass) can be called through a
-   DeploymentHandle from the driver, without the HTTP proxy. It is built on first access (PEP 562
-   module __getattr__) so that the uvicorn process above never imports Ray; Serve pickles the
-   class by reference (`benchmarks.serve_apps.HandleClassifier`) and the replica resolves it
-   the same way.
+POST /predict takes a raw image body and answers the same JSON keys as the Serve app; GET
+/healthz answers once the model is loaded and warmed up. The handler is `async` and calls the
+model inline, as the simplest single-process app would: no batching, no thread hop.
 """
 # No `from __future__ import annotations` here: FastAPI resolves the handler's `Request`
 # annotation at runtime, and a string annotation of a locally imported name would make it a
@@ -24,7 +15,7 @@
 import argparse
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 __all__ = ["create_app", "main"]
 
@@ -70,33 +61,6 @@ def main(argv: Optional[list] = None) -> None:
     args = p.parse_args(argv)
     uvicorn.run(create_app(args.model, args.threads), host="127.0.0.1", port=args.port,
                 log_level="warning", access_log=False)
-
-
-def _make_handle_classifier() -> type:
-    from stages.serve import Classifier
-
-    class HandleClassifier(Classifier):
-        """The Serve replica, plus an entry point for DeploymentHandle calls (no HTTP)."""
-
-        async def classify(self, data: bytes) -> dict[str, Any]:
-            return await self._infer(await self._preprocess(data))
-
-        def torch_threads(self) -> int:
-            import torch
-
-            return torch.get_num_threads()
-
-    HandleClassifier.__module__ = __name__
-    HandleClassifier.__qualname__ = "HandleClassifier"
-    return HandleClassifier
-
-
-def __getattr__(name: str) -> Any:
-    if name == "HandleClassifier":
-        cls = _make_handle_classifier()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Online serving over real HTTP: good requests, hostile input, overload and a killed replica.
+"""Online serving over real HTTP: good requests, hostile input, overload, a burst of
+pixel-heavy uploads. (Replica kill and rolling update: tests/test_serve_rollout.py.)
 
 One Serve app (the main one) serves most tests; a second, tiny-capacity app on the same proxy
 is used for the overload burst. No training: the model is an untrained small_cnn saved here.
@@ -9,16 +10,16 @@ import asyncio
 import io
 import json
 import os
-import signal
+import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from PIL import Image
 
 from stages import serve as serve_stage
+from stages import serve_http
 from tests.conftest import bomb_png, free_port, image_bytes
 from workflow.config import ServeConfig
 
@@ -27,16 +28,19 @@ MAX_BODY = 200_000
 JPEG = {"content-type": "image/jpeg"}
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def _save_model(out, version: str) -> str:
     from stages.export import save_model
     from stages.models import build_model
 
-    out = tmp_path_factory.mktemp("model")
     info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": CLASSES, "image_size": 32,
-            "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "test-1"}
+            "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": version}
     save_model(str(out), build_model("small_cnn", 3, width=8).state_dict(), info)
     return str(out)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _save_model(tmp_path_factory.mktemp("model"), "test-1")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +48,9 @@ def app(ray_session, model_dir):
     """The main app: (config, base URL, replica pid at start). Serve is shut down afterwards."""
     from ray import serve
 
+    # 5 MP at most, 768 MB per replica: (768 - 512) MB / (5 MP x 16 B) = 3 concurrent decodes.
     cfg = ServeConfig(port=free_port(), app_name="test-serve", max_body_bytes=MAX_BODY,
-                      max_image_pixels=1_000_000, request_timeout_s=30.0)
+                      max_image_pixels=5_000_000, replica_memory_mb=768, request_timeout_s=30.0)
     url = serve_stage.start(cfg, model_dir)
     pid = httpx.get(f"{url}/healthz").json()["pid"]
     yield cfg, url, pid
@@ -79,23 +84,13 @@ def _check_prediction(body: dict) -> None:
 
 # --- pure helpers (no Serve) ------------------------------------------------------------------
 
-def test_first_file_parsing():
-    data = b"\x89PNG\r\n-- not a boundary --\r\n"
-    body = b"preamble\r\n" + _multipart("b-1", [('Content-Disposition: form-data; name="t"', b"text"),
-                                                 ("Content-Type: image/png", data)])
-    assert serve_stage.first_file(body, 'multipart/form-data; boundary="b-1"') == data
-    for content_type in ("multipart/form-data; boundary*=utf-8''%E2%82%AC", "multipart/form-data; boundary="):
-        with pytest.raises(serve_stage.HTTPError) as err:
-            serve_stage.first_file(body, content_type)
-        assert err.value.status == 400 and err.value.error == "malformed_multipart"
-
-
-def test_deployment_options():
+def test_deployment_options_and_decode_slots():
     from workflow.config import ConfigError
 
     fixed = serve_stage.deployment_options(ServeConfig(num_replicas=3, max_queued_requests=5))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
-    assert fixed["max_queued_requests"] == 5 and fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
+    assert fixed["max_queued_requests"] == 5
+    assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0, "memory": 2048 * 2**20}
     scaled = serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=1, max_replicas=4,
                                                         use_gpu=True))
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}
@@ -103,39 +98,32 @@ def test_deployment_options():
     with pytest.raises(ConfigError, match="min_replicas"):
         serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=3, max_replicas=2))
     assert serve_stage.base_url(ServeConfig(host="0.0.0.0", port=9)) == "http://127.0.0.1:9"
+    # defaults: (2048 - 512) MB over 40 MP x 16 B per decode -> 2; never below 1; explicit wins
+    assert serve_stage.decode_slots(ServeConfig()) == 2
+    assert serve_stage.decode_slots(ServeConfig(replica_memory_mb=256)) == 1
+    assert serve_stage.decode_slots(ServeConfig(decode_slots=5)) == 5
+    assert serve_stage.ingress_env(ServeConfig()) == {}
+    to = serve_stage.ingress_env(ServeConfig(ingress="throughput_optimized", max_body_bytes=10 * 2**20))
+    assert to["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert int(to["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 10 * 2**20
 
 
-def _request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None):
-    """A Starlette request without a server, for calling a replica object in-process."""
-    from starlette.requests import Request
-
-    scope = {"type": "http", "method": method, "path": path, "root_path": "", "query_string": b"",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
-
-    async def receive():
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return Request(scope, receive)
-
-
-def test_failures_inside_the_replica_are_never_500(model_dir, monkeypatch):
-    """Model failure -> 503 model_error; decoder bug -> 400 bad_image; any other bug -> 503."""
+def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monkeypatch):
+    """Bad bytes -> an error result; a failing handler -> 503 whose body holds no exception text."""
     replica = serve_stage.Classifier(ServeConfig(batching=False), model_dir)
-
-    def call() -> tuple[int, str]:
-        r = asyncio.run(replica(_request("POST", "/predict", image_bytes(1), JPEG)))
-        return r.status_code, json.loads(r.body).get("error", "")
-
-    assert call()[0] == 200
-    with monkeypatch.context() as m:
-        m.setattr(replica, "model", lambda x: 1 / 0)
-        assert call() == (503, "model_error")
+    ok = asyncio.run(replica.classify(image_bytes(1)))
+    assert ok["class_name"] in CLASSES and ok["model_version"] == "test-1"
+    assert asyncio.run(replica.classify(b"not an image"))["error"] == "not_an_image"
     with monkeypatch.context() as m:
         m.setattr("stages.export.preprocess", lambda *a: [][1])
-        assert call() == (400, "bad_image")
-    with monkeypatch.context() as m:
-        m.setattr(replica, "_image_bytes", None)
-        assert call() == (503, "internal_error")
+        assert asyncio.run(replica.classify(image_bytes(1)))["error"] == "bad_image"
+
+    async def secret_failure():
+        raise RuntimeError("secret-path /etc/raymill/token")
+
+    r = asyncio.run(serve_http.guarded(secret_failure()))
+    assert r.status_code == 503 and b"secret" not in r.body
+    assert json.loads(r.body)["error"] == "internal_error"
 
 
 # --- good requests ---------------------------------------------------------------------------
@@ -208,7 +196,7 @@ BAD = {
                                    headers={"content-type": "multipart/form-data"}), 400, "malformed_multipart"),
     "multipart-unterminated": (dict(content=f"--{_boundary}\r\nContent-Disposition: form-data; name=a; "
                                     f"filename=a.jpg\r\n\r\n".encode() + _good, headers={"content-type": _form}),
-                               400, "malformed_multipart"),
+                               400, "missing_file"),  # python-multipart drops an unfinished part
     "multipart-garbage": (dict(content=b"\x00\x01garbage" * 100, headers={"content-type": _form}),
                           400, "malformed_multipart"),
     "multipart-no-file": (dict(content=_multipart(_boundary, [('Content-Disposition: form-data; name="a"', b"1")]),
@@ -289,46 +277,65 @@ def test_overload_sheds_with_503_never_500(app, model_dir):
     assert set(codes) <= {200, 503}, codes
 
 
-def test_replica_kill_loses_nothing_with_one_retry(app):
-    """SIGKILL the replica under a stream of requests: requests in flight may fail (the proxy
-    answers 500), one client retry recovers every one, and a new replica serves within 30 s."""
-    _, url, _ = app
-    old_pid = httpx.get(f"{url}/healthz").json()["pid"]
-    images = [image_bytes(200 + i) for i in range(40)]
-    first_failures, lost = [], []
+def _big_png(seed: int) -> bytes:
+    """~20 KB on the wire, 4 megapixels once decoded."""
+    buf = io.BytesIO()
+    Image.new("RGB", (2000, 2000), (seed % 256, 80, 160)).save(buf, format="PNG")
+    return buf.getvalue()
 
-    def send(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=30) as c:
-            for attempt in range(2):
-                try:
-                    r = c.post("/predict", content=images[i], headers=JPEG)
-                    if r.status_code == 200:
-                        return
-                    outcome = r.status_code
-                except httpx.TransportError as e:
-                    outcome = type(e).__name__
-                if attempt == 0:
-                    first_failures.append(outcome)
-                    time.sleep(0.5)
-            lost.append(outcome)
 
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(send, i) for i in range(len(images))]
-        futures[8].result()
-        os.kill(old_pid, signal.SIGKILL)
-        killed_at = time.time()
-        for f in futures:
-            f.result()
-    assert not lost, f"lost after one retry: {lost}; first-attempt failures: {first_failures}"
-    new_pid = None
-    while time.time() < killed_at + 30:
-        try:
-            new_pid = httpx.get(f"{url}/healthz", timeout=5).json()["pid"]
-        except (httpx.HTTPError, ValueError):
-            new_pid = None
-        if new_pid not in (None, old_pid):
-            break
-        time.sleep(0.5)
-    assert new_pid not in (None, old_pid), "no new replica serving within 30 s of the kill"
-    print(f"replica kill: {len(first_failures)} first-attempt failure(s) {dict(Counter(first_failures))}, "
-          f"0 lost, new replica serving {time.time() - killed_at:.1f} s after the kill")
+def test_pixel_heavy_burst_is_bounded_by_decode_slots(app):
+    """32 small bodies of 4 MP each at once: every answer 200 or 503, the same replica process
+    survives, and its memory stays inside serve.replica_memory_mb (3 decodes at a time)."""
+    import psutil
+
+    _, url, pid = app
+    bodies = [_big_png(i) for i in range(32)]
+    assert max(len(b) for b in bodies) < 100_000
+    assert httpx.get(f"{url}/metadata", timeout=30).json()["decode_slots"] == 3
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        proc = psutil.Process(pid)
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.02)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=32)) as ac:
+            return await asyncio.gather(*[ac.post("/predict", content=b, headers={"content-type": "image/png"})
+                                          for b in bodies])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        codes = Counter(r.status_code for r in asyncio.run(burst()))
+    finally:
+        done.set()
+        sampler.join()
+    assert set(codes) <= {200, 503} and codes[200] > 0, codes
+    assert httpx.get(f"{url}/healthz", timeout=30).json()["pid"] == pid
+    assert peak[0] < 768 * 2**20, f"replica peaked at {peak[0] / 2**20:.0f} MB"
+    print(f"32 x 4 MP PNG: {dict(codes)}, replica peak RSS {peak[0] / 2**20:.0f} MB")
+
+
+def test_openapi_docs(client):
+    assert client.get("/docs").status_code == 200
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/predict", "/healthz", "/metadata"} <= set(paths)
+
+
+def test_model_inside_the_ingress_replica(app, model_dir):
+    """serve.model_deployment=false: one deployment answers /predict, /healthz and /metadata."""
+    cfg = ServeConfig(port=app[0].port, app_name="test-onehop", model_deployment=False, replica_memory_mb=768)
+    url = serve_stage.start(cfg, model_dir, route_prefix="/onehop")
+    try:
+        r = httpx.post(f"{url}/predict", content=image_bytes(7), headers=JPEG, timeout=30)
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        bad = httpx.post(f"{url}/predict", content=b"nope", headers=JPEG, timeout=30)
+    finally:
+        serve_stage.shutdown(cfg)
+    assert r.status_code == 200, r.text
+    _check_prediction(r.json())
+    assert health["pid"] == health["ingress_pid"]
+    assert bad.status_code == 400 and bad.json()["error"] == "not_an_image"

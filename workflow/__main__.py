@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import time
 
@@ -167,16 +169,37 @@ def cmd_serve(args) -> int:
     extra = [f"serve.{k}={v}" for k, v in (("host", args.host), ("port", args.port),
                                             ("num_replicas", args.replicas)) if v is not None]
     cfg = load_config(args.config, list(args.overrides) + extra)
+    from stages import serve_endpoint as endpoint
+
+    if endpoint.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
+        address = cfg.ray.address or endpoint.endpoint_ray_address(cfg.serve)
+        # Ray 2.60 turns token auth on by default for a local cluster; a client joining it sends
+        # the token (~/.ray/auth_token) only in token mode, read when Ray is first imported.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        from stages import serve
+        from workflow import session
+
+        session.start(cfg.ray.model_copy(update={"address": address}))
+        url = serve.update(cfg.serve, args.model, s3=cfg.s3)
+        print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
+        return 0
     from stages import serve
     from workflow import session
 
+    serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
     url = serve.start(cfg.serve, args.model, s3=cfg.s3)
-    print(f"serve: POST images to {url}/predict (Ctrl-C stops)", flush=True)
+    record = endpoint.record_endpoint(cfg.serve)
+    print(f"serve: POST images to {url}/predict (Ctrl-C stops; `raymill serve --model NEW` with the "
+          f"same --port rolls this endpoint to NEW)", flush=True)
+    # SIGTERM (systemd, Kubernetes, kill) ends the serve loop like Ctrl-C: the app is deleted and
+    # the endpoint record removed, so the next start on this port begins clean.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while True:
             time.sleep(3600)
     finally:
+        record.unlink(missing_ok=True)
         serve.shutdown(cfg.serve)
 
 

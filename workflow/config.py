@@ -214,6 +214,21 @@ class ServeConfig(Section):
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
     top_k: int = Field(3, ge=1)
     app_name: str = "raymill"
+    # Memory Ray reserves per model replica; concurrent decodes are capped to fit in it
+    # (stages.serve.decode_slots: 2 at the defaults, each up to max_image_pixels x 16 B).
+    replica_memory_mb: int = Field(2048, ge=256)
+    decode_slots: int = Field(0, ge=0)  # 0: derived from replica_memory_mb and max_image_pixels
+    # proxy: Serve's HTTP proxy. throughput_optimized: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 at Ray start.
+    ingress: Literal["proxy", "throughput_optimized"] = "proxy"
+    # true: the model runs in its own deployment and the ingress retries a call whose replica
+    # died (a replica kill loses no request). false: the model runs inside the ingress replica:
+    # one Serve hop less (~6 ms at c=1 on 2 cores), but a killed replica fails its in-flight requests.
+    model_deployment: bool = True
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_cpus: float = Field(0.25, gt=0)
+    # Extra replicas during a model update (percent of num_replicas): 100 = new ones start
+    # before old ones stop, so an update loses no request; 0 = no spare resources needed.
+    max_surge_percent: int = Field(100, ge=0, le=100)
 
 
 class Config(Section):

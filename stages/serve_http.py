@@ -1,0 +1,208 @@
+"""The HTTP face of the Serve app: a FastAPI ingress that checks requests and calls the model.
+
+Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
+  POST /predict   raw image body (Content-Type image/jpeg|png|webp) or multipart/form-data with a
+                  file field -> {class_name, class_index, top_k, model_version, latency_ms}
+  GET  /healthz   {"status": "ok", "pid": a model replica's pid, "ingress_pid", "version"}
+  GET  /metadata  {classes, image_size, architecture, version, ...}
+
+Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
+503 when the model side fails (the detail never echoes exception text; the replica log has it).
+The body limit is enforced while the bytes stream in, before any multipart parsing or decode.
+The model runs in its own deployment (stages.serve.Classifier); a call whose model replica dies
+mid-request is retried here on another replica (prediction is idempotent), so a replica kill
+costs latency, not a failed request.
+"""
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
+import asyncio
+import logging
+import os
+import time
+from typing import Any, Awaitable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse
+
+from workflow.config import ServeConfig
+
+__all__ = ["Ingress", "HTTPError", "read_body", "first_file", "guarded", "IMAGE_STATUS", "MEDIA_TYPES"]
+
+log = logging.getLogger(__name__)
+
+# Pillow format name -> the raw-body Content-Type that announces it.
+MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "BMP": "image/bmp",
+               "GIF": "image/gif", "TIFF": "image/tiff"}
+# BadImage.reason -> HTTP status; reasons not listed are 400 (the bytes are not a usable image).
+IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large": 413}
+# A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
+_MODEL_ATTEMPTS = 3
+_ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+
+
+class HTTPError(Exception):
+    """A request the app rejects: becomes `{"error": error, "detail": detail}` with `status`."""
+
+    def __init__(self, status: int, error: str, detail: str = "", headers: Optional[dict] = None):
+        super().__init__(f"{status} {error}: {detail}")
+        self.status, self.error, self.detail, self.headers = status, error, detail, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.error, "detail": self.detail}, self.status, self.headers)
+
+
+async def guarded(work: Awaitable[JSONResponse]) -> JSONResponse:
+    """Await a handler's work; every failure becomes a JSON 4xx/503, never Serve's bare 500."""
+    try:
+        return await work
+    except HTTPError as e:
+        return e.response()
+    except Exception:  # a bug or a sick model: the client gets no internals, the log gets all
+        log.exception("request failed inside the app")
+        return HTTPError(503, "internal_error", "the server failed on this request; retry later").response()
+
+
+app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown paths and methods: FastAPI's own 404/405 (with Allow), in the app's JSON shape.
+    error = _ROUTE_ERRORS.get(exc.status_code, "http_error")
+    return HTTPError(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}; "
+                     "try POST /predict, GET /healthz, GET /metadata, GET /docs", exc.headers).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return HTTPError(400, "bad_request", str(exc.errors())[:300]).response()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes.
+
+    Content-Length is checked first (cheap), then bytes are counted as they stream in, because a
+    chunked upload has no Content-Length and Serve's proxy enforces no size limit of its own.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise HTTPError(400, "bad_content_length", f"Content-Length '{declared}' is not a number")
+        if int(declared) > limit:
+            raise HTTPError(413, "too_large", f"Content-Length {int(declared)} exceeds serve.max_body_bytes="
+                                              f"{limit}; send a smaller image")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, "too_large", f"body exceeds serve.max_body_bytes={limit}; send a smaller image")
+            chunks.append(chunk)
+    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
+        raise HTTPError(400, "client_disconnected", "the body ended early") from None
+    return b"".join(chunks)
+
+
+async def first_file(body: bytes, request: Request) -> bytes:
+    """Content of the first file part of an already size-checked multipart/form-data body.
+
+    Parsed by python-multipart (through Starlette) from the buffered bytes, so a form can't get
+    past max_body_bytes. A part is a file when it has a filename; the field name doesn't matter.
+    """
+    async def replay() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=4, max_fields=32)
+    except MultiPartException as e:
+        raise HTTPError(400, "malformed_multipart", str(e)) from None
+    except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
+        raise HTTPError(400, "malformed_multipart", type(e).__name__) from None
+    try:
+        for _, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                return await value.read()
+    finally:
+        await form.close()
+    raise HTTPError(400, "missing_file", "no complete file part in the form; send the image as a file field")
+
+
+class _Local:
+    """A model method in this process, called like a DeploymentHandle method: `.remote(...)`."""
+
+    def __init__(self, method: Any):
+        self.remote = method
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    """One ingress replica: HTTP checks here, decode and forward pass in the model deployment."""
+
+    def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
+        self.cfg = cfg
+        if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
+            from stages.serve import Classifier
+
+            local = Classifier(cfg, model_path, s3)
+            self.model = {name: _Local(getattr(local, name)) for name in ("classify", "health", "metadata")}
+        else:  # one handle per model method, made once (each attribute access builds a new handle)
+            self.model = {name: getattr(model, name) for name in ("classify", "health", "metadata")}
+        formats = tuple(f.upper() for f in cfg.allowed_formats)
+        self.media_types = {MEDIA_TYPES[f] for f in formats if f in MEDIA_TYPES}
+
+    @app.post("/predict", summary="Classify one image (raw body or multipart file)")
+    async def predict(self, request: Request) -> JSONResponse:
+        return await guarded(self._predict(request))
+
+    @app.get("/healthz", summary="Liveness, with a model replica's pid and the model version")
+    async def healthz(self) -> JSONResponse:
+        async def work() -> JSONResponse:
+            health = await self._call("health")
+            return JSONResponse({"status": "ok", **health, "ingress_pid": os.getpid()})
+        return await guarded(work())
+
+    @app.get("/metadata", summary="Classes, input size, architecture, version, limits")
+    async def metadata(self) -> JSONResponse:
+        async def work() -> JSONResponse:
+            return JSONResponse(await self._call("metadata"))
+        return await guarded(work())
+
+    async def _predict(self, request: Request) -> JSONResponse:
+        started = time.perf_counter()
+        result = await self._call("classify", await self._image_bytes(request))
+        if "error" in result:  # the model replica judged the bytes: not an image it accepts
+            raise HTTPError(IMAGE_STATUS.get(result["error"], 400), result["error"], result["detail"])
+        result["latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        return JSONResponse(result)
+
+    async def _image_bytes(self, request: Request) -> bytes:
+        """The image's bytes from a raw body or the first file of a multipart form."""
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media == "multipart/form-data":
+            return await first_file(await read_body(request, self.cfg.max_body_bytes), request)
+        if media in self.media_types:
+            return await read_body(request, self.cfg.max_body_bytes)
+        accepted = ", ".join(sorted(self.media_types) + ["multipart/form-data"])
+        raise HTTPError(415, "unsupported_media_type", f"Content-Type '{media or '(none)'}'; send one of: {accepted}")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A model-deployment call, retried on another replica when the one it reached died."""
+        for attempt in range(1, _MODEL_ATTEMPTS + 1):
+            try:
+                return await self.model[method].remote(*args)
+            except (RayActorError, ActorUnavailableError) as e:
+                if attempt == _MODEL_ATTEMPTS:
+                    raise
+                log.warning("model replica lost during %s (%s); retrying on another replica (attempt %d)",
+                            method, type(e).__name__, attempt + 1)
+                await asyncio.sleep(0.05 * attempt)
+            except Exception:  # the model side raised: the replica is unwell, not the request
+                log.exception("model call %s failed", method)
+                raise HTTPError(503, "model_error", "the model failed on this request; retry later") from None

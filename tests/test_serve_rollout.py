@@ -1,0 +1,153 @@
+"""Serving under change: a model replica SIGKILLed under load, a rolling model update under load,
+and how `raymill serve --model NEW` finds the endpoint's own Ray. Real Serve, real HTTP, no
+client retries; each test deploys its own app on one Serve proxy started here.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+from stages import serve as serve_stage
+from tests.conftest import free_port, image_bytes
+from tests.test_serve import JPEG, _save_model
+from workflow.config import ServeConfig
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _save_model(tmp_path_factory.mktemp("model"), "test-1")
+
+
+@pytest.fixture(scope="module")
+def proxy(ray_session):
+    """(base config with the proxy's port). Serve is shut down afterwards."""
+    from ray import serve
+
+    cfg = ServeConfig(port=free_port(), replica_memory_mb=768, request_timeout_s=60.0)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
+    yield cfg
+    serve.shutdown()
+
+
+async def _load(url: str, images: list[bytes], concurrency: int, stop: asyncio.Event,
+                min_requests: int = 0) -> Counter:
+    """Keep `concurrency` clients posting images (no retries) until `stop` and `min_requests`."""
+    codes: Counter = Counter()
+
+    async def worker(ac: httpx.AsyncClient, k: int) -> None:
+        i = k
+        while not stop.is_set() or sum(codes.values()) < min_requests:
+            try:
+                r = await ac.post("/predict", content=images[i % len(images)], headers=JPEG)
+                codes[r.status_code] += 1
+            except httpx.TransportError as e:
+                codes[type(e).__name__] += 1
+            i += concurrency
+
+    async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+        await asyncio.gather(*[worker(ac, k) for k in range(concurrency)])
+    return codes
+
+
+def _pids(url: str, n: int = 20) -> set[int]:
+    """Model replica pids seen on /healthz over `n` calls (the proxy spreads them)."""
+    return {httpx.get(f"{url}/healthz", timeout=30).json()["pid"] for _ in range(n)}
+
+
+def test_replica_kill_under_load_loses_nothing(proxy, model_dir):
+    """SIGKILL one of 2 model replicas under c=8 load: 0 non-2xx with no client retry (the ingress
+    retries the lost call on the other replica), and a new replica serves within 30 s."""
+    cfg = proxy.model_copy(update={"app_name": "test-kill", "num_replicas": 2})
+    url = serve_stage.start(cfg, model_dir, route_prefix="/kill")
+    images = [image_bytes(200 + i) for i in range(16)]
+
+    async def scenario() -> tuple[Counter, float, set[int], int]:
+        old = _pids(url)
+        stop = asyncio.Event()
+        load = asyncio.create_task(_load(url, images, 8, stop))
+        await asyncio.sleep(1.0)
+        victim = min(old)
+        os.kill(victim, signal.SIGKILL)
+        killed_at, new = time.time(), set()
+        while time.time() < killed_at + 30 and not new:
+            await asyncio.sleep(0.5)
+            new = await asyncio.to_thread(_pids, url, 4) - old
+        seconds = time.time() - killed_at
+        await asyncio.sleep(1.0)
+        stop.set()
+        return await load, seconds, new, victim
+
+    try:
+        codes, seconds, new, victim = asyncio.run(scenario())
+    finally:
+        serve_stage.shutdown(cfg)
+    assert set(codes) == {200} and codes[200] > 20, codes
+    assert new, f"no new replica serving within 30 s of killing {victim}"
+    print(f"replica kill: {codes[200]} requests, 0 failed, new replica {new} serving within {seconds:.1f} s")
+
+
+def test_rolling_model_update_loses_nothing(proxy, model_dir, tmp_path):
+    """`update` to a new model under c=8 load: 0 failed, /metadata shows the new version, and the
+    old replica process is gone."""
+    new_model = _save_model(tmp_path / "v2", "test-2")
+    cfg = proxy.model_copy(update={"app_name": "test-rollout"})
+    url = serve_stage.start(cfg, model_dir, route_prefix="/rollout")
+    images = [image_bytes(300 + i) for i in range(16)]
+
+    async def scenario() -> Counter:
+        stop = asyncio.Event()
+        load = asyncio.create_task(_load(url, images, 8, stop, min_requests=16))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(serve_stage.update, cfg, new_model, route_prefix="/rollout")
+        await asyncio.sleep(1.0)
+        stop.set()
+        return await load
+
+    try:
+        old = _pids(url, 3)
+        codes = asyncio.run(scenario())
+        meta = httpx.get(f"{url}/metadata", timeout=30).json()
+        now = _pids(url, 3)
+    finally:
+        serve_stage.shutdown(cfg)
+    assert set(codes) == {200}, codes
+    assert meta["version"] == "test-2" and not now & old
+    deadline = time.time() + 30
+    while any(_alive(pid) for pid in old) and time.time() < deadline:
+        time.sleep(0.5)
+    assert not any(_alive(pid) for pid in old), f"old replica {old} still running"
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path, monkeypatch):
+    """`raymill serve --model NEW` finds the running endpoint and the Ray serving it (not "auto")."""
+    import ray
+
+    from stages import serve_endpoint
+    from workflow.config import ConfigError
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = proxy.model_copy(update={"app_name": "test-endpoint"})
+    serve_stage.start(cfg, model_dir)
+    assert serve_endpoint.endpoint_running(cfg)
+    assert not serve_endpoint.endpoint_running(ServeConfig(port=free_port()))
+    with pytest.raises(ConfigError, match="ray.address"):
+        serve_endpoint.endpoint_ray_address(cfg)
+    path = serve_endpoint.record_endpoint(cfg)
+    assert path.stat().st_mode & 0o077 == 0
+    assert serve_endpoint.endpoint_ray_address(cfg) == ray.get_runtime_context().gcs_address
+    serve_stage.shutdown(cfg)
