@@ -73,19 +73,25 @@ def _pyarrow_fs(s3: dict | None):
 
 def _read(shards: list[dict], seed: int, cpus: float, s3: dict | None):
     import ray.data
-    from ray.data import FileShuffleConfig
+    from ray.data import DataContext, FileShuffleConfig
 
-    remote = {"num_cpus": cpus}
     remote_uris = [s["uri"] for s in shards if s["uri"].startswith("s3://")]
     fs = _pyarrow_fs(s3) if remote_uris else None
     paths = [s["uri"][len("s3://"):] if fs else s["uri"] for s in shards]
     # File order seeded per epoch: Ray reseeds with (seed, execution index) on every execution.
     shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True)
     if shards[0]["format"] == "parquet":
-        return ray.data.read_parquet(paths, filesystem=fs, columns=["key", "label", "image"],
-                                     shuffle=shuffle, ray_remote_args=remote)
-    ds = ray.data.read_webdataset(paths, filesystem=fs, decoder=None, shuffle=shuffle,
-                                  ray_remote_args=remote)
+        ctx = DataContext.get_current()
+        # Ray 2.60's default parquet reader (datasource V2) plans its ListFiles step as a 1-CPU task
+        # whatever num_cpus says; beside a trainer that leaves 0.5 CPU free it never runs (seen
+        # here: a hung epoch). The V1 reader honours num_cpus for every task.
+        default, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+        try:
+            ds = ray.data.read_parquet(paths, filesystem=fs, shuffle=shuffle, num_cpus=cpus)
+        finally:
+            ctx.use_datasource_v2 = default
+        return ds.select_columns(["key", "label", "image"])
+    ds = ray.data.read_webdataset(paths, filesystem=fs, decoder=None, shuffle=shuffle, num_cpus=cpus)
     return ds.map_batches(_from_webdataset, batch_size=MAP_BATCH_ROWS, num_cpus=cpus)
 
 
@@ -182,6 +188,7 @@ class ShardBatches:
         collate = type("Collate", (_Collate, NumpyBatchCollateFn), {})()
         self.shard, self.wait_s, self.decode_nodes = shard, 0.0, set()
         self.started_at, self.decoded_in_epoch = time.time(), 0
+        self._blocked_before = _blocked_s(shard.stats()) or 0.0  # Ray's counter spans epochs
         # Local shuffle buffer seeded per (seed, epoch, rank), after the per-epoch file order.
         self._batches = shard.iter_torch_batches(
             batch_size=cfg.batch_size, prefetch_batches=cfg.prefetch_batches,
@@ -200,12 +207,13 @@ class ShardBatches:
             self.wait_s += time.perf_counter() - started
             self.decode_nodes |= nodes
             self.decoded_in_epoch += int((decoded_at >= self.started_at).sum())
-            yield [(k, int(y), None) for k, y in zip(keys, labels)], images
+            yield [(k, int(y), None) for k, y in zip(keys, labels)], list(images)
 
     def stats(self) -> dict[str, Any]:
         """This epoch's Ray Data iterator wait, where decoding ran, and how many of this rank's rows
         were decoded during the epoch (0 when the object-store cache served them)."""
         blocked = _blocked_s(self.shard.stats())
+        blocked = None if blocked is None else round(blocked - self._blocked_before, 3)
         return {"ray_data_blocked_s": blocked, "decode_nodes": sorted(self.decode_nodes),
                 "rows_decoded_in_epoch": self.decoded_in_epoch}
 
