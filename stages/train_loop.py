@@ -125,6 +125,7 @@ class Worker:
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.cache = sd.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
+        self.restarts = 0  # ray_data re-runs an epoch after a restart: its checkpoints need new names
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
 
     def gather(self, value: Any) -> list[Any]:
@@ -284,11 +285,14 @@ class Worker:
             (folder / f"ledger-rank{self.rank}.json").write_text(json.dumps(self.ledger))
             if self.rank == 0:  # written last: a checkpoint without meta.json is incomplete
                 meta = {"epoch": epoch, "step": step, "world": self.world, "history": self.history,
-                        "val": self.val}
+                        "val": self.val, "restarts": self.restarts}
                 (folder / "meta.json").write_text(json.dumps(meta))
             metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
+            name = f"checkpoint-e{epoch:03d}-s{step:06d}"
+            if self.restarts and self.cfg.ingest == "ray_data":  # this epoch's names may exist already
+                name += f"-r{self.restarts}"
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=f"checkpoint-e{epoch:03d}-s{step:06d}")
+                             checkpoint_dir_name=name)
 
     def restore(self) -> None:
         import ray.train
@@ -311,6 +315,7 @@ class Worker:
             if self.scaler and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
             self.epoch, self.history, self.val = meta["epoch"], meta["history"], meta["val"]
+            self.restarts = meta.get("restarts", 0) + 1
             if same_world:
                 torch.set_rng_state(torch.load(folder / f"rng-rank{self.rank}.pt", weights_only=False)["torch"])
                 self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
