@@ -12,6 +12,11 @@ measures the input path only.
               (decode_threads=2, 4 batches ahead; decode_sample + augment with the per-sample RNG)
               -> to_batch (uint8 NHWC -> normalised float NCHW). Per-rank counts and timings are
               gathered over the process group and sent with ray.train.report.
+  raydata     the same TorchTrainer with train.ingest=ray_data (--ray-data-workers): Ray Data
+              reads the shards, decodes + augments in map_batches tasks (stages.ingest_ray), and
+              each rank iterates ShardBatches over get_dataset_shard("train"). Its images per
+              CPU-second count the CPU of the whole local Ray process tree (decode runs outside
+              the workers); ours' count the worker processes only.
   dataloader  torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True,
               num_workers=os.cpu_count()) over the raw ImageFolder of JPEGs, in a fresh Python
               process. The dataset is a plain map-style class: read file -> stages.images.decode_rgb
@@ -59,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, default=2, help="epochs per run (default 2)")
     p.add_argument("--batch-size", type=int, default=64, help="per worker (default 64)")
     p.add_argument("--workers", default="2,1", help="Ray Train worker counts for ours (default 2,1)")
+    p.add_argument("--ray-data-workers", default="2",
+                   help="Ray Train worker counts for train.ingest=ray_data (default 2; '' skips it)")
     p.add_argument("--cpus-per-worker", type=float, default=0.75,
                    help="Ray resources_per_worker CPU (default 0.75; never 1 per worker with 2 workers "
                         "on a 2-CPU box, see PLATFORM.md)")
@@ -130,7 +137,15 @@ def _ours_loop(config: dict[str, Any]) -> None:
                               a["random_resized_crop"], a["flip"])
 
         reads.clear()
-        prefetch = sd.Prefetcher(batches(), decode, config["decode_threads"], config["prefetch_batches"])
+        if config.get("ingest") == "ray_data":  # = stages.train_loop.Worker.batch_source
+            from stages.ingest_ray import ShardBatches
+            from workflow.config import TrainConfig
+
+            cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"],
+                              shuffle_buffer_rows=config["shuffle_buffer_rows"])
+            prefetch = ShardBatches(ray.train.get_dataset_shard("train"), cfg, seed, epoch, rank)
+        else:
+            prefetch = sd.Prefetcher(batches(), decode, config["decode_threads"], config["prefetch_batches"])
         n, t_first, batches_seen = 0, None, 0
         for batch, arrays in prefetch:
             x = to_batch(arrays, a["mean"], a["std"], device, False, False)
@@ -162,33 +177,58 @@ def _report(metrics: dict[str, Any], rank: int) -> None:
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(folder) if rank == 0 else None)
 
 
-def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage: Path) -> dict[str, Any]:
+def _tree_cpu_s() -> float:
+    """CPU seconds of this process and every descendant (the local Ray: trainer, Ray Data tasks)."""
+    import psutil
+
+    total = 0.0
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage: Path,
+             ingest: str = "stream") -> dict[str, Any]:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from benchmarks.common import MemorySampler, loadavg
-    from workflow.config import AugmentConfig
+    from stages import ingest_ray
+    from workflow.config import AugmentConfig, TrainConfig
 
     config = {"shards": shards, "seed": args.seed, "image_size": args.image_size, "batch_size": args.batch_size,
               "epochs": args.epochs, "decode_threads": args.decode_threads,
               "prefetch_batches": args.prefetch_batches, "shuffle_buffer_rows": args.shuffle_buffer_rows,
-              "cpus_per_worker": args.cpus_per_worker, "augment": AugmentConfig().model_dump(mode="json")}
+              "cpus_per_worker": args.cpus_per_worker, "augment": AugmentConfig().model_dump(mode="json"),
+              "ingest": ingest}
+    datasets = None
+    if ingest == "ray_data":
+        cfg = TrainConfig(batch_size=args.batch_size, ingest="ray_data")
+        datasets = {"train": ingest_ray.build_train_dataset(cfg, shards, seed=args.seed, image_size=args.image_size,
+                                                            raw=False, s3=None)[0]}
     trainer = TorchTrainer(
-        _ours_loop, train_loop_config=config,
+        _ours_loop, train_loop_config=config, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers,
                                                resources_per_worker={"CPU": args.cpus_per_worker}),
         torch_config=TorchConfig(backend="gloo"),
         run_config=ray.train.RunConfig(name=f"ingest-{workers}-{time.time_ns()}", storage_path=str(storage)))
     load = loadavg()
     with MemorySampler(0.1, ray=True) as sampler:
-        t_launch = time.time()
+        t_launch, cpu0 = time.time(), _tree_cpu_s()
         result = trainer.fit()
-        t_done = time.time()
+        t_done, tree_cpu_s = time.time(), _tree_cpu_s() - cpu0
     if result.error:
         raise RuntimeError(f"ours ({workers} workers) failed: {result.error}") from result.error
     ranks = json.loads(result.metrics["ranks_json"])
     out = _epochs_from_ranks(ranks, t_launch)
-    out.update(method=f"ours_{workers}", workers=workers, job_wall_s=round(t_done - t_launch, 2),
+    if ingest == "ray_data":  # decode runs in Ray Data tasks, outside the worker processes
+        out["images_per_cpu_s"] = round(out["images"] / max(tree_cpu_s, 1e-9), 1)
+    out.update(method=f"{'raydata' if ingest == 'ray_data' else 'ours'}_{workers}", workers=workers,
+               tree_cpu_s=round(tree_cpu_s, 2), job_wall_s=round(t_done - t_launch, 2),
                loadavg_before=load, memory=sampler.summary(),
                wait_s=[round(sum(r["epochs"][e]["wait_s"] for r in ranks) / len(ranks), 3)
                        for e in range(len(ranks[0]["epochs"]))])
@@ -429,10 +469,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.WARNING)
     w, h = (int(v) for v in args.source_size.lower().split("x"))
     counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
+    rd_counts = [int(x) for x in str(args.ray_data_workers).split(",") if x.strip()]
+    others = [f"ours_{n}" for n in counts] + [f"raydata_{n}" for n in rd_counts]
     repeat = max(1, args.repeat)
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ingest-", dir=args.workdir))
     started_ray = not ray.is_initialized()
-    runs: dict[str, list[dict[str, Any]]] = {"dataloader": [], **{f"ours_{n}": [] for n in counts}}
+    runs: dict[str, list[dict[str, Any]]] = {"dataloader": [], **{key: [] for key in others}}
     order: list[str] = []
     stall = None
     try:
@@ -461,12 +503,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"ingest: ray {ray_start_s:.1f} s, ETL {etl_s:.1f} s -> {len(refs)} parquet shards", flush=True)
 
         for r in range(repeat):
-            methods = ["dataloader", *[f"ours_{n}" for n in counts]]
+            methods = ["dataloader", *others]
             if r % 2:
                 methods = methods[::-1]
             for key in methods:
                 m = with_retry(lambda: run_dataloader(tmp / "src", args) if key == "dataloader"
-                                else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray"), f"ingest: {key}")
+                                else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray",
+                                              "ray_data" if key.startswith("raydata") else "stream"),
+                                f"ingest: {key}")
                 m["round"] = r
                 runs[key].append(m)
                 order.append(key)
@@ -493,9 +537,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dl = methods["dataloader"]
     main = f"ours_{max(counts)}"
     ratios = {}
-    for n in counts:
-        o = methods[f"ours_{n}"]
-        ratios[f"ours_{n}"] = {
+    for key in others:
+        o = methods[key]
+        ratios[key] = {
             "throughput": _ratio(o["images_per_s"], dl["images_per_s"]),
             "throughput_median": _ratio(o["images_per_s_median"], dl["images_per_s_median"]),
             "epoch_throughput": [_ratio(a, b) for a, b in zip(o["epoch_images_per_s"], dl["epoch_images_per_s"])],
@@ -529,7 +573,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "config": {k: getattr(args, k) for k in ("image_size", "epochs", "batch_size", "cpus_per_worker",
                                                       "decode_threads", "prefetch_batches", "shuffle_buffer_rows",
                                                       "dl_workers", "repeat")},
-            "workers": counts, "cores": os.cpu_count(), "ray_start_s": round(ray_start_s, 1),
+            "workers": counts, "ray_data_workers": rd_counts, "cores": os.cpu_count(), "ray_start_s": round(ray_start_s, 1),
             "methods": methods, "ratios": ratios, "targets": targets, "order": order, "stall": stall,
             "runs": runs}
 
@@ -569,13 +613,14 @@ def render(result: dict[str, Any]) -> str:
         "first batch, job (s) | epoch 2 first batch (s) | RSS start → peak (MiB) |",
         "|---|" + "---:|" * epochs + "---:|---:|---:|---:|---:|---:|---:|",
     ]
-    order = [f"ours_{n}" for n in result["workers"]] + ["dataloader"]
+    order = ([f"ours_{n}" for n in result["workers"]] + [f"raydata_{n}" for n in result.get("ray_data_workers", [])]
+             + ["dataloader"])
     for key in order:
         m = methods.get(key)
         if not m:
             continue
-        label = (f"ours, {key.split('_')[1]} worker(s)" if key != "dataloader"
-                 else f"DataLoader, {c['dl_workers']} workers")
+        label = {"ours": "ours (stream), {} worker(s)", "raydata": "Ray Data ingest, {} worker(s)",
+                 "dataloader": f"DataLoader, {c['dl_workers']} workers"}[key.split("_")[0]].format(key.split("_")[-1])
         rel = "1.00" if key == "dataloader" else _fmt(ratios[key]["throughput"], 2)
         lines.append(
             f"| {label} | " + " | ".join(f"{_fmt(x)} ({_fmt(y)})" for x, y in

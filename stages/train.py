@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages import capacity
+from stages import capacity, ingest_ray
 from workflow import fingerprint, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
@@ -65,15 +65,16 @@ def _check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
     return shards
 
 
-def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out: str, s3):
+def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out: str, s3, datasets=None):
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     fs, path = pyarrow_filesystem(cfg.storage_path or storage.join(out, "ray"), s3)
     workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
-    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {})}
+    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+                 **cfg.worker_resources}
     return TorchTrainer(
-        _entry, train_loop_config=loop_config,
+        _entry, train_loop_config=loop_config, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
@@ -116,8 +117,14 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
                    "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
                    "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
                    "cpus_per_worker": plan.cpus_per_worker, "fingerprint": made_by.as_dict()}
+    ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
+    datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
+    if cfg.ingest == "ray_data":
+        train_ds, ingest = ingest_ray.build_train_dataset(cfg, shards["train"], seed=seed, raw=loop_config["raw"],
+                                                          image_size=etl_cfg["image_size"], s3=loop_config["s3"])
+        datasets = {"train": train_ds}
     try:
-        result = _trainer(cfg, loop_config, plan, out, s3).fit()
+        result = _trainer(cfg, loop_config, plan, out, s3, datasets).fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
         from stages.checkpoint_io import refusal_in
 
@@ -137,4 +144,5 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
                          f"checkpoint: {last}. Lower train.lr or use precision=fp32")
     from stages import export
 
-    return export.publish(cfg, data, out, result, plan, loop_config, time.perf_counter() - started, s3)
+    artifact = export.publish(cfg, data, out, result, plan, loop_config, time.perf_counter() - started, s3)
+    return ingest_ray.annotate(artifact, ingest, s3)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from stages import data as sd
 from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
+from stages import ingest_ray
 from stages.models import build_model
 from workflow.config import ConfigError, TrainConfig
 
@@ -42,12 +43,19 @@ def precision_plan(precision: str, device_type: str) -> tuple[torch.dtype | None
     return torch.float16, True
 
 
-def stall_verdict(wait_s: float, compute_s: float) -> tuple[float, str]:
-    """Input-stall fraction and a one-phrase verdict with the likely fix."""
+def stall_verdict(wait_s: float, compute_s: float, ingest: str = "stream") -> tuple[float, str]:
+    """Input-stall fraction and a one-phrase verdict with the likely fix, for either ingest path."""
     stall = wait_s / max(wait_s + compute_s, 1e-9)
+    if stall > 0.2 and ingest == "ray_data":
+        return stall, ("input-bound: Ray Data is the weakest link; add CPU nodes or raise "
+                       "ray.data_reserved_cpus, cache decoded images (train.object_store_cache=true) "
+                       "or store decoded (etl.parquet_encoding=raw)")
     if stall > 0.2:
         return stall, ("input-bound: add ingest CPUs (train.decode_threads, train.cpus_per_worker), "
-                       "store decoded (etl.parquet_encoding=raw) or raise train.prefetch_batches")
+                       "store decoded (etl.parquet_encoding=raw), raise train.prefetch_batches, or "
+                       "decode on CPU nodes with train.ingest=ray_data")
+    if ingest == "ray_data":
+        return stall, "compute-bound: compute is the weakest link, Ray Data keeps up"
     return stall, "compute-bound: the accelerator (or CPU) is the weakest link, input keeps up"
 
 
@@ -111,6 +119,8 @@ class Worker:
         self.optimizer = _optimizer(self.cfg, self.model)
         self.refs = {split: [sd.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
         self.total = sum(r.rows for r in self.refs["train"])
+        if self.cfg.ingest == "ray_data":  # streaming_split(equal=True) evens out the ranks
+            self.total = ingest_ray.equal_rows(self.total, self.world)
         self.steps = sd.steps_per_epoch(self.total, self.world, self.cfg.batch_size)
         if self.cfg.max_steps:
             self.steps = min(self.steps, self.cfg.max_steps)
@@ -169,12 +179,21 @@ class Worker:
                               a.random_resized_crop, a.flip)
         return decode
 
+    def batch_source(self, epoch: int, start_step: int):
+        """This epoch's (batch, arrays) pairs: this worker's own reader, or its Ray Data shard."""
+        if self.cfg.ingest == "ray_data":
+            import ray.train
+
+            return ingest_ray.ShardBatches(ray.train.get_dataset_shard("train"), self.cfg, self.seed,
+                                           epoch, self.rank)
+        return sd.Prefetcher(self.train_batches(epoch, start_step), self.decode_train(epoch),
+                             self.cfg.decode_threads, self.cfg.prefetch_batches)
+
     # ---- steps ------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, start_step: int) -> dict[str, float] | None:
         """Run the rest of `epoch`; returns epoch metrics, or None if the loss went non-finite."""
         self.model.train()
-        prefetch = sd.Prefetcher(self.train_batches(epoch, start_step), self.decode_train(epoch),
-                                 self.cfg.decode_threads, self.cfg.prefetch_batches)
+        prefetch = self.batch_source(epoch, start_step)
         compute_s, loss_sum, correct, seen, started = 0.0, 0.0, 0, 0, time.perf_counter()
         self.report_s = 0.0
         for step, (batch, arrays) in enumerate(prefetch, start=start_step):
@@ -214,14 +233,14 @@ class Worker:
                 self.report_s += time.perf_counter() - t1
         totals = self.all_sum([loss_sum, correct, seen, prefetch.wait_s, compute_s])
         elapsed = time.perf_counter() - started - self.report_s  # checkpoint I/O is not training
-        stall, verdict = stall_verdict(totals[3] / self.world, totals[4] / self.world)
-        return {"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
+        stall, verdict = stall_verdict(totals[3] / self.world, totals[4] / self.world, self.cfg.ingest)
+        return {**(prefetch.stats() if self.cfg.ingest == "ray_data" else {}),"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
                 "images_per_s": totals[2] / max(elapsed, 1e-9), "wait_s": totals[3] / self.world,
                 "compute_s": totals[4] / self.world, "stall_fraction": stall, "verdict": verdict,
                 "lr": self.optimizer.param_groups[0]["lr"]}
 
     def partial_metrics(self, epoch, wait_s, compute_s, seen) -> dict[str, Any]:
-        stall, verdict = stall_verdict(wait_s, compute_s)
+        stall, verdict = stall_verdict(wait_s, compute_s, self.cfg.ingest)
         # val_acc -1: mid-epoch checkpoints never outrank epoch-end ones for "best" retention.
         return {"epoch": epoch, "samples_seen": seen, "stall_fraction": stall, "verdict": verdict,
                 "val_acc": -1.0}
@@ -317,7 +336,8 @@ def train_loop(config: dict[str, Any]) -> None:
     w = Worker(config)
     w.restore()
     for epoch in range(w.epoch, w.cfg.epochs):
-        start = w.step if epoch == w.epoch else 0
+        # ray_data resume is epoch-granular: the interrupted epoch restarts from its first batch
+        start = w.step if epoch == w.epoch and w.cfg.ingest == "stream" else 0
         if start >= w.steps:
             continue
         metrics = w.train_epoch(epoch, start)
@@ -330,6 +350,9 @@ def train_loop(config: dict[str, Any]) -> None:
         # cache counters after validation, so each epoch's row covers all of its reads
         row = {"epoch": epoch + 1, **metrics, **w.val, "cache_hits": w.cache.hits,
                "cache_misses": w.cache.misses, "worker_nodes": w.nodes}
+        if w.cfg.ledger:  # counted, not hidden: ray_data repeats rows of an interrupted epoch
+            keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
+            row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
         if w.rank == 0:
             print(f"[raymill] train: epoch {epoch + 1}/{w.cfg.epochs} loss {row['train_loss']:.3f} "

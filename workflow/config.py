@@ -135,6 +135,13 @@ class TrainConfig(Section):
     cache_max_gb: float = Field(20.0, gt=0)
     ledger: bool = False  # record every consumed sample key (tests, audits)
     max_steps: int | None = Field(None, ge=1)  # stop early (benchmarks, smoke runs)
+    # stream: each worker reads its own shards (exact mid-epoch resume). ray_data: Ray Data decodes
+    # on any CPU of the cluster, epoch-granular resume (README, "Which ingest when").
+    ingest: Literal["stream", "ray_data"] = "stream"
+    data_cpus_per_task: float = Field(0.25, gt=0)  # ray_data: CPU request of each read/decode task
+    object_store_cache: bool = False  # ray_data: decode once, keep decoded train set in the object store
+    # Extra custom resources per worker, e.g. {accelerator: 1}: pins workers to the nodes that have them.
+    worker_resources: dict[str, float] = Field(default_factory=dict)
 
 
 class Distribution(Section):
