@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workflow import session, storage
+from workflow import console, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
 
@@ -77,6 +77,7 @@ def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out:
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name="train", storage_path=path, storage_filesystem=fs,
+            logging_config=console.train_logging_config(),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_acc",
@@ -90,7 +91,7 @@ def _entry(config: dict) -> None:
 
 
 def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
-        s3: Any | None = None) -> Artifact:
+        s3: Any | None = None, tracking: dict | None = None) -> Artifact:
     """Train on the ETL artifact `data`; publish the best model to `out`."""
     started = time.perf_counter()
     shards = _check_data(cfg, data, s3)
@@ -100,7 +101,7 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
     loop_config = {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
                    "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
                    "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
-                   "cpus_per_worker": plan.cpus_per_worker}
+                   "cpus_per_worker": plan.cpus_per_worker, "tracking": tracking}  # rank 0 logs to MLflow
     try:
         result = _trainer(cfg, loop_config, plan, out, s3).fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
