@@ -312,6 +312,7 @@ class Worker:
 
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train entry point: resume if a checkpoint exists, then train the remaining epochs."""
+    console.quiet_train_worker()
     w = Worker(config)
     w.restore()
     for epoch in range(w.epoch, w.cfg.epochs):

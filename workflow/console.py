@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["setup", "verbose", "quiet_ray", "train_logging_config", "epoch", "VERBOSE_ENV"]
+__all__ = ["setup", "verbose", "quiet_ray", "train_logging_config", "quiet_train_worker", "epoch",
+           "VERBOSE_ENV"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
 _OURS = ("raymill", "workflow", "stages", "benchmarks")  # loggers that speak at INFO by default
@@ -54,6 +55,21 @@ def train_logging_config():
     import ray.train
 
     return ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING")
+
+
+def quiet_train_worker() -> None:
+    """Call first in a Ray Train worker loop: the worker's root logger to WARNING, raymill's at INFO.
+
+    Ray Train sets a worker's root logger to INFO with a console handler. Its per-report line
+    ("Reporting training result N: TrainingReport(...)") is logged under a logger named after
+    its file path, not `ray.train`, so `LoggingConfig(log_level=...)` does not hold it back
+    (ray/train/v2/_internal/execution/context.py, Ray 2.60).
+    """
+    if verbose():
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    for name in _OURS:
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def epoch(row: dict[str, Any], epochs: int) -> None:

@@ -89,7 +89,9 @@ def _client(uri: str, timeout_s: float = 5.0):
     # A dead server must cost one short request, not MLflow's default of 7 retries with backoff.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout_s))))
-    logging.getLogger("alembic").setLevel(logging.WARNING)  # schema set-up chatter on first use
+    if os.environ.get("RAYMILL_VERBOSE") != "1":  # schema set-up chatter on first use of a store
+        for name in ("alembic", "mlflow"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -227,7 +229,8 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
         return
     fs, root = storage.filesystem(artifact.path, s3)
     read = lambda name: fs.cat_file(storage.join(root, name))  # noqa: E731
-    log_metrics(handle, artifact.manifest.get("metrics", {}))
+    final = artifact.manifest.get("metrics", {})  # per-epoch names keep their per-epoch histories
+    log_metrics(handle, {k: v for k, v in final.items() if k not in EPOCH_METRICS})
     log_files(handle, {n: read(n) for n in ("model.json", "curves.png", "manifest.json")
                        if fs.exists(storage.join(root, n))})
     log_files(handle, {n: read(n) for n in ("model.pt", "model.json")}, artifact_path="model")
