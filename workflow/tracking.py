@@ -89,10 +89,11 @@ def _client(uri: str, timeout_s: float = 5.0):
     # A dead server must cost one short request, not MLflow's default of 7 retries with backoff.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout_s))))
-    if os.environ.get("RAYMILL_VERBOSE") != "1":  # schema set-up chatter on first use of a store
-        for name in ("alembic", "mlflow"):
-            logging.getLogger(name).setLevel(logging.WARNING)
     from mlflow import MlflowClient
+
+    if os.environ.get("RAYMILL_VERBOSE") != "1":  # schema set-up chatter on first use of a store;
+        for name in ("alembic", "mlflow"):  # after the import: importing mlflow configures its logger
+            logging.getLogger(name).setLevel(logging.WARNING)
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
@@ -127,9 +128,11 @@ def _start(probe: Handle, cfg: TrackingConfig, folder: str, run_name: str, tags:
     experiment_id = _experiment_id(client, cfg.experiment, uri, folder)
     output = storage.local_path(folder) if not storage.is_remote(folder) else folder
     output = str(Path(output).resolve()) if not storage.is_remote(folder) else output
-    # Ray Train resumes an interrupted stage in the same folder: resume its MLflow run as well.
-    previous = client.search_runs([experiment_id], f"tags.`raymill.output` = '{output}' and "
-                                                   f"attributes.status != 'FINISHED'", max_results=1)
+    # Ray Train resumes an interrupted stage in the same folder with the same config: so does this.
+    same = f"tags.`raymill.output` = '{output}' and attributes.status != 'FINISHED'"
+    if "raymill.config_hash" in tags:
+        same += f" and tags.`raymill.config_hash` = '{tags['raymill.config_hash']}'"
+    previous = client.search_runs([experiment_id], same, max_results=1)
     if previous:
         run = previous[0]
         client.update_run(run.info.run_id, status="RUNNING")
@@ -228,12 +231,14 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
     if handle is None:
         return
     fs, root = storage.filesystem(artifact.path, s3)
-    read = lambda name: fs.cat_file(storage.join(root, name))  # noqa: E731
+
+    def read(*names: str) -> dict[str, bytes]:
+        return {n: fs.cat_file(storage.join(root, n)) for n in names if fs.exists(storage.join(root, n))}
+
     final = artifact.manifest.get("metrics", {})  # per-epoch names keep their per-epoch histories
     log_metrics(handle, {k: v for k, v in final.items() if k not in EPOCH_METRICS})
-    log_files(handle, {n: read(n) for n in ("model.json", "curves.png", "manifest.json")
-                       if fs.exists(storage.join(root, n))})
-    log_files(handle, {n: read(n) for n in ("model.pt", "model.json")}, artifact_path="model")
+    log_files(handle, read("model.json", "curves.png", "manifest.json", "search.png", "trials.md"))
+    log_files(handle, read("model.pt", "model.json"), artifact_path="model")
     version = register_model(handle, cfg.tracking.model_name)
     end(handle, "FINISHED")
     if handle["uri"] in _failed:
@@ -248,7 +253,8 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
              section: dict[str, Any], body: Callable[[Handle | None], Artifact]) -> Artifact:
     if not cfg.tracking.enabled:
         return body(None)
-    handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}", {"raymill.stage": stage})
+    handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}",
+                   {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
     log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
                         "code": code_version()})
     try:
