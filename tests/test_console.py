@@ -42,8 +42,9 @@ def test_run_console_is_short_and_tracked(tmp_path):
     epochs = [line for line in lines if "train: epoch" in line]
     assert [re.search(r"epoch (\d+)/2", line).group(1) for line in epochs] == ["1", "2"], epochs
     assert "Reporting training result" not in output and "Execution plan of Dataset" not in output
-    summary = done.stdout.strip().splitlines()
-    assert summary[0].startswith("raymill run smoke:") and summary[-1].startswith("mlflow: run ")
+    stdout = done.stdout.strip().splitlines()
+    start = next(i for i, line in enumerate(stdout) if line.startswith("raymill run smoke:"))
+    assert stdout[start + 1].startswith("| stage |") and stdout[-1].startswith("mlflow: run ")  # last
     assert "| infer |" in done.stdout and "report.md" in done.stdout
 
     from mlflow import MlflowClient
