@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stages import capacity, ingest_ray
-from workflow import fingerprint, session, storage
+from workflow import console, fingerprint, session, storage
 from workflow.artifacts import Artifact, base_manifest, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
 from workflow.locks import output_lock
@@ -80,6 +80,7 @@ def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out:
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name="train", storage_path=path, storage_filesystem=fs,
+            logging_config=console.train_logging_config(),
             failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
                 cfg.max_failures, cfg.capacity_timeout_s)),
             checkpoint_config=ray.train.CheckpointConfig(
@@ -94,18 +95,20 @@ def _entry(config: dict) -> None:
 
 
 def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
-        s3: Any | None = None, overwrite: bool = False) -> Artifact:
+        s3: Any | None = None, overwrite: bool = False,
+        tracking: dict | None = None) -> Artifact:
     """Train on the ETL artifact `data`; publish the best model to `out`.
 
     Resumes the run state in `out` only if the same config and data made it (else ConfigError);
     `overwrite` discards that state first. One run per output: the output is locked for the run.
     """
     with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
-        return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite)
+        return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
+                            tracking=tracking)
 
 
 def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
-                s3: Any | None, overwrite: bool) -> Artifact:
+                s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
     started = time.perf_counter()
     shards = _check_data(cfg, data, s3)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
@@ -116,7 +119,8 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     loop_config = {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
                    "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
                    "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
-                   "cpus_per_worker": plan.cpus_per_worker, "fingerprint": made_by.as_dict()}
+                   "cpus_per_worker": plan.cpus_per_worker, "fingerprint": made_by.as_dict(),
+                   "tracking": tracking}  # rank 0 logs to MLflow
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     if cfg.ingest == "ray_data":

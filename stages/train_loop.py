@@ -25,6 +25,7 @@ from stages import data as sd
 from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages import ingest_ray
 from stages.models import build_model
+from workflow import console, tracking
 from workflow.config import ConfigError, TrainConfig
 
 __all__ = ["train_loop", "precision_plan", "stall_verdict", "to_batch", "make_schedule"]
@@ -333,6 +334,7 @@ class Worker:
 
 def train_loop(config: dict[str, Any]) -> None:
     """Ray Train entry point: resume if a checkpoint exists, then train the remaining epochs."""
+    console.quiet_train_worker()
     w = Worker(config)
     w.restore()
     for epoch in range(w.epoch, w.cfg.epochs):
@@ -355,9 +357,7 @@ def train_loop(config: dict[str, Any]) -> None:
             row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
         if w.rank == 0:
-            print(f"[raymill] train: epoch {epoch + 1}/{w.cfg.epochs} loss {row['train_loss']:.3f} "
-                  f"acc {row['train_acc']:.3f} val_acc {row['val_acc']:.3f} | {row['images_per_s']:.0f} "
-                  f"images/s, waiting {row['wait_s']:.1f}s vs computing {row['compute_s']:.1f}s, "
-                  f"stall {row['stall_fraction']:.1%}: {row['verdict']}", flush=True)
+            console.epoch(row, w.cfg.epochs)
+            tracking.log_epoch(config.get("tracking"), row)
         w.epoch, w.step = epoch + 1, 0
         w.report(epoch + 1, 0, row)

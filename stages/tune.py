@@ -26,7 +26,7 @@ import math
 import time
 from typing import Any
 
-from workflow import session, storage
+from workflow import console, session, storage
 from workflow.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
@@ -171,6 +171,7 @@ def _trial_trainer(tcfg: TrainConfig, loop_config: dict, plan, ctx: dict, name: 
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=name, storage_path=path, storage_filesystem=fs, callbacks=callbacks,
+            logging_config=console.train_logging_config(),
             failure_config=ray.train.FailureConfig(max_failures=tcfg.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=tcfg.num_to_keep, checkpoint_score_attribute=ctx["metric"],
@@ -473,7 +474,7 @@ def _pbt_entry(config: dict) -> None:
 
 # ---- run ------------------------------------------------------------------------------------------
 def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0,
-        ray_cfg: RayConfig = RayConfig(), s3: Any | None = None) -> Artifact:
+        ray_cfg: RayConfig = RayConfig(), s3: Any | None = None, callbacks: list = ()) -> Artifact:
     """Search `cfg.search_space` over the trainer on ETL artifact `data`; publish the best model."""
     from stages import train
 
@@ -493,7 +494,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     print(f"[raymill] tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data", flush=True)
-    grid = _fit(cfg, train_cfg, data, seed, plan, ctx, ray_dir, s3)
+    grid = _fit(cfg, train_cfg, data, seed, plan, ctx, ray_dir, s3, callbacks)
     trials = _summaries(grid, cfg, ctx)
     fs, root = storage.filesystem(out, s3)
     _write_tables(fs, root, trials, cfg)
@@ -514,7 +515,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
 
 
 def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, plan, ctx: dict,
-         ray_dir: str, s3):
+         ray_dir: str, s3, callbacks: list = ()):
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -541,7 +542,7 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
         # callback; give it this run's reaper (no public API for this on restore).
         local = getattr(tuner, "_local_tuner", None)
         if local is not None:
-            local.get_run_config().callbacks = [reaper.callback()]
+            local.get_run_config().callbacks = [reaper.callback(), *callbacks]
     else:
         storage.write_bytes_atomic(fs, key_path, json.dumps(key, indent=2).encode())
         tuner = tune.Tuner(
@@ -555,7 +556,7 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, pla
                                                  max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
                 name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=1,
-                callbacks=[reaper.callback()],
+                callbacks=[reaper.callback(), *callbacks],  # callbacks: tracking.tune_callbacks
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
     try:
         return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise

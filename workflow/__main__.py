@@ -1,6 +1,7 @@
 """`raymill` CLI: maps each command to a library function. Exit codes: 0 ok, 1 failure, 2 usage/config.
 
 Commands that need no cluster (demo-data, verify, --help) import neither Ray nor torch.
+The console shows raymill's own lines; Ray's chatter stays in Ray's log files unless --verbose.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import sys
 import time
 
+from workflow import console
 from workflow.config import ConfigError, load_config
 
 __all__ = ["main"]
@@ -23,10 +25,14 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML config file (default: built-in defaults)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set etl.image_size=64 (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="also show Ray's own log lines and full tracebacks")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymill", description="Ray-based ETL -> train -> tune -> serve")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also show Ray's own log lines and full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo-data", help="write the built-in demo ImageFolder dataset")
@@ -79,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[raymill] %(message)s", stream=sys.stderr)
     args = build_parser().parse_args(argv)
+    console.setup(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:  # includes bad inputs/outputs named on the command line
@@ -89,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"raymill {args.command}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # one line for the user; the traceback is in the log at debug level
+    except Exception as e:  # the message carries the fix; --verbose adds the traceback
         log.debug("traceback", exc_info=True)
-        print(f"raymill {args.command}: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        hint = "" if args.verbose else " (--verbose shows the traceback)"
+        print(f"raymill {args.command}: failed: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return 1
 
 
@@ -134,11 +141,13 @@ def cmd_verify(args) -> int:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import train
+    from workflow import tracking
     from workflow.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    artifact = train.run(cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
-                         overwrite=args.overwrite)
+    artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
+        cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
+        tracking=run))
     print(f"train: test_acc={artifact.manifest['metrics']['test_acc']:.3f} -> {artifact.path}")
     return 0
 
@@ -146,10 +155,13 @@ def cmd_train(args) -> int:
 def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import tune
+    from workflow import tracking
     from workflow.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    artifact = tune.run(cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3)
+    artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
+        cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
+        callbacks=callbacks))
     print(f"tune: best {artifact.manifest['metrics']} -> {artifact.path}")
     return 0
 
@@ -157,10 +169,11 @@ def cmd_tune(args) -> int:
 def cmd_infer(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import infer
-    from workflow import session
+    from workflow import session, tracking
 
     session.start(cfg.ray)
     artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
+    tracking.log_infer(cfg, args.model, artifact)  # into the MLflow run of the model used
     print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
     return 0
 
@@ -206,9 +219,13 @@ def cmd_serve(args) -> int:
 def cmd_run(args) -> int:
     overrides = list(args.overrides) + (["run.force=true"] if args.force else [])
     cfg = load_config(args.config, overrides)
-    from workflow import pipeline
+    import ray
 
-    pipeline.run(cfg, serve=args.serve)
+    from workflow import pipeline, report
+
+    summary = report.summary(pipeline.run(cfg, serve=args.serve))
+    ray.shutdown()  # flushes Ray's last worker lines now, so the summary is the last thing printed
+    print(f"\n{summary}", flush=True)
     return 0
 
 

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
-    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "load_config", "parse_overrides",
+    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "TrackingConfig", "load_config",
+    "parse_overrides",
 ]
 
 
@@ -238,6 +239,17 @@ class ServeConfig(Section):
     max_surge_percent: int = Field(100, ge=0, le=100)
 
 
+class TrackingConfig(Section):
+    """MLflow experiment tracking (workflow/tracking.py). Failures warn once and never stop a stage."""
+    enabled: bool = True
+    # None: SQLite inside the run folder (`raymill run`) or --output (`raymill train/tune`). A path on
+    # the head is invisible to workers on other nodes: clusters set a server, e.g. http://head:5000.
+    uri: str | None = None
+    experiment: str = "raymill"
+    model_name: str = "raymill"  # registered model name; each trained model becomes a new version
+    timeout_s: float = Field(5.0, gt=0)  # per HTTP request to a tracking server, no retries
+
+
 class Config(Section):
     ray: RayConfig = RayConfig()
     s3: S3Config = S3Config()
@@ -247,6 +259,7 @@ class Config(Section):
     tune: TuneConfig = TuneConfig()
     infer: InferConfig = InferConfig()
     serve: ServeConfig = ServeConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:

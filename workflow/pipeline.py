@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
-from workflow import session, storage
+from workflow import session, storage, tracking
 from workflow.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
 from workflow.config import Config, section_dict
 from workflow.locks import LOCK_NAME, output_lock
@@ -100,18 +100,23 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
         from stages import tune
 
         model, _ = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
-                         lambda out: tune.run(cfg.tune, cfg.train, data, out, seed=cfg.run.seed,
-                                              ray_cfg=cfg.ray, s3=cfg.s3))
+                         lambda out: tracking.tune(cfg, data, out, lambda callbacks: tune.run(
+                             cfg.tune, cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
+                             callbacks=callbacks), store=cfg.run.dir))
         timings["tune"] = time.perf_counter() - t
     else:
         model, _ = stage("train", cfg, train_cfg, {"data": fingerprint, "seed": cfg.run.seed},
-                         lambda out: train.run(train_cfg, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3))
+                         lambda out: tracking.train(cfg, data, out, lambda run: train.run(
+                             train_cfg, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
+                             store=cfg.run.dir))
         timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    preds, _ = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
-                                                "data_fingerprint": fingerprint},
-                     lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
+    preds, reused = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
+                                                    "data_fingerprint": fingerprint},
+                          lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
+    if not reused:
+        tracking.log_infer(cfg, model.path, preds)
     timings["infer"] = time.perf_counter() - t
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None

@@ -1,14 +1,14 @@
-"""The run summary: a table on stdout, `report.json` and `report.md` in the run folder."""
+"""The run summary: `report.json` and `report.md` in the run folder, and the table the CLI prints last."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from workflow import storage
+from workflow import storage, tracking
 from workflow.artifacts import Artifact
 from workflow.config import Config
 
-__all__ = ["write"]
+__all__ = ["write", "summary"]
 
 
 def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, float]) -> list[dict]:
@@ -38,24 +38,53 @@ def _table(rows: list[dict], serve: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _tracking(cfg: Config, model: Artifact) -> dict[str, Any] | None:
+    """The MLflow run of the model (train run, or the tune parent run), for the report's links."""
+    found = tracking.find(model.path, cfg.s3) if cfg.tracking.enabled else None
+    if not found:
+        return None
+    return {**found, "ui": tracking.ui_command(found["uri"])}
+
+
+def _tracking_md(info: dict[str, Any] | None) -> str:
+    if not info:
+        return "- MLflow: not tracked (tracking.enabled=false, or the tracking store failed: see the log)\n"
+    model = f"; model `{info['model_name']}` version {info['model_version']}" if info.get("model_version") else ""
+    return (f"- MLflow: run `{info['run_id']}` (experiment {info['experiment_id']}) in `{info['uri']}`{model}; "
+            f"it holds the train params, per-epoch metrics, artifacts and the infer accuracy. "
+            f"Browse: `{info['ui']}`, then open "
+            f"`http://127.0.0.1:5000/#/experiments/{info['experiment_id']}/runs/{info['run_id']}`\n")
+
+
 def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: dict | None,
           timings: dict[str, float], seconds: float) -> dict[str, Any]:
+    """Write report.json and report.md; return the report (`summary(report)` is its console text)."""
     rows = _rows(data, model, preds, timings)
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
+    tracked = _tracking(cfg, model)
     report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
               "test_accuracy": infer_m.get("accuracy", train_m.get("test_acc")),
               "input_stall_fraction": train_m.get("stall_fraction"), "bottleneck": train_m.get("verdict"),
-              "serve": serve, "outputs": {"etl": data.path, "model": model.path, "predictions": preds.path}}
-    table = _table(rows, serve)
-    md = (f"# raymill run `{cfg.run.name}`\n\n{table}\n\n"
+              "serve": serve, "outputs": {"etl": data.path, "model": model.path, "predictions": preds.path},
+              "mlflow": tracked, "table": _table(rows, serve)}
+    md = (f"# raymill run `{cfg.run.name}`\n\n{report['table']}\n\n"
           f"- test accuracy: **{report['test_accuracy']:.3f}**\n"
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"
+          f"{_tracking_md(tracked)}"
           f"- total: {seconds:.0f} s\n")
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     storage.write_bytes_atomic(fs, storage.join(root, "report.json"), json.dumps(report, indent=2).encode())
     storage.write_bytes_atomic(fs, storage.join(root, "report.md"), md.encode())
-    print(f"\nraymill run {cfg.run.name}: {seconds:.0f} s\n{table}\n"
-          f"test accuracy {report['test_accuracy']:.3f}; bottleneck: {report['bottleneck']}\n"
-          f"report: {storage.join(cfg.run.dir, 'report.md')}", flush=True)
     return report
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The console summary of a run: the stage table, accuracy, bottleneck, where to look next."""
+    mlflow = report.get("mlflow")
+    lines = [f"raymill run {report['run']}: {report['seconds']:.0f} s", report["table"],
+             f"test accuracy {report['test_accuracy']:.3f}; bottleneck: {report['bottleneck']}",
+             f"report: {storage.join(report['dir'], 'report.md')}"]
+    if mlflow:
+        lines.append(f"mlflow: run {mlflow['run_id']}; browse with: {mlflow['ui']}")
+    return "\n".join(lines)

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 # Credentials reach Ray workers on other nodes only through the job's runtime env.
 _FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                  "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+                  "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                  "RAYMILL_VERBOSE")  # workflow.console: --verbose reaches workers
 
 
 def start(cfg: RayConfig) -> dict[str, float]:
@@ -30,11 +31,15 @@ def start(cfg: RayConfig) -> dict[str, float]:
     """
     import ray
 
-    if not ray.is_initialized():
+    from workflow import console
+
+    first = not ray.is_initialized()
+    if first:
         env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
         kwargs: dict = {"runtime_env": {"env_vars": env} if env else None,
                         "include_dashboard": cfg.include_dashboard,
-                        "dashboard_host": cfg.dashboard_host, "logging_level": logging.WARNING}
+                        "dashboard_host": cfg.dashboard_host,
+                        "logging_level": logging.INFO if console.verbose() else logging.WARNING}
         if cfg.address:
             kwargs["address"] = cfg.address
         else:
@@ -43,9 +48,10 @@ def start(cfg: RayConfig) -> dict[str, float]:
             kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
                           object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
         ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        console.quiet_ray()
     resources = cluster_resources()
-    log.info("ray: %s CPUs, %s GPUs (address=%s)", resources["CPU"], resources["GPU"],
-             cfg.address or "local")
+    log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
+            resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
 
 

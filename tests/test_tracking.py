@@ -1,0 +1,211 @@
+"""MLflow tracking against real MLflow: a real `mlflow server` on 127.0.0.1 and the SQLite store.
+
+The runs are queried back with MlflowClient: params, per-epoch metrics, artifacts, the registered
+model, infer accuracy in the model's run, and parent/child runs for a Tune search. One test kills
+the server mid-run: training still finishes, with one tracking warning.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+from workflow import demo_data, tracking
+from workflow.config import load_config
+
+MLFLOW = str(Path(sys.executable).with_name("mlflow"))
+
+
+class Server:
+    """A real `mlflow server` process on 127.0.0.1 with its own SQLite store and artifact folder."""
+
+    def __init__(self, root: Path):
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.log = open(root / "server.log", "wb")
+        self.proc = subprocess.Popen(
+            [MLFLOW, "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+             "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
+             "--artifacts-destination", str(root / "artifacts")],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120  # slow on a loaded 2-core machine
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, (root / "server.log").read_text()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not answer in 120 s: {(root / 'server.log').read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = Server(tmp_path)
+    yield server
+    server.stop()
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _runs(uri: str, experiment: str = "raymill") -> list:
+    client = _client(uri)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+
+
+@pytest.mark.slow
+def test_pipeline_tracks_train_and_infer_on_a_server(tmp_path, ray_session, mlflow_server):
+    from workflow import pipeline
+
+    demo_data.generate(tmp_path / "src", images=160, seed=3)
+    cfg = load_config(REPO / "configs/smoke.yaml", [
+        f"run.source={tmp_path / 'src'}", f"run.dir={tmp_path / 'run'}", f"tracking.uri={mlflow_server.uri}",
+        "tracking.experiment=pipeline-test", "tracking.model_name=pipeline-test"])
+    report = pipeline.run(cfg)
+
+    client = _client(mlflow_server.uri)
+    (run,) = _runs(mlflow_server.uri, "pipeline-test")
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED" and run.data.tags["raymill.stage"] == "train"
+    # params: resolved train config, data manifest hash and counts, code version
+    params = run.data.params
+    assert params["train.epochs"] == "2" and params["train.batch_size"] == "16"
+    assert params["data.rows_train"] != "0" and len(params["data.manifest_hash"]) == 16
+    assert params["code.raymill"] and params["seed"] == "0"
+    # per-epoch metrics from rank 0: one point per epoch, steps 1..epochs
+    for key in ("train_loss", "train_acc", "val_acc", "images_per_s", "stall_fraction"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2], key
+    assert 0 <= run.data.metrics["test_acc"] <= 1
+    assert run.data.metrics["infer_accuracy"] == pytest.approx(report["test_accuracy"])
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"model.json", "curves.png", "manifest.json", "model"} <= names
+    assert {a.path for a in client.list_artifacts(run_id, "model")} == {"model/model.json", "model/model.pt"}
+    version = client.get_model_version("pipeline-test", "1")
+    assert version.run_id == run_id
+    # the model folder and the report point at the run
+    assert tracking.find(report["outputs"]["model"])["run_id"] == run_id
+    assert run_id in (tmp_path / "run" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_server_down_mid_run_training_finishes_with_one_warning(tmp_path, ray_session, mlflow_server, caplog,
+                                                                capfd):
+    from stages import etl, train
+
+    demo_data.generate(tmp_path / "src", images=120, seed=5)
+    cfg = load_config(REPO / "configs/smoke.yaml", [f"tracking.uri={mlflow_server.uri}",
+                                                    "tracking.experiment=down-test", "train.epochs=3"])
+    data = etl.run(cfg.etl, str(tmp_path / "src"), str(tmp_path / "etl"))
+
+    def fit(handle):
+        assert handle is not None  # the run started while the server was up
+        mlflow_server.stop()  # ... and now it is gone for the rest of the run
+        return train.run(cfg.train, data, str(tmp_path / "train"), ray_cfg=cfg.ray, tracking=handle)
+
+    caplog.set_level(logging.WARNING, logger="workflow.tracking")
+    started = time.monotonic()
+    artifact = tracking.train(cfg, data, str(tmp_path / "train"), fit)
+    assert artifact.manifest["metrics"]["epochs"] == 3 and (tmp_path / "train" / "model.pt").exists()
+    assert not (tmp_path / "train" / tracking.TRACKING_FILE).exists()  # nothing to point at
+    driver = [r.getMessage() for r in caplog.records if r.name == "workflow.tracking"]
+    assert len(driver) == 1 and mlflow_server.uri in driver[0] and "tracking.enabled=false" in driver[0]
+    time.sleep(2)  # Ray forwards worker output asynchronously
+    worker = capfd.readouterr().err.count(f"tracking: MLflow at {mlflow_server.uri} failed")
+    assert worker <= 1  # rank 0 warns at most once in its process, not once per epoch
+    assert time.monotonic() - started < 600
+
+
+def test_sqlite_store_default_resume_and_disabled(tmp_path):
+    cfg = load_config(None, [])
+    folder = tmp_path / "out"
+    handle = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
+    assert handle["uri"] == f"sqlite:///{folder.resolve() / 'mlflow.db'}"
+    tracking.log_params(handle, {"train": {"lr": 0.1, "augment": {"flip": True}}, "tags": [1, 2]})
+    for epoch in (1, 2, 3):
+        tracking.log_epoch(handle, {"epoch": epoch, "train_loss": 1.0 / epoch, "val_acc": 0.1 * epoch,
+                                    "verdict": "text is not a metric"})
+    again = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
+    assert again["run_id"] == handle["run_id"]  # an unfinished run in the same folder is resumed
+    tracking.end(handle)
+    client = _client(handle["uri"])
+    run = client.get_run(handle["run_id"])
+    assert run.data.params == {"train.lr": "0.1", "train.augment.flip": "True", "tags": "[1, 2]"}
+    assert [m.value for m in client.get_metric_history(handle["run_id"], "val_acc")] == pytest.approx([0.1, 0.2, 0.3])
+    assert "verdict" not in run.data.metrics
+    assert run.info.artifact_uri.startswith((folder.resolve() / "mlartifacts").as_uri())
+    fresh = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
+    assert fresh["run_id"] != handle["run_id"]  # a finished run is never reopened
+    off = load_config(None, ["tracking.enabled=false"])
+    assert tracking.train(off, None, str(folder), lambda handle: handle) is None  # fit(None), no MLflow
+
+
+def test_unreachable_server_warns_once_and_never_raises(caplog):
+    cfg = load_config(None, [f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout_s=1"])
+    caplog.set_level(logging.WARNING, logger="workflow.tracking")
+    started = time.monotonic()
+    assert tracking.start(cfg.tracking, "unused", "x", {}) is None
+    handle = {"uri": cfg.tracking.uri, "run_id": "0" * 32, "timeout_s": 1}
+    tracking.log_epoch(handle, {"epoch": 1, "train_loss": 1.0})
+    tracking.end(handle)
+    assert len(caplog.records) == 1 and "failed" in caplog.records[0].getMessage()
+    assert time.monotonic() - started < 30  # no retry storm against a dead server
+
+
+@pytest.mark.slow
+def test_tune_parent_run_with_one_child_per_trial(tmp_path, ray_session, mlflow_server):
+    from ray import tune
+
+    def trial(config: dict) -> None:  # defined here: shipped to Tune's workers by value
+        import time
+
+        import ray.tune
+
+        for epoch in range(1, 5):  # poor trials (low quality) are stopped by ASHA at epoch 1
+            ray.tune.report({"epoch": epoch, "val_acc": config["quality"] * epoch / 4})
+            time.sleep(0.2)
+
+    cfg = load_config(None, [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=tune-test"])
+    parent = tracking.start(cfg.tracking, str(tmp_path), "search", {"raymill.stage": "tune"})
+    callbacks = tracking.tune_callbacks(parent, cfg.tracking, max_epochs=4)
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"CPU": 0.5}),
+        param_space={"quality": tune.grid_search([1.0, 0.1, 0.2])},  # the best first: ASHA cuts the rest
+        tune_config=tune.TuneConfig(metric="val_acc", mode="max", max_concurrent_trials=1,
+                                    scheduler=tune.schedulers.ASHAScheduler(max_t=4, grace_period=1,
+                                                                            reduction_factor=2,
+                                                                            time_attr="epoch")),
+        run_config=tune.RunConfig(name="tracking-test", storage_path=str(tmp_path / "ray"), callbacks=callbacks))
+    grid = tuner.fit()
+    tracking.end(parent)
+    assert len(grid) == 3 and not grid.errors
+
+    runs = _runs(mlflow_server.uri, "tune-test")
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent["run_id"]]
+    assert len(children) == 3 and len(runs) == 4  # the parent and one child per trial
+    outcomes = {r.data.params["quality"]: (r.data.tags["raymill.outcome"], r.info.status) for r in children}
+    assert outcomes["1.0"] == ("completed", "FINISHED")
+    assert outcomes["0.1"] == outcomes["0.2"] == ("stopped_early", "KILLED")  # ASHA-stopped, visibly
+    child = children[0]
+    assert len(_client(mlflow_server.uri).get_metric_history(child.info.run_id, "val_acc")) >= 1

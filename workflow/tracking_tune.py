@@ -1,0 +1,62 @@
+"""Tune's MLflow logger: Ray's `MLflowLoggerCallback`, made failure-proof and outcome-aware.
+
+Separate from workflow/tracking.py because it imports Ray at module level (a Tuner pickles its
+callbacks by reference, so the class must live at module level).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+from workflow import tracking
+
+__all__ = ["TrialLogger"]
+
+
+class TrialLogger(MLflowLoggerCallback):
+    """One child run per trial. A trial the scheduler (ASHA) stopped before `max_epochs` ends as
+    KILLED with tag `raymill.outcome=stopped_early`; failed trials FAILED; the rest FINISHED."""
+
+    def __init__(self, *, max_epochs: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.max_epochs = max_epochs
+
+    def _guard(self, what: str, fn: Callable, *args: Any) -> None:
+        uri = self.tracking_uri or ""
+        if tracking.has_failed(uri):
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # a dead server must not stop the search
+            tracking.warn_failure(uri, e, f"the search goes on untracked ({what})")
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        # A dead server must cost one short request, not MLflow's default retries with backoff.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        self._trial_runs = {}
+        self._guard("setup", super().setup)
+
+    def log_trial_start(self, trial) -> None:
+        self._guard("trial start", super().log_trial_start, trial)
+
+    def log_trial_result(self, iteration: int, trial, result: dict) -> None:
+        if trial in self._trial_runs:
+            self._guard("trial result", super().log_trial_result, iteration, trial, result)
+
+    def log_trial_end(self, trial, failed: bool = False) -> None:
+        if trial in self._trial_runs:
+            self._guard("trial end", self._end, trial, failed)
+
+    def _end(self, trial, failed: bool) -> None:
+        last = trial.last_result or {}
+        epochs = int(last.get("epoch", last.get("training_iteration", 0)) or 0)
+        outcome = "failed" if failed else "stopped_early" if epochs < self.max_epochs else "completed"
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        run_id = self._trial_runs[trial]
+        client.set_tag(run_id, "raymill.outcome", outcome)
+        client.set_tag(run_id, "raymill.epochs", str(epochs))
+        client.set_terminated(run_id, status={"failed": "FAILED", "stopped_early": "KILLED"}.get(outcome, "FINISHED"))
