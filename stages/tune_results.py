@@ -95,7 +95,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
     rows = []
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
-        params = {k: result.config.get(k) for k in cfg.search_space}
+        params = {k: (result.config or {}).get(k) for k in cfg.search_space}  # None: never started
         history, diverged = _history(result, cfg.metric)
         # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
         # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
