@@ -131,6 +131,8 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
     from workflow.config import RayConfig
 
     seen: dict = {}
+    for name in ("RAY_API_SERVER_ADDRESS", "RAY_enable_metrics_collection"):  # start() sets them
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.setattr(session, "cluster_resources", lambda: {"CPU": 1.0, "GPU": 0.0})

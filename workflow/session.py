@@ -45,6 +45,8 @@ def start(cfg: RayConfig) -> dict[str, float]:
             # The dashboard agent's Prometheus endpoint listens on every interface without the
             # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
             os.environ.setdefault("RAY_enable_metrics_collection", "0")
+            if cfg.include_dashboard:
+                kwargs["dashboard_port"] = _point_state_api_at_own_dashboard(cfg.dashboard_host)
             # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever
             # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
             kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
@@ -57,6 +59,24 @@ def start(cfg: RayConfig) -> dict[str, float]:
     log.info("ray: %s CPUs, %s GPUs (address=%s)", resources["CPU"], resources["GPU"],
              cfg.address or "local")
     return resources
+
+
+def _point_state_api_at_own_dashboard(host: str) -> int:
+    """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
+    for the API server) before Ray starts, so every Ray process inherits it.
+
+    Without it a State API client that is given no address (Ray Train's placement-group cleaner,
+    `ray.util.state` here) looks for the cluster by scanning this machine's processes, and fails
+    with "Found multiple active Ray instances" when another local Ray runs beside this one; the
+    placement groups of stopped trials then stay reserved and the next trials wait forever.
+    """
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
+    return port
 
 
 def dashboard_url() -> str | None:
