@@ -92,7 +92,12 @@ def search(dataset, tmp_path_factory):
     assert not (out / "manifest.json").exists(), "an interrupted search must not publish"
     before = _trials_csv(out)
     results = {p.parent.name: p.read_bytes() for p in (out / "ray" / "tune").glob("*/result.json")}
-    artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    checks: list = []
+    with pytest.MonkeyPatch.context() as mp:  # the resumed search runs to the end and publishes
+        verify = etl.verify
+        mp.setattr(etl, "verify", lambda *a, **k: checks.append(a) or verify(*a, **k))
+        artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    assert len(checks) == 1, "the data (every shard re-hashed) must be checked once per search"
     return before, results, artifact, out
 
 
