@@ -172,8 +172,8 @@ def test_config_errors_name_the_key(dataset, tmp_path):
     cfg = _cfg("tune.search_space={batch_size: {type: randint, lower: 0, upper: 64}}")
     with pytest.raises(ConfigError, match=r"tune\.search_space\.batch_size: value 0"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "a"), ray_cfg=cfg.ray)
-    cfg = _cfg("tune.search_space={epochs: {type: randint, lower: 1, upper: 3}}")
-    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs.*tune\.max_epochs"):
+    cfg = _cfg("tune.search_space={num_workers: {type: randint, lower: 1, upper: 3}}")
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.num_workers.*tune\.workers_per_trial"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "b"), ray_cfg=cfg.ray)
     # 2 workers x 1 CPU per trial cannot fit beside the Ray Data reserve on 2 CPUs
     cfg = _cfg("tune.workers_per_trial=2", "train.cpus_per_worker=1")
