@@ -67,6 +67,20 @@ def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
     return history, diverged
 
 
+def _trial_config(result, ray_dir: str, s3) -> dict[str, Any]:
+    """A trial's sampled config. `Result.config` comes from its last report, so a trial that
+    failed before reporting has none; Tune's `params.json` in the trial folder has it ({} when the
+    trial never started)."""
+    if result.config:
+        return result.config
+    fs, _ = _fs(ray_dir, s3)
+    try:
+        with fs.open_input_stream(f"{str(result.path).rstrip('/')}/params.json") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+
+
 def _status(result) -> str:
     """ERROR, TERMINATED (finished: by completion or a scheduler stop) or UNFINISHED.
 
@@ -95,7 +109,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
     rows = []
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
-        params = {k: (result.config or {}).get(k) for k in cfg.search_space}  # None: never started
+        params = {k: _trial_config(result, ray_dir, s3).get(k) for k in cfg.search_space}
         history, diverged = _history(result, cfg.metric)
         # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
         # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).

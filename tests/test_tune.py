@@ -34,7 +34,7 @@ SPACE = ("tune.search_space={lr: {type: choice, values: [0.01, 0.00001]}, "
 BASE = ["etl.image_size=16", "etl.shard_max_rows=64", "train.width=8", "train.batch_size=16",
         "train.optimizer=adamw", "train.max_failures=0", "tune.max_failures=0", "tune.num_samples=4",
         "tune.max_epochs=3", "tune.grace_period=1", "tune.reduction_factor=2", "tune.scheduler=asha",
-        "tune.seed=19", SPACE]
+        "tune.seed=19", "train.augment.flip=true", SPACE]  # flip: the trial dynamics described below
 
 
 def _cfg(*extra):
