@@ -1,8 +1,9 @@
 """Tune stage: a real ASHA search over TorchTrainer trials on the shared 2-CPU Ray.
 
 Every trial is a Ray Train run (20-40 s of fixed start-up here), so one search serves all the
-tests: 4 samples of lr x precision, one worker per trial, two trials at a time (session.plan_trials
-on 2 CPUs). lr=1e-5 learns nothing, so ASHA stops such a trial at its first rung once a good one
+tests: 4 samples of lr x precision, one worker per trial, one trial at a time (which trial reaches
+an ASHA rung first must not depend on timing; test_trials_fill_two_cpus_beside_the_data_reserve
+covers concurrency). lr=1e-5 learns nothing, so ASHA stops such a trial at its first rung once a good one
 has been recorded; a sampled precision=fp16 passes config validation but raises in the worker on
 CPU (a trial that fails at run time). The search is interrupted once a first trial has finished
 (SIGUSR1, Tune's stop signal) and resumed by calling the stage again.
@@ -27,14 +28,14 @@ from workflow.config import ConfigError, load_config
 from tests.conftest import REPO
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
-# Trials 0 and 1 start together; 1 fails, 2 (good) takes its place; trial 3 (bad) reaches rung 1
-# after 0 and 2 and falls below the rung's median: stopped. fp32 is listed 3 times to weight it.
+# Trial 0 (bad) sets rung 1; trial 1 fails; trial 2 (good) passes; trial 3 (bad) falls below the
+# rung's median and is stopped. fp32 is listed 3 times to weight it.
 SPACE = ("tune.search_space={lr: {type: choice, values: [0.01, 0.00001]}, "
          "precision: {type: choice, values: [fp32, fp32, fp32, fp16]}}")
 BASE = ["etl.image_size=16", "etl.shard_max_rows=64", "train.width=8", "train.batch_size=16",
         "train.optimizer=adamw", "train.max_failures=0", "tune.max_failures=0", "tune.num_samples=4",
         "tune.max_epochs=3", "tune.grace_period=1", "tune.reduction_factor=2", "tune.scheduler=asha",
-        "tune.seed=19", "train.augment.flip=true", SPACE]  # flip: the trial dynamics described below
+        "tune.seed=19", "train.augment.flip=true", "tune.max_concurrent_trials=1", SPACE]
 
 
 def _cfg(*extra):
