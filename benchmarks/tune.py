@@ -50,7 +50,9 @@ def _search(scheduler: str, args, data, work: Path) -> dict[str, Any]:
             if r.get("val_acc", -1) >= args.target:
                 reached.append(r["timestamp"] - started)
     rows = (out / "trials.csv").read_text().splitlines()
-    return {"scheduler": scheduler, "wall_s": round(wall, 1),
+    plan = artifact.manifest.get("resource_plan", {})
+    return {"scheduler": scheduler, "wall_s": round(wall, 1), "concurrent_trials": plan.get("concurrent_trials"),
+            "cpus_per_worker": plan.get("cpus_per_worker"),
             "time_to_target_s": round(min(reached), 1) if reached else None, "trial_epochs": trial_epochs,
             "metrics": artifact.manifest.get("metrics", {}), "trials_csv": rows}
 
@@ -98,8 +100,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     c, s = result["config"], result["searches"]
     lines = [f"ASHA vs FIFO: the same {c['samples']} sampled configurations (seed 0, lr log-uniform "
-             f"0.0005-0.5), {c['max_epochs']} epochs budget, 1 worker per trial, {c['images']} demo images "
-             f"at 32 px. Time to target = first epoch-end val_acc >= {c['target']}.", "",
+             f"0.0005-0.5), {c['max_epochs']} epochs budget, 1 worker per trial, "
+             f"{s['asha'].get('concurrent_trials')} trial(s) at a time x {s['asha'].get('cpus_per_worker')} CPU "
+             f"(session.plan_trials), {c['images']} demo images at 32 px. "
+             f"Time to target = first epoch-end val_acc >= {c['target']}.", "",
              "| scheduler | wall s | time to target s | trial-epochs | best val_acc | stopped early | failed |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name in ("asha", "fifo"):

@@ -127,7 +127,7 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
     if not refs:
         raise InferError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
                          f"(counts: {m['counts']}); choose another infer.split")
-    raw = fmt == "parquet" and m["config"]["parquet_encoding"] == "raw"
+    raw = storage.stored_raw(m, fmt)
     if raw and m["config"]["image_size"] != info["image_size"]:
         raise InferError(f"'{data.path}' stores raw {m['config']['image_size']} px pixels but the model "
                          f"expects {info['image_size']} px; re-run ETL at that size or with encoded parquet")

@@ -5,19 +5,17 @@ without Ray), ledger.json (when train.ledger), and Ray Train's run folder under 
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
-from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from stages import capacity, ingest_ray
 from workflow import console, fingerprint, session, storage
-from workflow.artifacts import Artifact, base_manifest, write_manifest
+from workflow.artifacts import Artifact
 from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
 from workflow.locks import output_lock
 
-__all__ = ["run", "TrainError", "pyarrow_filesystem"]
+__all__ = ["run", "TrainError", "check_data", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -26,21 +24,8 @@ class TrainError(RuntimeError):
     """Training failed or diverged; the message says where the last good checkpoint is."""
 
 
-def pyarrow_filesystem(uri: str, s3: Any | None):
-    """(pyarrow filesystem or None, path) for Ray Train's storage_path; custom S3 endpoints need it."""
-    if not uri.startswith("s3://"):
-        return None, storage.local_path(uri)
-    import pyarrow.fs as pafs
-
-    opts = storage.s3_options(s3)
-    kwargs: dict[str, Any] = {"region": opts["region"] or "us-east-1", "anonymous": opts["anon"]}
-    if opts["endpoint_url"]:
-        scheme, _, host = opts["endpoint_url"].partition("://")
-        kwargs.update(endpoint_override=host, scheme=scheme)
-    return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
-
-
-def _check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
+def check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
+    """Verify the ETL output once (local: every shard re-hashed) and list its shards per split."""
     from stages import etl
 
     manifest = data.manifest
@@ -65,27 +50,55 @@ def _check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
     return shards
 
 
-def _trainer(cfg: TrainConfig, loop_config: dict, plan: session.WorkerPlan, out: str, s3, datasets=None):
+def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: Any | None,
+                plan: session.WorkerPlan) -> dict[str, Any]:
+    """What every worker of `stages.train_loop` receives (plain, picklable data)."""
+    return {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
+            "image_size": data.manifest["config"]["image_size"], "shards": shards,
+            "s3": storage.s3_options(s3), "raw": storage.stored_raw(data.manifest, cfg.data_format),
+            "cpus_per_worker": plan.cpus_per_worker}
+
+
+def run_name(cfg: TrainConfig, out: str) -> str:
+    """Ray Train run name of the output `out`: the run restores from it when it is unchanged.
+
+    Under `<out>/ray` the folder already belongs to `out`; a shared `train.storage_path` holds
+    many outputs' runs, so the name carries a short hash of the output URI.
+    """
+    if cfg.storage_path is None:
+        return "train"
+    return f"train-{storage.sha256_bytes(str(out).rstrip('/').encode())[:10]}"
+
+
+def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storage_uri: str, name: str,
+                  s3: Any | None = None, callbacks: Sequence[Any] = (), metric: str = "val_acc",
+                  mode: str = "max", datasets: dict | None = None):
+    """The TorchTrainer of one training run; the train stage and every Tune trial use it.
+
+    `storage_uri` + `name` identify the run: Train V2 restores it from its latest checkpoint
+    when both are unchanged. `callbacks` are Train callbacks (a Tune trial passes
+    `TuneReportCallback`). Checkpoints are ranked by `metric`, best kept.
+    """
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    fs, path = pyarrow_filesystem(cfg.storage_path or storage.join(out, "ray"), s3)
+    fs, path = storage.pyarrow_filesystem(storage_uri, s3)
     workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
     resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
                  **cfg.worker_resources}
     return TorchTrainer(
-        _entry, train_loop_config=loop_config, datasets=datasets,
+        _entry, train_loop_config=loop, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=resources),
         torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
-            name="train", storage_path=path, storage_filesystem=fs,
+            name=name, storage_path=path, storage_filesystem=fs, callbacks=list(callbacks),
             logging_config=console.train_logging_config(),
             failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
                 cfg.max_failures, cfg.capacity_timeout_s)),
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute="val_acc",
-                checkpoint_score_order="max")))
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=metric,
+                checkpoint_score_order=mode)))
 
 
 def _entry(config: dict) -> None:
@@ -95,40 +108,38 @@ def _entry(config: dict) -> None:
 
 
 def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
-        s3: Any | None = None, overwrite: bool = False,
-        tracking: dict | None = None) -> Artifact:
+        s3: Any | None = None, overwrite: bool = False, tracking: dict | None = None) -> Artifact:
     """Train on the ETL artifact `data`; publish the best model to `out`.
 
     Resumes the run state in `out` only if the same config and data made it (else ConfigError);
     `overwrite` discards that state first. One run per output: the output is locked for the run.
+    `tracking` is the MLflow run rank 0 logs to (workflow.tracking), or None.
     """
     with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
         return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
-                            tracking=tracking)
+                           tracking=tracking)
 
 
 def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
                 s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
     started = time.perf_counter()
-    shards = _check_data(cfg, data, s3)
+    shards = check_data(cfg, data, s3)
+    state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
-    fingerprint.guard(cfg.storage_path or storage.join(out, "ray"), "train", made_by, s3, overwrite=overwrite)
+    fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
+    ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
-    etl_cfg = data.manifest["config"]
-    loop_config = {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
-                   "image_size": etl_cfg["image_size"], "shards": shards, "s3": storage.s3_options(s3),
-                   "raw": cfg.data_format == "parquet" and etl_cfg["parquet_encoding"] == "raw",
-                   "cpus_per_worker": plan.cpus_per_worker, "fingerprint": made_by.as_dict(),
-                   "tracking": tracking}  # rank 0 logs to MLflow
-    ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
+    loop = {**loop_config(cfg, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
+            "tracking": tracking}  # rank 0 logs to MLflow
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     if cfg.ingest == "ray_data":
-        train_ds, ingest = ingest_ray.build_train_dataset(cfg, shards["train"], seed=seed, raw=loop_config["raw"],
-                                                          image_size=etl_cfg["image_size"], s3=loop_config["s3"])
+        train_ds, ingest = ingest_ray.build_train_dataset(cfg, shards["train"], seed=seed, raw=loop["raw"],
+                                                          image_size=loop["image_size"], s3=loop["s3"])
         datasets = {"train": train_ds}
+    trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     try:
-        result = _trainer(cfg, loop_config, plan, out, s3, datasets).fit()
+        result = trainer.fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
         from stages.checkpoint_io import refusal_in
 
@@ -148,5 +159,5 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
                          f"checkpoint: {last}. Lower train.lr or use precision=fp32")
     from stages import export
 
-    artifact = export.publish(cfg, data, out, result, plan, loop_config, time.perf_counter() - started, s3)
+    artifact = export.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
     return ingest_ray.annotate(artifact, ingest, s3)

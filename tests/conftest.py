@@ -28,15 +28,14 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray for the whole test session (start-up costs ~6 s). 2 logical CPUs."""
+    """One local Ray for the whole test session (start-up costs ~6 s). 2 logical CPUs, started
+    the way the CLI starts it (dashboard on 127.0.0.1, token auth)."""
     import ray
 
     from workflow import session
     from workflow.config import RayConfig
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield session.start(RayConfig())
+    yield session.start(RayConfig(num_cpus=2))
     ray.shutdown()
 
 

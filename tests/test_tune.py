@@ -1,11 +1,12 @@
 """Tune stage: a real ASHA search over TorchTrainer trials on the shared 2-CPU Ray.
 
 Every trial is a Ray Train run (20-40 s of fixed start-up here), so one search serves all the
-tests: 4 samples of lr x precision, one worker per trial, one trial at a time. lr=1e-5 learns
-nothing, so ASHA stops such a trial at its first rung once a good one has been recorded; a
-sampled precision=fp16 passes config validation but raises in the worker on CPU (a trial that
-fails at run time). The search is interrupted during its third trial (SIGUSR1, Tune's stop signal)
-and resumed by calling the stage again.
+tests: 4 samples of lr x precision, one worker per trial, one trial at a time (which trial reaches
+an ASHA rung first must not depend on timing; test_trials_fill_two_cpus_beside_the_data_reserve
+covers concurrency). lr=1e-5 learns nothing, so ASHA stops such a trial at its first rung once a good one
+has been recorded; a sampled precision=fp16 passes config validation but raises in the worker on
+CPU (a trial that fails at run time). The search is interrupted once a first trial has finished
+(SIGUSR1, Tune's stop signal) and resumed by calling the stage again.
 """
 from __future__ import annotations
 
@@ -28,13 +29,13 @@ from tests.conftest import REPO
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
 # Trial 0 (bad) sets rung 1; trial 1 fails; trial 2 (good) passes; trial 3 (bad) falls below the
-# rung's median and is stopped. precision lists fp32 three times to weight the choice.
+# rung's median and is stopped. fp32 is listed 3 times to weight it.
 SPACE = ("tune.search_space={lr: {type: choice, values: [0.01, 0.00001]}, "
          "precision: {type: choice, values: [fp32, fp32, fp32, fp16]}}")
 BASE = ["etl.image_size=16", "etl.shard_max_rows=64", "train.width=8", "train.batch_size=16",
         "train.optimizer=adamw", "train.max_failures=0", "tune.max_failures=0", "tune.num_samples=4",
         "tune.max_epochs=3", "tune.grace_period=1", "tune.reduction_factor=2", "tune.scheduler=asha",
-        "tune.seed=19", SPACE]
+        "tune.seed=19", "train.augment.flip=true", "tune.max_concurrent_trials=1", SPACE]
 
 
 def _cfg(*extra):
@@ -46,13 +47,23 @@ def _trials_csv(out: Path) -> dict[str, dict]:
         return {row["trial_id"]: row for row in csv.DictReader(f)}
 
 
-def _interrupt_in_second_trained_trial(out: Path, sent: list, deadline_s: float = 400) -> None:
-    """SIGUSR1 once a second trial has checkpointed its first epoch (one trial runs at a time,
-    so the first is over). A trial this far along has its Train controller up, so Tune's stop
-    aborts it cleanly; the resumed search continues it from that checkpoint."""
+def _finished_trials(out: Path) -> int:
+    done = 0
+    for result in (out / "ray" / "tune").glob("trial-*/result.json"):
+        lines = result.read_text().splitlines()
+        try:
+            done += bool(lines) and json.loads(lines[-1]).get("done") is True
+        except ValueError:  # a line being written
+            pass
+    return done
+
+
+def _interrupt_after_first_finished_trial(out: Path, sent: list, deadline_s: float = 600) -> None:
+    """SIGUSR1 once one trial has finished (another is then still running or not started): the
+    resumed search must keep the finished one as it is and continue the others."""
     deadline = time.time() + deadline_s
     while time.time() < deadline:
-        if len({p.parent for p in (out / "ray").glob("trial-*/checkpoint-e*")}) >= 2:
+        if _finished_trials(out) >= 1:
             if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):  # Tune's handler
                 os.kill(os.getpid(), signal.SIGUSR1)
                 sent.append(time.time())
@@ -73,7 +84,7 @@ def search(dataset, tmp_path_factory):
     cfg = _cfg()
     out = tmp_path_factory.mktemp("search") / "tune"
     sent: list = []
-    watcher = threading.Thread(target=_interrupt_in_second_trained_trial, args=(out, sent), daemon=True)
+    watcher = threading.Thread(target=_interrupt_after_first_finished_trial, args=(out, sent), daemon=True)
     watcher.start()
     with pytest.raises(tune.TuneInterrupted, match="to resume it"):
         tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
@@ -82,7 +93,12 @@ def search(dataset, tmp_path_factory):
     assert not (out / "manifest.json").exists(), "an interrupted search must not publish"
     before = _trials_csv(out)
     results = {p.parent.name: p.read_bytes() for p in (out / "ray" / "tune").glob("*/result.json")}
-    artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    checks: list = []
+    with pytest.MonkeyPatch.context() as mp:  # the resumed search runs to the end and publishes
+        verify = etl.verify
+        mp.setattr(etl, "verify", lambda *a, **k: checks.append(a) or verify(*a, **k))
+        artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    assert len(checks) == 1, "the data (every shard re-hashed) must be checked once per search"
     return before, results, artifact, out
 
 
@@ -99,6 +115,22 @@ def test_resume_after_interruption_keeps_finished_trials(search):
         assert (out / "ray" / "tune" / folder / "result.json").read_bytes() == results[folder]
     assert {r["status"] for r in after.values()} <= {"TERMINATED", "ERROR"}
     assert artifact.manifest["kind"] == "raymill.tune" and (out / "manifest.json").is_file()
+
+
+def test_no_placement_group_is_left_reserved_after_asha_stops_trials(search):
+    """Trials that ASHA stopped (or the interruption ended) free their trainers' placement groups
+    by Ray Train's own cleaner (State API, served by the dashboard), with no raymill code."""
+    from ray.util.state import list_placement_groups
+
+    _, _, _, out = search
+    assert any(r["outcome"] == "stopped_early" for r in _trials_csv(out).values())
+    deadline, held = time.time() + 60, None
+    while time.time() < deadline:  # the cleaner polls; give it a few rounds
+        held = list_placement_groups(filters=[("state", "=", "CREATED")], detail=True)
+        if not held:
+            break
+        time.sleep(2)
+    assert not held, f"placement groups still reserved after the search: {held}"
 
 
 def test_asha_stops_a_trial_early_and_exports_a_loadable_model(search, dataset):
@@ -141,11 +173,40 @@ def test_config_errors_name_the_key(dataset, tmp_path):
     cfg = _cfg("tune.search_space={batch_size: {type: randint, lower: 0, upper: 64}}")
     with pytest.raises(ConfigError, match=r"tune\.search_space\.batch_size: value 0"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "a"), ray_cfg=cfg.ray)
-    cfg = _cfg("tune.search_space={epochs: {type: randint, lower: 1, upper: 3}}")
-    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs.*tune\.max_epochs"):
+    cfg = _cfg("tune.search_space={num_workers: {type: randint, lower: 1, upper: 3}}")
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.num_workers.*tune\.workers_per_trial"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "b"), ray_cfg=cfg.ray)
     # 2 workers x 1 CPU per trial cannot fit beside the Ray Data reserve on 2 CPUs
     cfg = _cfg("tune.workers_per_trial=2", "train.cpus_per_worker=1")
-    with pytest.raises(ConfigError, match=r"tune\.workers_per_trial=2 x 1 CPU but only 1\.5 CPUs"):
+    with pytest.raises(ConfigError, match=r"tune\.workers_per_trial=2 x 1 CPU but only 1\.49 CPUs"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "c"), ray_cfg=cfg.ray)
     assert not (tmp_path / "c" / "ray").exists()
+    cfg = _cfg("tune.search_space={epochs: {type: choice, values: [2, 5]}}")
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs: value 5 exceeds tune\.max_epochs=3"):
+        tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "d"), ray_cfg=cfg.ray)
+
+
+@pytest.mark.parametrize("override, fix", [("tune.scheduler=pbt", "use tune.scheduler=asha"),
+                                           ("tune.handoff=retrain", "raymill train")])
+def test_removed_modes_are_config_errors_that_name_the_fix(override, fix):
+    with pytest.raises(ConfigError, match=rf"{override.replace('.', '[.]')} was removed.*{fix}"):
+        load_config(REPO / "configs/smoke.yaml", [override])
+
+
+def test_default_search_space_covers_augmentation_and_length():
+    cfg = load_config(REPO / "configs/smoke.yaml").tune
+    assert {"lr", "weight_decay", "augment.flip", "augment.random_resized_crop", "epochs"} <= set(cfg.search_space)
+    assert max(cfg.search_space["epochs"].values) == cfg.max_epochs  # smoke: max_epochs 3
+    assert load_config(None).train.augment.flip is False
+
+
+def test_trials_fill_two_cpus_beside_the_data_reserve():
+    from workflow import session
+
+    cfg = load_config(REPO / "configs/smoke.yaml")
+    plan = session.plan_trials(cfg.tune, cfg.train, {"CPU": 2.0, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
+    assert plan.concurrent_trials == 2 and 0.7 <= plan.workers.cpus_per_worker < 0.75
+    used = 2 * (plan.workers.cpus_per_worker + session.TRIAL_DRIVER_CPUS)
+    assert used <= 2.0 - cfg.ray.data_reserved_cpus + 1e-9
+    big = session.plan_trials(cfg.tune, cfg.train, {"CPU": 16.0, "GPU": 0.0}, 0.5)
+    assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 1.0

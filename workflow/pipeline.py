@@ -152,7 +152,7 @@ def probe(url: str, data: Artifact, s3: Any, split: str, requests: int = 50) -> 
         sd.shard_refs(data.manifest, data.path, split, "parquet")
     cache = sd.ShardCache("~/.cache/raymill/shards", 20e9, s3)
     rows = [r for ref in refs[:2] for r in sd.read_shard(cache.local_path(ref), ref.format)][:requests]
-    if data.manifest["config"]["parquet_encoding"] == "raw" and refs[0].format == "parquet":
+    if storage.stored_raw(data.manifest, refs[0].format):
         raise ValueError("probe needs encoded images; keep tar in etl.formats")
     codec = "image/png" if data.manifest["config"]["codec"] == "png" else "image/jpeg"
     latencies, correct = [], 0

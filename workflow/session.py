@@ -12,22 +12,28 @@ from dataclasses import asdict, dataclass
 
 from workflow.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
-__all__ = ["start", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials", "TrialPlan",
+__all__ = ["start", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
+           "TrialPlan", "TRIAL_DRIVER_CPUS",
            "ServeTrainPlan", "plan_serve_and_train"]
 
 log = logging.getLogger(__name__)
 
-# Credentials reach Ray workers on other nodes only through the job's runtime env.
-_FORWARDED_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                  "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+# Settings (not secrets) a cluster's workers need to reach the same S3 endpoint. Credentials are
+# never put in the runtime env: Ray logs the serialized runtime env in its session logs. Local
+# workers inherit this process's environment; cluster nodes get credentials from their instance
+# profile / node-level env (README, "Credentials on a cluster").
+_FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                   "RAYMILL_VERBOSE")  # workflow.console: --verbose reaches workers
+_DASHBOARD: dict[str, str] = {}
 
 
 def start(cfg: RayConfig) -> dict[str, float]:
     """Start (or join) Ray once per process and return the cluster's resources.
 
     Embedded local Ray by default; `ray.address` joins a running cluster. Token authentication
-    is Ray 2.60's default and is left on; the dashboard, when enabled, binds to 127.0.0.1.
+    is Ray 2.60's default and is left on. The dashboard (on unless `ray.include_dashboard=false`)
+    binds to `ray.dashboard_host`, 127.0.0.1 by default: it also hosts the State API that Ray
+    Train uses to free the placement groups of stopped runs.
     """
     import ray
 
@@ -35,24 +41,53 @@ def start(cfg: RayConfig) -> dict[str, float]:
 
     first = not ray.is_initialized()
     if first:
-        env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-        kwargs: dict = {"runtime_env": {"env_vars": env} if env else None,
-                        "include_dashboard": cfg.include_dashboard,
-                        "dashboard_host": cfg.dashboard_host,
+        kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}
         if cfg.address:
-            kwargs["address"] = cfg.address
+            env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+            kwargs.update(address=cfg.address, runtime_env={"env_vars": env} if env else None)
         else:
+            # The dashboard agent's Prometheus endpoint listens on every interface without the
+            # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
+            if cfg.include_dashboard:
+                kwargs["dashboard_port"] = _point_state_api_at_own_dashboard(cfg.dashboard_host)
             # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever
             # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
             kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
                           object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
-        ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        if getattr(context, "dashboard_url", None):
+            _DASHBOARD["url"] = f"http://{context.dashboard_url}"
+            log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
         console.quiet_ray()
     resources = cluster_resources()
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
+
+
+def _point_state_api_at_own_dashboard(host: str) -> int:
+    """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
+    for the API server) before Ray starts, so every Ray process inherits it.
+
+    Without it a State API client that is given no address (Ray Train's placement-group cleaner,
+    `ray.util.state` here) looks for the cluster by scanning this machine's processes, and fails
+    with "Found multiple active Ray instances" when another local Ray runs beside this one; the
+    placement groups of stopped trials then stay reserved and the next trials wait forever.
+    """
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
+    return port
+
+
+def dashboard_url() -> str | None:
+    """The dashboard this process started (None if Ray was started elsewhere or without one)."""
+    return _DASHBOARD.get("url")
 
 
 def cluster_resources() -> dict[str, float]:
@@ -119,22 +154,48 @@ class TrialPlan:
     workers: WorkerPlan
 
 
+# A trial's driver only launches and watches its trainer. Tune refuses a trial with no
+# resources at all (an empty head bundle), so it asks for a token 0.01 CPU.
+TRIAL_DRIVER_CPUS = 0.01
+# Below 1 CPU per worker a trial trains a little slower, but two trials side by side finish a
+# search sooner than one at a time (the 2-CPU case: 2 x 0.74 CPU beside the 0.5 Ray Data reserve).
+MIN_TRIAL_CPUS_PER_WORKER = 0.7
+
+
 def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float],
                 data_reserved_cpus: float) -> TrialPlan:
-    """How many Tune trials (each a TorchTrainer) run at once without starving Ray Data."""
+    """How many Tune trials (each a TorchTrainer) run at once, filling the cluster beside Ray Data.
+
+    Each trial worker gets up to 1 CPU; when that would leave room for only one trial, workers
+    get less (down to MIN_TRIAL_CPUS_PER_WORKER) so that a second trial fits.
+    """
     per_trial = train.model_copy(update={"num_workers": tune.workers_per_trial, "min_workers": None})
-    free = resources["CPU"] - data_reserved_cpus
-    cpus = per_trial.cpus_per_worker or min(1.0, free / tune.workers_per_trial)
-    fit = int(free // (cpus * tune.workers_per_trial) + 1e-9) if cpus > 0 else 0
+    workers = tune.workers_per_trial
+
+    def free(n: int) -> float:  # CPUs for trial workers when n trials (and their drivers) run
+        return resources["CPU"] - data_reserved_cpus - n * TRIAL_DRIVER_CPUS
+
+    def most(cpus_per_worker: float) -> int:  # most trials whose workers each get this many CPUs
+        n = int(free(1) // (cpus_per_worker * workers) + 1e-9)
+        return next((k for k in range(n, 0, -1) if k * cpus_per_worker * workers <= free(k) + 1e-9), 0)
+
+    if per_trial.cpus_per_worker:
+        fit = most(per_trial.cpus_per_worker)
+    else:
+        fit = most(1.0) if most(1.0) >= 2 else most(MIN_TRIAL_CPUS_PER_WORKER)
     if train.use_gpu:
-        fit = min(fit, int(resources["GPU"] // (train.gpus_per_worker * tune.workers_per_trial)))
+        fit = min(fit, int(resources["GPU"] // (train.gpus_per_worker * workers)))
     concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
     if concurrent < 1:
+        cpus = per_trial.cpus_per_worker or MIN_TRIAL_CPUS_PER_WORKER
         raise ConfigError(
-            f"one trial needs tune.workers_per_trial={tune.workers_per_trial} x {cpus:g} CPU but only "
-            f"{free:g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
+            f"one trial needs tune.workers_per_trial={workers} x {cpus:g} CPU but only "
+            f"{free(1):g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
             f"tune.workers_per_trial or train.cpus_per_worker")
-    return TrialPlan(concurrent, plan_workers(per_trial, resources, data_reserved_cpus, slots=concurrent))
+    plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
+                        data_reserved_cpus, slots=concurrent)
+    log.info("trial plan: %d trial(s) at a time", concurrent)
+    return TrialPlan(concurrent, plan)
 
 
 @dataclass(frozen=True)

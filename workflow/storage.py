@@ -11,7 +11,7 @@ from typing import Any
 import fsspec
 
 __all__ = ["is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
-           "sha256_bytes", "s3_options", "local_path"]
+           "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw"]
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -34,6 +34,34 @@ def s3_options(s3: Any | None) -> dict[str, Any]:
         or os.environ.get("AWS_ENDPOINT_URL_S3")
     return {"endpoint_url": endpoint, "region": getattr(s3, "region", None),
             "anon": bool(getattr(s3, "anon", False))}
+
+
+def pyarrow_filesystem(uri: str, s3: Any | None):
+    """(pyarrow filesystem or None, path) for Ray Train/Tune `storage_path`.
+
+    Ray builds its own filesystem from a plain path, but a custom S3 endpoint (MinIO, moto)
+    only reaches it through an explicit `pyarrow.fs.S3FileSystem`.
+    """
+    uri = str(uri)
+    if not uri.startswith("s3://"):
+        return None, local_path(uri)
+    import pyarrow.fs as pafs
+
+    opts = s3 if isinstance(s3, dict) else s3_options(s3)
+    kwargs: dict[str, Any] = {"region": opts.get("region") or "us-east-1", "anonymous": opts.get("anon", False)}
+    if opts.get("endpoint_url"):
+        scheme, _, host = opts["endpoint_url"].partition("://")
+        kwargs.update(endpoint_override=host, scheme=scheme)
+    return pafs.S3FileSystem(**kwargs), uri[len("s3://"):].rstrip("/")
+
+
+def stored_raw(etl_manifest: dict[str, Any], data_format: str) -> bool:
+    """Whether shards of `data_format` in this ETL output hold raw uint8 pixels (no decode).
+
+    The one place this is decided: tar shards are always encoded; parquet follows
+    `etl.parquet_encoding`.
+    """
+    return data_format == "parquet" and etl_manifest["config"]["parquet_encoding"] == "raw"
 
 
 def filesystem(uri: str, s3: Any | None = None) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -1,0 +1,296 @@
+"""Results of a Tune search: per-trial summaries, tables, the best checkpoint, and publishing.
+
+Everything here reads public results only: the `ResultGrid` (each `Result`'s path, config,
+metrics, error and metrics dataframe) and the checkpoints the trials' Train runs kept.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import time
+from typing import Any
+
+from workflow import storage
+from workflow.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
+from workflow.config import TrainConfig, TuneConfig, section_dict
+
+__all__ = ["summaries", "write_tables", "pick_best", "publish"]
+
+OUTCOMES = ("completed", "stopped_early", "diverged", "failed")
+
+
+def _fs(ray_dir: str, s3):
+    import pyarrow.fs as pafs
+
+    fs, base = storage.pyarrow_filesystem(ray_dir, s3)
+    return fs or pafs.LocalFileSystem(), base
+
+
+def _checkpoint_history(ray_dir: str, s3, trial_id: str, metric: str) -> list[dict[str, Any]]:
+    """Epoch-end checkpoints that the trial's Train run kept, with the metric from meta.json.
+
+    Tune's own record misses a report that was in flight when a search was interrupted (the
+    Train run still saved that epoch's checkpoint), so the kept checkpoints complete it.
+    """
+    import pyarrow.fs as pafs
+
+    fs, base = _fs(ray_dir, s3)
+    found = []
+    for item in fs.get_file_info(pafs.FileSelector(f"{base}/trial-{trial_id}", allow_not_found=True)):
+        m = re.fullmatch(r"checkpoint-e(\d+)-s0+(-[0-9a-f]+)?", item.base_name)
+        if not m or item.type != pafs.FileType.Directory:
+            continue
+        try:
+            with fs.open_input_stream(f"{item.path}/meta.json") as f:
+                value = json.loads(f.read()).get("val", {}).get(metric)
+        except (OSError, ValueError):  # incomplete checkpoint: meta.json is written last
+            continue
+        if value is not None and not _nan(value) and int(m.group(1)) >= 1:
+            found.append({"epoch": int(m.group(1)), "value": float(value), "checkpoint_path": item.path})
+    return found
+
+
+def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
+    """(epoch-end reports of `metric`, whether the loss diverged) from a trial's results."""
+    df = result.metrics_dataframe
+    history, diverged = [], False
+    if df is not None and len(df) and "epoch" in df:
+        diverged = bool("stopped" in df and (df["stopped"] == "nan_loss").any())
+        ends = df[df["position_step"].fillna(-1) == 0] if "position_step" in df else df.iloc[0:0]
+        for _, r in ends.iterrows():
+            if r["epoch"] >= 1 and r.get(metric) is not None and not _nan(r[metric]):
+                history.append({"epoch": int(r["epoch"]), "value": float(r[metric]),
+                                "checkpoint_path": r.get("checkpoint_path")})
+    return history, diverged
+
+
+def _trial_config(result, ray_dir: str, s3) -> dict[str, Any]:
+    """A trial's sampled config. `Result.config` comes from its last report, so a trial that
+    failed before reporting has none; Tune's `params.json` in the trial folder has it ({} when the
+    trial never started)."""
+    if result.config:
+        return result.config
+    fs, _ = _fs(ray_dir, s3)
+    try:
+        with fs.open_input_stream(f"{str(result.path).rstrip('/')}/params.json") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def _status(result) -> str:
+    """ERROR, TERMINATED (finished: by completion or a scheduler stop) or UNFINISHED.
+
+    A finished trial's last result is marked `done`; the trials Tune stops when a search is
+    interrupted are not (their saved state says RUNNING, so a restore resumes them).
+    """
+    if result.error:
+        return "ERROR"
+    return "TERMINATED" if (result.metrics or {}).get("done") else "UNFINISHED"
+
+
+def _outcome(status: str, diverged: bool, epochs_run: int, epochs_planned: int) -> str:
+    if status == "ERROR":
+        return "failed"
+    if status != "TERMINATED":
+        return status.lower()
+    if diverged:
+        return "diverged"
+    return "stopped_early" if epochs_run < epochs_planned else "completed"
+
+
+def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -> list[dict[str, Any]]:
+    """One dict per trial: params, status, per-epoch history of the metric, best value, timing."""
+    from stages.tune import trial_train_config
+
+    rows = []
+    for result in grid:
+        trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
+        params = {k: _trial_config(result, ray_dir, s3).get(k) for k in cfg.search_space}
+        history, diverged = _history(result, cfg.metric)
+        # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
+        # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
+        epochs_run = max((h["epoch"] for h in history), default=0)
+        seen = {h["epoch"] for h in history}
+        kept = [h for h in _checkpoint_history(ray_dir, s3, trial_id, cfg.metric) if h["epoch"] not in seen]
+        candidates = sorted(history + kept, key=lambda h: h["epoch"])
+        pick = max if cfg.mode == "max" else min
+        best = pick(history or candidates, key=lambda h: h["value"]) if candidates else None
+        status = _status(result)
+        try:
+            planned = trial_train_config(train_cfg, params, cfg).epochs
+        except ValueError:  # params that fail validation fail the trial too
+            planned = cfg.max_epochs
+        outcome = _outcome(status, diverged, epochs_run, planned)
+        error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
+        wall = (result.metrics or {}).get("time_total_s")
+        rows.append({"trial_id": trial_id, "status": status, "outcome": outcome, "params": params,
+                     "best": best["value"] if best else None, "best_epoch": best["epoch"] if best else None,
+                     "epochs_run": epochs_run, "epochs_planned": planned,
+                     "stopped_early": outcome == "stopped_early",
+                     "wall_s": round(float(wall), 1) if wall is not None else None, "error": error,
+                     "history": history, "candidates": candidates,
+                     "last": {k: v for k, v in (result.metrics or {}).items()
+                              if k in ("images_per_s", "stall_fraction", "verdict")}})
+    return sorted(rows, key=lambda r: r["trial_id"])
+
+
+def write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
+    keys = list(cfg.search_space)
+    header = ["trial_id", "status", "outcome", *keys, f"best_{cfg.metric}", "best_epoch", "epochs_run",
+              "stopped_early", "wall_s", "error"]
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(header)
+    table = []
+    for t in trials:
+        row = [t["trial_id"], t["status"], t["outcome"], *[_fmt(t["params"][k]) for k in keys],
+               _fmt(t["best"]), _fmt(t["best_epoch"]), t["epochs_run"], t["stopped_early"],
+               _fmt(t["wall_s"]), t["error"]]
+        writer.writerow(row)
+        table.append(row)
+    md = [f"# Tune trials ({cfg.scheduler}, metric {cfg.metric} {cfg.mode}, max {cfg.max_epochs} epochs)", "",
+          "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in table]
+    counts = {o: sum(t["outcome"] == o for t in trials) for o in OUTCOMES}
+    md += ["", ", ".join(f"{n} {o.replace('_', ' ')}" for o, n in counts.items()), ""]
+    storage.write_bytes_atomic(fs, storage.join(root, "trials.csv"), buf.getvalue().encode())
+    storage.write_bytes_atomic(fs, storage.join(root, "trials.md"), "\n".join(md).encode())
+
+
+def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | None:
+    """{"trial", "entry"}: the best epoch over all finished trials whose checkpoint still exists."""
+    import pyarrow.fs as pafs
+
+    fs, _ = _fs(ray_dir, s3)
+    candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["candidates"]
+                  if isinstance(h["checkpoint_path"], str)]
+    sign = -1 if cfg.mode == "max" else 1
+    # best value first; ties: the earlier epoch, then the earlier trial
+    candidates.sort(key=lambda c: (sign * c[0]["value"], c[0]["epoch"], trials.index(c[1])))
+    for entry, trial in candidates:  # retention may have deleted some epochs' checkpoints
+        if fs.get_file_info(f"{entry['checkpoint_path']}/meta.json").type != pafs.FileType.NotFound:
+            return {"trial": trial, "entry": entry}
+    return None
+
+
+def _nan(value) -> bool:
+    try:
+        return math.isnan(float(value))
+    except (TypeError, ValueError):
+        return True
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _search_png(trials: list[dict], cfg: TuneConfig) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in trials:
+        if not t["history"]:
+            continue
+        epochs = [h["epoch"] for h in t["history"]]
+        values = [h["value"] for h in t["history"]]
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in t["params"].items())
+        (line,) = ax.plot(epochs, values, marker=".", label=f"{t['trial_id'][-5:]} {params}"[:60])
+        if t["outcome"] == "stopped_early":
+            ax.plot(epochs[-1], values[-1], marker="x", markersize=10, color=line.get_color())
+    failed = [t["trial_id"][-5:] for t in trials if t["outcome"] == "failed"]
+    stopped = sum(t["outcome"] == "stopped_early" for t in trials)
+    title = f"{cfg.scheduler}: {len(trials)} trials, {stopped} stopped early (x)"
+    if failed:
+        title += f", failed: {', '.join(failed)}"
+    ax.set(xlabel="epoch", ylabel=cfg.metric, title=title)
+    ax.set_xticks(range(1, cfg.max_epochs + 1))
+    ax.grid(alpha=0.3)
+    if any(t["history"] for t in trials):
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+
+
+def _best_model_files(cfg: TuneConfig, tcfg: TrainConfig, data: Artifact, out: str, s3, loop: dict,
+                      trial: dict, entry: dict) -> tuple[dict[str, bytes], dict, dict]:
+    """Export the best checkpoint as model.pt + model.json; (files, test result, checkpoint meta)."""
+    import tempfile
+    from pathlib import Path
+
+    import ray.train
+
+    from stages import data as sd
+    from stages import export
+
+    pafs, _ = storage.pyarrow_filesystem(storage.join(out, "ray"), s3)
+    state, meta, _ = export._read_checkpoint(ray.train.Checkpoint(entry["checkpoint_path"], filesystem=pafs))
+    info = export.model_info(tcfg, data, {
+        "val_acc": meta.get("val", {}).get("val_acc"), "epoch": meta["epoch"],
+        "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(export.state_hash(state))}",
+        "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]}})
+    export.save_model(out, state, info, s3)
+    model, info = export.load_model(out, s3)
+    refs = [sd.ShardRef(**r) for r in loop["shards"]["test"]]  # checked once, before the search
+    test = export.evaluate_split(model, refs, info, loop["raw"], loop["s3"], tcfg.cache_dir)
+    files = {"metrics.jsonl": "".join(json.dumps(h) + "\n" for h in meta["history"]).encode()}
+    with tempfile.TemporaryDirectory() as tmp:
+        export._curves(meta["history"], Path(tmp) / "curves.png")
+        files["curves.png"] = (Path(tmp) / "curves.png").read_bytes()
+    return files, test, meta
+
+
+def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, seed: int, s3, plan,
+            loop: dict, trials: list[dict], best: dict, seconds_so_far: float) -> Artifact:
+    """Write the search's files and the best trial's model to `out`; manifest.json last."""
+    from stages.tune import EXPERIMENT, trial_train_config
+
+    started = time.perf_counter()
+    trial, entry = best["trial"], best["entry"]
+    tcfg = trial_train_config(train_cfg, trial["params"], cfg)
+    files, test, meta = _best_model_files(cfg, tcfg, data, out, s3, loop, trial, entry)
+    best_json = {"trial_id": trial["trial_id"], "params": trial["params"], "metric": cfg.metric,
+                 "value": entry["value"], "epoch": entry["epoch"], "checkpoint": entry["checkpoint_path"],
+                 "train_config": section_dict(tcfg)}
+    files.update({"best.json": json.dumps(best_json, indent=2).encode(), "search.png": _search_png(trials, cfg)})
+    fs, root = storage.filesystem(out, s3)
+    for name, payload in files.items():
+        storage.write_bytes_atomic(fs, storage.join(root, name), payload)
+    counts = {o: sum(t["outcome"] == o for t in trials) for o in OUTCOMES}
+    manifest = base_manifest("tune", section_dict(cfg), {
+        "data": data.path, "data_manifest_hash": config_hash(data.manifest),
+        "data_fingerprint": data_fingerprint(data.manifest), "train": section_dict(train_cfg), "seed": seed})
+    last = meta["history"][-1] if meta["history"] else {}
+    val_acc = meta.get("val", {}).get("val_acc")
+    metrics = {"best_val_acc": val_acc, f"best_{cfg.metric}": entry["value"], "model_val_acc": val_acc,
+               "test_acc": test["acc"], "test_rows": test["rows"], "trials": len(trials), **counts,
+               "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
+               "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
+               "verdict": last.get("verdict")}
+    manifest.update({
+        "resource_plan": {"concurrent_trials": plan.concurrent_trials, **plan.workers.as_dict()},
+        "experiment": storage.join(out, "ray", EXPERIMENT), "best": best_json,
+        "model": {"path": "model.pt", "info": "model.json", "architecture": tcfg.model,
+                  "source": "trial checkpoint"},
+        "metrics": metrics, "files": sorted({*files, "trials.csv", "trials.md", "model.pt", "model.json"})})
+    write_manifest(out, manifest, s3)  # the publish step, last
+    print(f"[raymill] tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
+          f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
+          f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
+          f"test_acc {test['acc']:.3f}; {metrics['seconds']:.0f}s", flush=True)
+    return Artifact("tune", str(out).rstrip("/"), manifest)

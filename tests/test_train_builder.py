@@ -1,0 +1,28 @@
+"""The one trainer builder shared by `raymill train` and every Tune trial, and its run names."""
+from __future__ import annotations
+
+import inspect
+
+from stages import train, tune
+from workflow import storage
+from workflow.config import TrainConfig
+
+
+def test_shared_storage_path_gives_every_output_its_own_train_run():
+    shared = TrainConfig(storage_path="s3://bucket/ray")
+    a, b = train.run_name(shared, "s3://bucket/runs/a"), train.run_name(shared, "s3://bucket/runs/b")
+    assert a != b and a.startswith("train-") and b.startswith("train-")
+    assert train.run_name(shared, "s3://bucket/runs/a/") == a  # same output, same run: it resumes
+    assert train.run_name(TrainConfig(), "runs/a") == "train"  # under <out>/ray the folder is the output's
+
+
+def test_train_and_tune_build_their_trainer_through_one_function():
+    assert "build_trainer(" in inspect.getsource(train.run)
+    assert "train.build_trainer(" in inspect.getsource(tune._run_trial)
+    assert "TorchTrainer(" not in inspect.getsource(tune)
+
+
+def test_stored_raw_is_answered_in_one_place():
+    manifest = {"config": {"parquet_encoding": "raw"}}
+    assert storage.stored_raw(manifest, "parquet") and not storage.stored_raw(manifest, "tar")
+    assert not storage.stored_raw({"config": {"parquet_encoding": "encoded"}}, "parquet")
