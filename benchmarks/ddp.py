@@ -208,8 +208,8 @@ def _targets(methods: dict, ratios: dict, top: int) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from workflow import session
-    from workflow.config import RayConfig
+    from workflow.core import session
+    from workflow.core.config import RayConfig
 
     counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ddp-"))

@@ -192,8 +192,8 @@ def stage_work_one_process(src: Path, out: Path, size: int) -> int:
     import json
 
     from stages import etl, shards
-    from workflow.artifacts import new_run_id
-    from workflow.config import EtlConfig, section_dict
+    from workflow.core.artifacts import new_run_id
+    from workflow.core.config import EtlConfig, section_dict
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     listing = etl.discover(str(src))
@@ -209,7 +209,7 @@ def stage_work_one_process(src: Path, out: Path, size: int) -> int:
 def task_layout(src: Path, size: int) -> list[int]:
     """Images per Ray task as stages.etl plans them (one task per shard group)."""
     from stages import etl
-    from workflow.config import EtlConfig
+    from workflow.core.config import EtlConfig
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     return [len(t["items"]) for t in etl.plan_tasks(etl.discover(str(src)), cfg)]
@@ -217,7 +217,7 @@ def task_layout(src: Path, size: int) -> list[int]:
 
 def _etl(src: Path, out: Path, size: int) -> dict[str, Any]:
     from stages import etl
-    from workflow.config import EtlConfig
+    from workflow.core.config import EtlConfig
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     t0 = time.perf_counter()
@@ -241,8 +241,8 @@ def _ours_cold(small: Path, out: Path, size: int, n: int) -> dict[str, Any]:
     """Ray start plus the stage's first call (workers cold): what a one-off CLI run pays."""
     import ray
 
-    from workflow import session
-    from workflow.config import RayConfig
+    from workflow.core import session
+    from workflow.core.config import RayConfig
 
     t0 = time.perf_counter()
     resources = session.start(RayConfig())

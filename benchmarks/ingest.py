@@ -20,7 +20,7 @@ measures the input path only.
   dataloader  torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True,
               num_workers=os.cpu_count()) over the raw ImageFolder of JPEGs, in a fresh Python
               process. The dataset is a plain map-style class: read file -> stages.images.decode_rgb
-              (centre crop to 64, JPEG draft) -> stages.data.augment with the same parameters; the
+              (centre crop to 64, JPEG draft) -> stages.streaming.augment with the same parameters; the
               default collate stacks uint8 tensors and the loop normalises them as to_batch does.
               Workers are not persistent (the default), so each epoch forks them anew.
 
@@ -96,15 +96,15 @@ def _ours_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from stages import data as sd
-    from stages.train_loop import to_batch
-    from workflow import storage
+    from stages import streaming
+    from stages.predict import to_batch
+    from workflow.core import storage
 
     t_loop = time.time()  # after the imports, as in the DataLoader process
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(max(1, int(config["cpus_per_worker"] + 0.5)))  # as stages.train_loop.Worker
-    refs = [sd.ShardRef(**r) for r in config["shards"]]
+    refs = [streaming.ShardRef(**r) for r in config["shards"]]
     seed, size, bs, a = config["seed"], config["image_size"], config["batch_size"], config["augment"]
     device = torch.device("cpu")
     distributed = dist.is_available() and dist.is_initialized() and world > 1
@@ -113,7 +113,7 @@ def _ours_loop(config: dict[str, Any]) -> None:
 
     def open_rows(ref):
         t = time.perf_counter()
-        rows = sd.read_shard(storage.local_path(ref.uri), ref.format)  # in place, as ShardCache does
+        rows = streaming.read_shard(storage.local_path(ref.uri), ref.format)  # in place, as ShardCache does
         reads.append(time.perf_counter() - t)
         return rows
 
@@ -122,8 +122,8 @@ def _ours_loop(config: dict[str, Any]) -> None:
         if distributed:
             dist.barrier()
         t0, cpu0 = time.time(), time.process_time()
-        pieces = sd.rank_pieces(refs, seed, epoch, rank, world, shuffle=True)
-        stream = sd.iter_samples(pieces, open_rows, seed, epoch, rank, config["shuffle_buffer_rows"],
+        pieces = streaming.rank_pieces(refs, seed, epoch, rank, world, shuffle=True)
+        stream = streaming.iter_samples(pieces, open_rows, seed, epoch, rank, config["shuffle_buffer_rows"],
                                  shuffle=True)
 
         def batches():
@@ -133,19 +133,19 @@ def _ours_loop(config: dict[str, Any]) -> None:
         def decode(sample, epoch=epoch):  # = stages.train_loop.Worker.decode_train
             key, _, image = sample
             rng = np.random.default_rng([seed, epoch, int(key[:15], 16)])
-            return sd.augment(sd.decode_sample(image, size, False), rng, a["scale_min"],
+            return streaming.augment(streaming.decode_sample(image, size, False), rng, a["scale_min"],
                               a["random_resized_crop"], a["flip"])
 
         reads.clear()
         if config.get("ingest") == "ray_data":  # = stages.train_loop.Worker.batch_source
             from stages.ingest_ray import ShardBatches
-            from workflow.config import TrainConfig
+            from workflow.core.config import TrainConfig
 
             cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"],
                               shuffle_buffer_rows=config["shuffle_buffer_rows"])
             prefetch = ShardBatches(ray.train.get_dataset_shard("train"), cfg, seed, epoch, rank)
         else:
-            prefetch = sd.Prefetcher(batches(), decode, config["decode_threads"], config["prefetch_batches"])
+            prefetch = streaming.Prefetcher(batches(), decode, config["decode_threads"], config["prefetch_batches"])
         n, t_first, batches_seen = 0, None, 0
         for batch, arrays in prefetch:
             x = to_batch(arrays, a["mean"], a["std"], device, False, False)
@@ -198,7 +198,7 @@ def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage
 
     from benchmarks.common import MemorySampler, loadavg
     from stages import ingest_ray
-    from workflow.config import AugmentConfig, TrainConfig
+    from workflow.core.config import AugmentConfig, TrainConfig
 
     config = {"shards": shards, "seed": args.seed, "image_size": args.image_size, "batch_size": args.batch_size,
               "epochs": args.epochs, "decode_threads": args.decode_threads,
@@ -270,7 +270,7 @@ def _totals(epochs: list[dict]) -> dict[str, Any]:
 class JpegFolder:
     """A plain map-style dataset (DataLoader needs only __len__ and __getitem__).
 
-    Same pixels pipeline as ours: decode_rgb (centre crop, JPEG draft) and stages.data.augment
+    Same pixels pipeline as ours: decode_rgb (centre crop, JPEG draft) and stages.streaming.augment
     with the same parameters and a per-(seed, epoch, index) RNG.
     """
 
@@ -315,7 +315,7 @@ def dataloader_child(spec_json: str) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    import stages.data  # noqa: F401
+    import stages.streaming  # noqa: F401
     import stages.images  # noqa: F401
 
     t_imported = time.time()
@@ -350,7 +350,7 @@ def dataloader_child(spec_json: str) -> None:
 
 def run_dataloader(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import MemorySampler, loadavg
-    from workflow.config import AugmentConfig
+    from workflow.core.config import AugmentConfig
 
     spec = {"src": str(src), "image_size": args.image_size, "seed": args.seed, "batch_size": args.batch_size,
             "num_workers": args.dl_workers, "epochs": args.epochs,
@@ -386,7 +386,7 @@ def run_dataloader(src: Path, args: argparse.Namespace) -> dict[str, Any]:
 def run_stall(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from stages import etl, train
     from workflow import demo_data
-    from workflow.config import load_config
+    from workflow.core.config import load_config
 
     config_path = REPO / args.stall_config if not Path(args.stall_config).is_absolute() else Path(args.stall_config)
     cfg = load_config(config_path, [f"run.dir={tmp / 'stall_run'}", f"run.source={tmp / 'stall_src'}"])
@@ -461,10 +461,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from benchmarks.common import with_retry
-    from stages import data as sd
+    from stages import streaming
     from stages import etl
-    from workflow import demo_data, session
-    from workflow.config import EtlConfig, RayConfig
+    from workflow.core import session
+    from workflow import demo_data
+    from workflow.core.config import EtlConfig, RayConfig
 
     logging.basicConfig(level=logging.WARNING)
     w, h = (int(v) for v in args.source_size.lower().split("x"))
@@ -496,7 +497,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         data = etl.run(etl_cfg, str(tmp / "src"), str(tmp / "ds"))
         etl_s = time.perf_counter() - t0
-        refs = sd.shard_refs(data.manifest, data.path, "train", "parquet")
+        refs = streaming.shard_refs(data.manifest, data.path, "train", "parquet")
         shards = [{"uri": r.uri, "format": r.format, "rows": r.rows, "bytes": r.bytes, "sha256": r.sha256}
                   for r in refs]
         assert sum(r.rows for r in refs) == args.images, [r.rows for r in refs]

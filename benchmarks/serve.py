@@ -2,10 +2,10 @@
 
 Everything runs on loopback with one model and one set of request bodies:
 
-  model    small_cnn width 32, 10 classes, 64 px, untrained weights (stages.export.save_model).
+  model    small_cnn width 32, 10 classes, 64 px, untrained weights (stages.publish.save_model).
   bodies   --bodies JPEGs of --size px (smooth noise, quality 90), sent as raw `image/jpeg`.
   fastapi  benchmarks/serve_apps.py in a subprocess: one uvicorn process, torch 1 thread,
-           stages.export.preprocess + predict_arrays inline in an async handler.
+           stages.predict.preprocess + predict_arrays inline in an async handler.
   ours     stages.serve.start with ServeConfig defaults (what `raymill serve` runs);
   nobatch  the same with serve.batching=false;
   2 replicas  the same with serve.num_replicas=2;
@@ -68,7 +68,7 @@ def _free_port() -> int:
 def _make_model(out: Path) -> None:
     import torch
 
-    from stages.export import save_model
+    from stages.publish import save_model
     from stages.models import build_model
 
     torch.manual_seed(0)
@@ -149,8 +149,8 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
     import ray
 
     from stages import serve as serve_stage
-    from workflow import session
-    from workflow.config import RayConfig, ServeConfig
+    from workflow.core import session
+    from workflow.core.config import RayConfig, ServeConfig
 
     base = ServeConfig(port=_free_port(), ingress=mode)
     env = serve_stage.ingress_env(base)

@@ -1,6 +1,6 @@
 """The baseline of the serving benchmark (benchmarks/serve.py): a bare FastAPI + uvicorn app.
 
-The same model and preprocessing as the Serve app (stages.export.preprocess + predict_arrays),
+The same model and preprocessing as the Serve app (stages.predict.preprocess + predict_arrays),
 in one uvicorn process bound to 127.0.0.1, run as a subprocess:
 
     python -m benchmarks.serve_apps --model DIR --port PORT [--threads 1]
@@ -27,7 +27,7 @@ def create_app(model_dir: str, threads: int = 1):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from stages.export import load_model, predict_arrays, preprocess
+    from stages.predict import load_model, predict_arrays, preprocess
 
     if threads > 0:
         torch.set_num_threads(threads)

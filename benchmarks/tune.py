@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _search(scheduler: str, args, data, work: Path) -> dict[str, Any]:
     from stages import tune
-    from workflow.config import load_config
+    from workflow.core.config import load_config
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/smoke.yaml", [
         f"tune.scheduler={scheduler}", f"tune.num_samples={args.samples}", f"tune.max_epochs={args.max_epochs}",
@@ -76,8 +76,9 @@ def _trivial_overhead(n: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from stages import etl
-    from workflow import demo_data, session
-    from workflow.config import EtlConfig, RayConfig
+    from workflow.core import session
+    from workflow import demo_data
+    from workflow.core.config import EtlConfig, RayConfig
 
     session.start(RayConfig())
     with tempfile.TemporaryDirectory(prefix="raymill-bench-tune-") as tmp:

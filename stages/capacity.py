@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from workflow.session import WorkerPlan
+from workflow.core.session import WorkerPlan
 
 __all__ = ["CapacityError", "failure_config_kwargs", "is_capacity_timeout", "capacity_error",
            "workers_that_fit"]

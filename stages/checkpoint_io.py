@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workflow import fingerprint
+from workflow.core import fingerprint
 
 __all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in"]
 

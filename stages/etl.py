@@ -17,13 +17,15 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workflow import storage
-from workflow.artifacts import Artifact, base_manifest, new_run_id, write_manifest
-from workflow.config import ConfigError, EtlConfig, section_dict
-from workflow.locks import LOCK_NAME, output_lock
+from workflow.core import storage
+from workflow.core.artifacts import Artifact, base_manifest, load_artifact, new_run_id, write_manifest
+from workflow.core.config import ConfigError, EtlConfig, section_dict
+from workflow.core.locks import LOCK_NAME, output_lock
 from stages import shards, sources
+from stages.shards import count_rows
 
-__all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key"]
+__all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
+           "root_cause"]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
         overwrite: bool = False) -> Artifact:
     """Run ETL from `source` into `out` and return the published artifact.
 
-    The output is locked for the run (workflow.locks): a second run on it exits 2 naming this one.
+    The output is locked for the run (workflow.core.locks): a second run on it exits 2 naming this one.
     """
     with output_lock(out, "etl", s3):
         return _run_locked(cfg, source, out, s3, overwrite)
@@ -199,10 +201,10 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
     try:
         return [json.loads(row["result"]) for row in ds.iter_rows()]
     except Exception as e:
-        raise EtlError(f"ETL task failed, nothing was published: {_root_cause(e)}") from e
+        raise EtlError(f"ETL task failed, nothing was published: {root_cause(e)}") from e
 
 
-def _root_cause(e: BaseException) -> str:
+def root_cause(e: BaseException) -> str:
     while e.__cause__ is not None:
         e = e.__cause__
     return f"{type(e).__name__}: {e}"
@@ -300,9 +302,6 @@ def _log_summary(m: dict[str, Any]) -> None:
 
 def verify(out: str, s3: Any | None = None) -> list[str]:
     """Recompute every shard's size, sha256 and row count; return one line per problem."""
-    from stages.shards import count_rows
-    from workflow.artifacts import load_artifact
-
     artifact = load_artifact(out, "etl", s3)
     fs, root = storage.filesystem(out, s3)
     problems = []

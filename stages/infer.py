@@ -4,7 +4,7 @@ Layout of the work (the ETL lesson, PLATFORM.md): the driver plans small work it
 or one per raw file, a few hundred to a block); each Ray Data actor loads the model once, then opens
 and decodes its own files. Image bytes never cross the object store; only prediction rows do.
 
-Preprocessing is the project's one eval transform: `export.preprocess` for raw files (what ETL
+Preprocessing is the project's one eval transform: `predict.preprocess` for raw files (what ETL
 stores for training) and `data.decode_sample` for shards, so batch inference, serving and the
 train stage's test evaluation agree prediction for prediction.
 """
@@ -25,12 +25,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from workflow import storage
-from workflow.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
-from workflow.config import InferConfig, section_dict
-from workflow.locks import output_lock
-from stages import data as sd, export, shards, sources
-from stages.etl import InputNotFoundError, sample_key
+from workflow.core import storage
+from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
+from workflow.core.config import InferConfig, section_dict
+from workflow.core.locks import output_lock
+from stages import predict, sources, streaming
+from stages.etl import InputNotFoundError, root_cause, sample_key
 from stages.images import BadImage
 
 __all__ = ["run", "InferError", "Predictor", "SCHEMA"]
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
 MAX_FILE_BYTES = 64 * 10**6  # same limit as etl.max_file_mb's default: larger files are not read
-CACHE_DIR, CACHE_MAX_BYTES = "~/.cache/raymill/shards", 20e9  # the train stage's shard cache
 
 SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
                     ("class_name", pa.string()), ("class_index", pa.int32()),
@@ -74,7 +73,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     started = time.perf_counter()
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
-    _, info = export.load_model(model_path, s3)  # fail fast, before any Ray work
+    _, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
     plan = _plan(cfg, source, info, s3)
     out_fs, out_root = storage.filesystem(out, s3)
     if out_fs.exists(storage.join(out_root, MANIFEST)):
@@ -123,7 +122,7 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
     """One item per shard of `cfg.split`; parquet when ETL wrote it (one read, no tar parsing)."""
     m = data.manifest
     fmt = "parquet" if "parquet" in m["config"]["formats"] else "tar"
-    refs = sd.shard_refs(m, data.path, cfg.split, fmt)
+    refs = streaming.shard_refs(m, data.path, cfg.split, fmt)
     if not refs:
         raise InferError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
                          f"(counts: {m['counts']}); choose another infer.split")
@@ -167,14 +166,8 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> p
     try:
         tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     except Exception as e:
-        raise InferError(f"batch inference failed, nothing was published: {_root_cause(e)}") from e
+        raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
     return pa.concat_tables(tables).cast(SCHEMA) if tables else SCHEMA.empty_table()
-
-
-def _root_cause(e: BaseException) -> str:
-    while e.__cause__ is not None:
-        e = e.__cause__
-    return f"{type(e).__name__}: {e}"
 
 
 class Predictor:
@@ -183,13 +176,13 @@ class Predictor:
     def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
                  threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
         torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
-        self.model, self.info = export.load_model(model_path, s3)
+        self.model, self.info = predict.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model.to(self.device)
         self.mode, self.top_k, self.batch_size, self.raw = mode, top_k, batch_size, raw
         self.etl_classes, self.known = list(etl_classes or []), set(self.info["classes"])
         self.fs, self.root = storage.filesystem(source, s3) if source else (None, None)
-        self.cache = sd.ShardCache(CACHE_DIR, CACHE_MAX_BYTES, s3)
+        self.cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
         self.pool = ThreadPoolExecutor(max_workers=threads)  # Pillow releases the GIL while decoding
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -208,21 +201,21 @@ class Predictor:
             return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
                      "reason": item["reason"], "detail": item["detail"],
                      "true_class": parent if parent in self.known else None}]
-        ref = sd.ShardRef(**item)
+        ref = streaming.ShardRef(**item)
         return [{"key": key, "path": path, "image": image, "true_class": self.etl_classes[label]}
-                for key, path, label, image in _read_shard(self.cache.local_path(ref), ref.format)]
+                for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format, with_path=True)]
 
     def _decode(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, str | None, str | None]:
         """(pixels, None, None), or (None, reason, detail) for an unusable image."""
         try:
             if "image" in sample:
-                return sd.decode_sample(sample["image"], self.info["image_size"], self.raw), None, None
+                return streaming.decode_sample(sample["image"], self.info["image_size"], self.raw), None, None
             if sample["reason"]:  # a link out of the folder, a FIFO, a device: never read
                 return None, sample["reason"], sample["detail"]
             if sample["size"] > MAX_FILE_BYTES:  # not even read: one huge file must not sink the actor
                 return None, "too_large", f"{sample['size']} bytes > {MAX_FILE_BYTES}"
             data = sources.read_capped(self.fs, self.root, sample["rel"], MAX_FILE_BYTES, "inside_source")
-            return export.preprocess(data, self.info), None, None
+            return predict.preprocess(data, self.info), None, None
         except BadImage as e:
             return None, e.reason, e.detail
         except OSError as e:  # decoding turns its own errors into BadImage; this is the read
@@ -230,7 +223,7 @@ class Predictor:
 
     def _predict(self, chunk: list[dict], decoded: list[tuple]) -> list[dict[str, Any]]:
         good = [i for i, d in enumerate(decoded) if d[0] is not None]
-        preds = export.predict_arrays(self.model, self.info, [decoded[i][0] for i in good], self.top_k,
+        preds = predict.predict_arrays(self.model, self.info, [decoded[i][0] for i in good], self.top_k,
                                       self.device)
         by_index = dict(zip(good, preds))
         return [_row(s, by_index.get(i), *decoded[i][1:]) for i, s in enumerate(chunk)]
@@ -245,16 +238,6 @@ def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None)
                    top_k_classes=[t["class_name"] for t in pred["top_k"]],
                    top_k_probs=[t["probability"] for t in pred["top_k"]])
     return row
-
-
-def _read_shard(path: str, fmt: str) -> list[tuple[str, str | None, int, bytes]]:
-    """(key, source path, label, image bytes) rows of one local shard; the path names the row for users."""
-    fs = storage.filesystem(path)[0]
-    if fmt == "parquet":
-        t = shards.read_parquet_table(fs, path, ["key", "path", "label", "image"])
-        return list(zip(*(t[c].to_pylist() for c in ("key", "path", "label", "image"))))
-    with fs.open(path, "rb") as f:
-        return [(s["key"], s.get("path"), s["label"], s["image"]) for s in shards.iter_tar(f)]
 
 
 def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, Any]:

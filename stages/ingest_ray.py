@@ -1,6 +1,6 @@
 """Ray Data ingest (train.ingest=ray_data): read, decode and augment on any CPU of the cluster.
 
-The default ingest (stages/data.py) decodes inside each training worker: exact mid-epoch resume,
+The default ingest (stages/streaming.py) decodes inside each training worker: exact mid-epoch resume,
 but input throughput is capped by the spare cores of the node that holds the accelerator. Here
 the ETL shards are read by Ray Data (read_parquet, or read_webdataset for tar), decoded and
 augmented in `map_batches` tasks that request `train.data_cpus_per_task` CPUs each and may run
@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from stages import data as sd
-from workflow.config import ConfigError, TrainConfig
+from stages import streaming
+from workflow.core.artifacts import Artifact, write_manifest
+from workflow.core.config import ConfigError, TrainConfig
 
 __all__ = ["RESUME", "check_plan", "build_train_dataset", "equal_rows", "ShardBatches",
            "decode_batch", "augment_batch"]
@@ -108,20 +109,20 @@ def decode_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool) -> di
     import ray
 
     n, node = len(batch["key"]), ray.get_runtime_context().get_node_id()
-    images = np.stack([sd.decode_sample(b, image_size, raw) for b in batch["image"]])
+    images = np.stack([streaming.decode_sample(b, image_size, raw) for b in batch["image"]])
     return {"key": batch["key"], "label": batch["label"].astype(np.int64), "image": images,
             "decode_node": np.array([node] * n), "decoded_at": np.full(n, time.time())}
 
 
 def augment_batch(batch: dict[str, np.ndarray], scale_min: float, crop: bool,
                   flip: bool) -> dict[str, np.ndarray]:
-    """The training augmentation of stages.data.augment, per row.
+    """The training augmentation of stages.streaming.augment, per row.
 
     Fresh entropy, not (seed, epoch, key) as in the stream path: a Ray Data task is not told
     which epoch it serves. ray_data runs are therefore not bit-reproducible.
     """
     rng = np.random.default_rng()
-    return {**batch, "image": np.stack([sd.augment(p, rng, scale_min, crop, flip) for p in batch["image"]])}
+    return {**batch, "image": np.stack([streaming.augment(p, rng, scale_min, crop, flip) for p in batch["image"]])}
 
 
 def build_train_dataset(cfg: TrainConfig, shards: list[dict], *, seed: int, image_size: int, raw: bool,
@@ -176,7 +177,7 @@ class _Collate:
 
 
 class ShardBatches:
-    """One epoch of this rank's Ray Data shard as (batch, arrays) pairs, like stages.data.Prefetcher.
+    """One epoch of this rank's Ray Data shard as (batch, arrays) pairs, like stages.streaming.Prefetcher.
 
     `batch` holds (key, label, None) per row; `arrays` the augmented uint8 images. `wait_s` is the
     time the training thread waited for input.
@@ -220,8 +221,6 @@ class ShardBatches:
 
 def annotate(artifact, ingest: dict[str, Any], s3: Any | None = None):
     """Add the ingest path, its resume semantics and cache report to a published train manifest."""
-    from workflow.artifacts import Artifact, write_manifest
-
     manifest = {**artifact.manifest, "ingest": ingest}
     write_manifest(artifact.path, manifest, s3)
     return Artifact(artifact.stage, artifact.path, manifest)

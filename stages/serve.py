@@ -21,7 +21,10 @@ import numpy as np
 from ray import serve
 
 from stages.serve_endpoint import base_url
-from workflow.config import ConfigError, ServeConfig
+from stages.images import BadImage
+from stages.predict import load_model, predict_arrays, preprocess
+from workflow.core import session
+from workflow.core.config import ConfigError, RayConfig, ServeConfig
 
 __all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "base_url", "Classifier",
            "decode_slots", "ingress_env", "apply_ingress_env", "DECODE_BYTES_PER_PIXEL", "REPLICA_BASE_MB"]
@@ -53,8 +56,6 @@ class Classifier:
     def __init__(self, cfg: ServeConfig, model_path: str, s3: Any | None = None):
         import torch
 
-        from stages.export import load_model
-
         self.cfg = cfg
         self.device = torch.device("cuda" if cfg.use_gpu else "cpu")
         model, self.info = load_model(model_path, s3)
@@ -69,8 +70,6 @@ class Classifier:
 
     async def classify(self, data: bytes) -> dict[str, Any]:
         """{class_name, class_index, top_k, model_version}, or {error, detail} for unusable bytes."""
-        from stages.images import BadImage
-
         try:
             array = await self._preprocess(data)
         except BadImage as e:
@@ -98,8 +97,6 @@ class Classifier:
 
     async def _preprocess(self, data: bytes) -> np.ndarray:
         """Decode off the event loop, at most decode_slots at once (memory, not CPU, is the bound)."""
-        from stages.export import preprocess
-
         async with self.decodes:
             return await asyncio.to_thread(preprocess, data, self.info, self.formats, self.cfg.max_image_pixels)
 
@@ -110,8 +107,6 @@ class Classifier:
 
     def _predict(self, arrays: list[np.ndarray]) -> list[dict[str, Any]]:
         """Blocking forward pass over a list of decoded images."""
-        from stages.export import predict_arrays
-
         return predict_arrays(self.model, self.info, arrays, self.cfg.top_k, self.device)
 
 
@@ -140,7 +135,7 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
 def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
     """The bound Serve application (not yet running): ingress -> model deployment, or one
     deployment holding both when serve.model_deployment is false."""
-    from stages.serve_http import Ingress
+    from stages.serve_http import Ingress  # serve_http imports Classifier from here: not at the top
 
     if not cfg.model_deployment:
         return Ingress.options(**deployment_options(cfg)).bind(None, cfg, model_path, s3)
@@ -186,9 +181,6 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     import ray
 
     if not ray.is_initialized():
-        from workflow import session
-        from workflow.config import RayConfig
-
         apply_ingress_env(cfg)
         session.start(RayConfig())
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})

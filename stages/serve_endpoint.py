@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from workflow.config import ConfigError, ServeConfig
+from workflow.core.config import ConfigError, ServeConfig
 
 __all__ = ["base_url", "endpoint_running", "record_endpoint", "endpoint_ray_address"]
 

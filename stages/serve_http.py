@@ -30,7 +30,7 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from workflow.config import ServeConfig
+from workflow.core.config import ServeConfig
 
 __all__ = ["Ingress", "HTTPError", "read_body", "first_file", "guarded", "IMAGE_STATUS", "MEDIA_TYPES"]
 
@@ -148,7 +148,7 @@ class Ingress:
     def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
         self.cfg = cfg
         if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
-            from stages.serve import Classifier
+            from stages.serve import Classifier  # stages.serve imports this module
 
             local = Classifier(cfg, model_path, s3)
             self.model = {name: _Local(getattr(local, name)) for name in ("classify", "health", "metadata")}

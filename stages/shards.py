@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from workflow import storage
+from workflow.core import storage
 from stages import sources
 from stages.images import BadImage, decode_rgb, encode
 

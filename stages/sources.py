@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from workflow import storage
+from workflow.core import storage
 from stages.images import BadImage
 
 __all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "entry_row"]

@@ -9,11 +9,13 @@ import logging
 import time
 from typing import Any, Sequence
 
-from stages import capacity, ingest_ray
-from workflow import console, fingerprint, session, storage
-from workflow.artifacts import Artifact
-from workflow.config import ConfigError, RayConfig, TrainConfig, section_dict
-from workflow.locks import output_lock
+from stages import capacity, etl, ingest_ray, publish
+from stages.checkpoint_io import refusal_in
+from stages.train_loop import train_loop
+from workflow.core import console, fingerprint, session, storage
+from workflow.core.artifacts import Artifact
+from workflow.core.config import ConfigError, RayConfig, TrainConfig, section_dict
+from workflow.core.locks import output_lock
 
 __all__ = ["run", "TrainError", "check_data", "loop_config", "build_trainer", "run_name"]
 
@@ -26,8 +28,6 @@ class TrainError(RuntimeError):
 
 def check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
     """Verify the ETL output once (local: every shard re-hashed) and list its shards per split."""
-    from stages import etl
-
     manifest = data.manifest
     formats = {s["format"] for s in manifest["shards"]}
     if cfg.data_format not in formats:
@@ -102,8 +102,6 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
 
 
 def _entry(config: dict) -> None:
-    from stages.train_loop import train_loop
-
     train_loop(config)
 
 
@@ -113,7 +111,7 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
 
     Resumes the run state in `out` only if the same config and data made it (else ConfigError);
     `overwrite` discards that state first. One run per output: the output is locked for the run.
-    `tracking` is the MLflow run rank 0 logs to (workflow.tracking), or None.
+    `tracking` is the MLflow run rank 0 logs to (workflow.core.tracking), or None.
     """
     with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
         return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
@@ -141,8 +139,6 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     try:
         result = trainer.fit()
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
-        from stages.checkpoint_io import refusal_in
-
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
             raise TrainError(refusal) from e
         if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
@@ -157,7 +153,5 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
         last = result.checkpoint.path if result.checkpoint else "none"
         raise TrainError(f"loss became NaN/inf at epoch {result.metrics['epoch'] + 1}; stopped. Last good "
                          f"checkpoint: {last}. Lower train.lr or use precision=fp32")
-    from stages import export
-
-    artifact = export.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
+    artifact = publish.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
     return ingest_ray.annotate(artifact, ingest, s3)

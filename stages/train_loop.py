@@ -21,12 +21,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages import data as sd
+from stages import streaming
 from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages import ingest_ray
 from stages.models import build_model
-from workflow import console, tracking
-from workflow.config import ConfigError, TrainConfig
+from stages.predict import to_batch
+from workflow.core import console, tracking
+from workflow.core.config import ConfigError, TrainConfig
 
 __all__ = ["train_loop", "precision_plan", "stall_verdict", "to_batch", "make_schedule"]
 
@@ -58,21 +59,6 @@ def stall_verdict(wait_s: float, compute_s: float, ingest: str = "stream") -> tu
     if ingest == "ray_data":
         return stall, "compute-bound: compute is the weakest link, Ray Data keeps up"
     return stall, "compute-bound: the accelerator (or CPU) is the weakest link, input keeps up"
-
-
-def to_batch(arrays: list[np.ndarray], mean, std, device: torch.device, channels_last: bool,
-             pin_memory: bool) -> torch.Tensor:
-    """uint8 NHWC arrays -> normalised float NCHW on `device` (normalised there, after the copy)."""
-    size = arrays[0].shape[0] if arrays else 1
-    x = torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, size, size, 3), dtype=torch.uint8)
-    if pin_memory and device.type == "cuda":
-        x = x.pin_memory()
-    x = x.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
-    m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
-    s = torch.tensor(std, device=device).view(1, 3, 1, 1)
-    x = (x - m) / s
-    # NHWC data permuted to NCHW is already channels_last in memory; keep it or make it contiguous.
-    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 def make_schedule(optimizer, warmup_steps: int, total_steps: int):
@@ -118,18 +104,18 @@ class Worker:
             model = model.to(memory_format=torch.channels_last)
         self.model = ray.train.torch.prepare_model(model)
         self.optimizer = _optimizer(self.cfg, self.model)
-        self.refs = {split: [sd.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
+        self.refs = {split: [streaming.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
         self.total = sum(r.rows for r in self.refs["train"])
         if self.cfg.ingest == "ray_data":  # streaming_split(equal=True) evens out the ranks
             self.total = ingest_ray.equal_rows(self.total, self.world)
-        self.steps = sd.steps_per_epoch(self.total, self.world, self.cfg.batch_size)
+        self.steps = streaming.steps_per_epoch(self.total, self.world, self.cfg.batch_size)
         if self.cfg.max_steps:
             self.steps = min(self.steps, self.cfg.max_steps)
         self.schedule = make_schedule(self.optimizer, int(self.cfg.warmup_epochs * self.steps),
                                       self.cfg.epochs * self.steps)
         self.autocast_dtype, use_scaler = precision_plan(self.cfg.precision, self.device.type)
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
-        self.cache = sd.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
+        self.cache = streaming.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
@@ -145,8 +131,8 @@ class Worker:
     def net(self) -> torch.nn.Module:
         return getattr(self.model, "module", self.model)
 
-    def open_rows(self, ref: sd.ShardRef) -> list:
-        return sd.read_shard(self.cache.local_path(ref), ref.format)
+    def open_rows(self, ref: streaming.ShardRef) -> list:
+        return streaming.read_shard(self.cache.local_path(ref), ref.format)
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -160,8 +146,8 @@ class Worker:
     # ---- data -------------------------------------------------------------------------------
     def train_batches(self, epoch: int, start_step: int):
         """Batches of (key, label, image) for steps start_step..steps-1 of `epoch` on this rank."""
-        pieces = sd.rank_pieces(self.refs["train"], self.seed, epoch, self.rank, self.world, shuffle=True)
-        stream = sd.iter_samples(pieces, self.open_rows, self.seed, epoch, self.rank,
+        pieces = streaming.rank_pieces(self.refs["train"], self.seed, epoch, self.rank, self.world, shuffle=True)
+        stream = streaming.iter_samples(pieces, self.open_rows, self.seed, epoch, self.rank,
                                  self.cfg.shuffle_buffer_rows, shuffle=True)
         size = self.cfg.batch_size
         stream = itertools.islice(stream, start_step * size, None)  # resume: skip undecoded
@@ -176,7 +162,7 @@ class Worker:
             # Per-sample RNG from (seed, epoch, key): augmentation doesn't depend on which
             # attempt or worker decodes it, so a resumed run sees the same pixels.
             rng = np.random.default_rng([self.seed, epoch, int(key[:15], 16)])
-            return sd.augment(sd.decode_sample(image, self.size, self.raw), rng, a.scale_min,
+            return streaming.augment(streaming.decode_sample(image, self.size, self.raw), rng, a.scale_min,
                               a.random_resized_crop, a.flip)
         return decode
 
@@ -187,7 +173,7 @@ class Worker:
 
             return ingest_ray.ShardBatches(ray.train.get_dataset_shard("train"), self.cfg, self.seed,
                                            epoch, self.rank)
-        return sd.Prefetcher(self.train_batches(epoch, start_step), self.decode_train(epoch),
+        return streaming.Prefetcher(self.train_batches(epoch, start_step), self.decode_train(epoch),
                              self.cfg.decode_threads, self.cfg.prefetch_batches)
 
     # ---- steps ------------------------------------------------------------------------------
@@ -201,7 +187,7 @@ class Worker:
             t0 = time.perf_counter()
             x = self.batch(arrays)
             y = torch.tensor([s[1] for s in batch], dtype=torch.long, device=self.device)
-            global_rows = sum(sd.batch_sizes_at(step, self.total, self.world, self.cfg.batch_size))
+            global_rows = sum(streaming.batch_sizes_at(step, self.total, self.world, self.cfg.batch_size))
             with self.autocast():
                 logits = self.model(x)
                 summed = F.cross_entropy(logits.float(), y, reduction="sum",
@@ -261,11 +247,11 @@ class Worker:
         # The unwrapped module: DDP's forward broadcasts buffers, a collective that would hang
         # when ranks hold different numbers of eval batches.
         self.model.eval()
-        pieces = sd.rank_pieces(self.refs[split], self.seed, 0, self.rank, self.world, shuffle=False)
-        stream = sd.iter_samples(pieces, self.open_rows, self.seed, 0, self.rank, 1, shuffle=False)
+        pieces = streaming.rank_pieces(self.refs[split], self.seed, 0, self.rank, self.world, shuffle=False)
+        stream = streaming.iter_samples(pieces, self.open_rows, self.seed, 0, self.rank, 1, shuffle=False)
         loss_sum, correct, seen = 0.0, 0, 0
         while batch := list(itertools.islice(stream, self.cfg.batch_size)):
-            x = self.batch([sd.decode_sample(s[2], self.size, self.raw) for s in batch])
+            x = self.batch([streaming.decode_sample(s[2], self.size, self.raw) for s in batch])
             y = torch.tensor([s[1] for s in batch], dtype=torch.long, device=self.device)
             with self.autocast():
                 logits = self.net(x).float()
@@ -325,11 +311,10 @@ class Worker:
                 self.step = 0
                 self.ledger = {}
                 if self.rank == 0:
-                    print(f"[raymill] train: world size changed {meta['world']} -> {self.world}; "
-                          f"epoch {self.epoch + 1} restarts from its first step", flush=True)
+                    log.info(f"train: world size changed {meta['world']} -> {self.world}; "
+                          f"epoch {self.epoch + 1} restarts from its first step")
         if self.rank == 0:
-            print(f"[raymill] train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}",
-                  flush=True)
+            log.info(f"train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}")
 
 
 def train_loop(config: dict[str, Any]) -> None:

@@ -26,16 +26,17 @@ import logging
 import time
 from typing import Any, Sequence
 
-from workflow import session, storage
-from workflow.artifacts import Artifact, data_fingerprint
-from workflow.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
+from stages import train, tune_results
+from stages.tune_results import EXPERIMENT, _InvalidTrialConfig, trial_train_config
+from workflow.core import session, storage
+from workflow.core.artifacts import Artifact, data_fingerprint
+from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
 __all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
            "EXPERIMENT"]
 
 log = logging.getLogger(__name__)
 
-EXPERIMENT = "tune"  # Tune experiment folder under out/ray
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
 _SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
 
@@ -48,37 +49,7 @@ class TuneInterrupted(RuntimeError):
     """The search stopped before every trial finished; running again resumes it."""
 
 
-class _InvalidTrialConfig(ConfigError):
-    def __init__(self, params: dict, problems: str):
-        super().__init__(f"sampled params {params} make an invalid train config: {problems}")
-        self.problems = problems
-
-
 # ---- config -------------------------------------------------------------------------------------
-def _set_nested(data: dict, key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
-
-
-def trial_train_config(train_cfg: TrainConfig, params: dict[str, Any], cfg: TuneConfig) -> TrainConfig:
-    """The train config of one trial: `train_cfg` + sampled params; `tune.max_epochs` epochs
-    unless train.epochs is itself searched."""
-    from pydantic import ValidationError
-
-    data = section_dict(train_cfg)
-    data["epochs"] = cfg.max_epochs
-    for key, value in params.items():
-        _set_nested(data, key, value)
-    data.update(num_workers=cfg.workers_per_trial, min_workers=None)
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as e:
-        bad = "; ".join(f"train.{'.'.join(map(str, i['loc']))}: {i['msg']} (got {i.get('input')!r})"
-                        for i in e.errors())
-        raise _InvalidTrialConfig(params, bad) from None
 
 
 def _probe_values(dist) -> list[Any]:
@@ -157,8 +128,6 @@ def _run_trial(ctx: dict, config: dict) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from stages import train
-
     tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
     tcfg = trial_train_config(train_cfg, config, tune_cfg)
     # The Train run's name must not change when this trial is retried or the search resumed:
@@ -181,10 +150,8 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     """Search `cfg.search_space` over the trainer on ETL artifact `data`; publish the best model.
 
     `callbacks` go into the search's `RunConfig` (experiment trackers such as
-    `workflow.tracking_tune`'s MLflow callback); a restored search keeps those it started with.
+    `workflow.core.tracking_tune`'s MLflow callback); a restored search keeps those it started with.
     """
-    from stages import train, tune_results
-
     started = time.perf_counter()
     check_search(cfg, train_cfg)
     shards = train.check_data(train_cfg, data, s3)  # the one data check of the search
@@ -194,7 +161,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     ctx = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3,
            "loop": train.loop_config(train_cfg, data, shards, seed, s3, plan.workers)}
-    print(f"[raymill] tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
+    log.info(f"tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data", flush=True)
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
@@ -235,8 +202,7 @@ def _fit(cfg: TuneConfig, driver, concurrent_trials: int, ray_dir: str, s3, key:
         if previous != key:
             raise ConfigError(f"'{ray_dir}/{EXPERIMENT}' holds a search with another config, seed or data; "
                               f"use a new output folder, or delete '{ray_dir}' to start over")
-        print(f"[raymill] tune: resuming the search in {ray_dir}/{EXPERIMENT} (finished trials are kept)",
-              flush=True)
+        log.info(f"tune: resuming the search in {ray_dir}/{EXPERIMENT} (finished trials are kept)")
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=pafs)
     else:

@@ -8,16 +8,23 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
-from workflow import storage
-from workflow.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
-from workflow.config import TrainConfig, TuneConfig, section_dict
+from stages import streaming
+from stages.publish import curves, model_info, read_checkpoint, save_model, state_hash
+from stages.predict import evaluate_split, load_model
+from workflow.core import storage
+from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
+from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
+
+log = logging.getLogger(__name__)
 
 OUTCOMES = ("completed", "stopped_early", "diverged", "failed")
 
@@ -104,8 +111,6 @@ def _outcome(status: str, diverged: bool, epochs_run: int, epochs_planned: int) 
 
 def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -> list[dict[str, Any]]:
     """One dict per trial: params, status, per-epoch history of the metric, best value, timing."""
-    from stages.tune import trial_train_config
-
     rows = []
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
@@ -231,26 +236,22 @@ def _best_model_files(cfg: TuneConfig, tcfg: TrainConfig, data: Artifact, out: s
                       trial: dict, entry: dict) -> tuple[dict[str, bytes], dict, dict]:
     """Export the best checkpoint as model.pt + model.json; (files, test result, checkpoint meta)."""
     import tempfile
-    from pathlib import Path
-
     import ray.train
 
-    from stages import data as sd
-    from stages import export
 
     pafs, _ = storage.pyarrow_filesystem(storage.join(out, "ray"), s3)
-    state, meta, _ = export._read_checkpoint(ray.train.Checkpoint(entry["checkpoint_path"], filesystem=pafs))
-    info = export.model_info(tcfg, data, {
+    state, meta, _ = read_checkpoint(ray.train.Checkpoint(entry["checkpoint_path"], filesystem=pafs))
+    info = model_info(tcfg, data, {
         "val_acc": meta.get("val", {}).get("val_acc"), "epoch": meta["epoch"],
-        "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(export.state_hash(state))}",
+        "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(state_hash(state))}",
         "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]}})
-    export.save_model(out, state, info, s3)
-    model, info = export.load_model(out, s3)
-    refs = [sd.ShardRef(**r) for r in loop["shards"]["test"]]  # checked once, before the search
-    test = export.evaluate_split(model, refs, info, loop["raw"], loop["s3"], tcfg.cache_dir)
+    save_model(out, state, info, s3)
+    model, info = load_model(out, s3)
+    refs = [streaming.ShardRef(**r) for r in loop["shards"]["test"]]  # checked once, before the search
+    test = evaluate_split(model, refs, info, loop["raw"], loop["s3"], tcfg.cache_dir)
     files = {"metrics.jsonl": "".join(json.dumps(h) + "\n" for h in meta["history"]).encode()}
     with tempfile.TemporaryDirectory() as tmp:
-        export._curves(meta["history"], Path(tmp) / "curves.png")
+        curves(meta["history"], Path(tmp) / "curves.png")
         files["curves.png"] = (Path(tmp) / "curves.png").read_bytes()
     return files, test, meta
 
@@ -258,8 +259,6 @@ def _best_model_files(cfg: TuneConfig, tcfg: TrainConfig, data: Artifact, out: s
 def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, seed: int, s3, plan,
             loop: dict, trials: list[dict], best: dict, seconds_so_far: float) -> Artifact:
     """Write the search's files and the best trial's model to `out`; manifest.json last."""
-    from stages.tune import EXPERIMENT, trial_train_config
-
     started = time.perf_counter()
     trial, entry = best["trial"], best["entry"]
     tcfg = trial_train_config(train_cfg, trial["params"], cfg)
@@ -289,8 +288,44 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
                   "source": "trial checkpoint"},
         "metrics": metrics, "files": sorted({*files, "trials.csv", "trials.md", "model.pt", "model.json"})})
     write_manifest(out, manifest, s3)  # the publish step, last
-    print(f"[raymill] tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
+    log.info(f"tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
           f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
           f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
           f"test_acc {test['acc']:.3f}; {metrics['seconds']:.0f}s", flush=True)
     return Artifact("tune", str(out).rstrip("/"), manifest)
+
+EXPERIMENT = "tune"  # Tune experiment folder under out/ray
+
+
+class _InvalidTrialConfig(ConfigError):
+    def __init__(self, params: dict, problems: str):
+        super().__init__(f"sampled params {params} make an invalid train config: {problems}")
+        self.problems = problems
+
+
+# ---- what a trial was ---------------------------------------------------------------------------
+def _set_nested(data: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def trial_train_config(train_cfg: TrainConfig, params: dict[str, Any], cfg: TuneConfig) -> TrainConfig:
+    """The train config of one trial: `train_cfg` + sampled params; `tune.max_epochs` epochs
+    unless train.epochs is itself searched."""
+    from pydantic import ValidationError
+
+    data = section_dict(train_cfg)
+    data["epochs"] = cfg.max_epochs
+    for key, value in params.items():
+        _set_nested(data, key, value)
+    data.update(num_workers=cfg.workers_per_trial, min_workers=None)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"train.{'.'.join(map(str, i['loc']))}: {i['msg']} (got {i.get('input')!r})"
+                        for i in e.errors())
+        raise _InvalidTrialConfig(params, bad) from None
+

@@ -32,8 +32,8 @@ def ray_session():
     the way the CLI starts it (dashboard on 127.0.0.1, token auth)."""
     import ray
 
-    from workflow import session
-    from workflow.config import RayConfig
+    from workflow.core import session
+    from workflow.core.config import RayConfig
 
     yield session.start(RayConfig(num_cpus=2))
     ray.shutdown()

@@ -16,8 +16,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from stages import etl, train
-from workflow import demo_data, session
-from workflow.config import load_config
+from workflow.core import session
+from workflow import demo_data
+from workflow.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import os
 import pytest
 
 from stages import capacity
-from workflow import session
-from workflow.config import ConfigError, load_config
+from workflow.core import session
+from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO
 
 TWO_CPUS = {"CPU": 2.0, "GPU": 0.0}

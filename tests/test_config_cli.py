@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from workflow.__main__ import main
-from workflow.config import ConfigError, load_config
+from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO, make_tree
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from tests.conftest import REPO
-from workflow import demo_data, tracking
+from workflow.core import tracking
+from workflow import demo_data
 
 MAX_LINES = 60  # the target for `make run` after pip's own output
 REPRS = re.compile(r"\b(TrainingReport|Checkpoint|Result|ObjectRef|ActorHandle|Dataset)\(")

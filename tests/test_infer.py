@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stages import data as sd
+from stages import streaming
 from stages import etl, infer
-from stages.export import load_model, predict_arrays, preprocess, save_model
+from stages.predict import load_model, predict_arrays, preprocess
+from stages.publish import save_model
 from stages.models import build_model
-from stages.train_loop import to_batch
+from stages.predict import to_batch
 from workflow import demo_data
-from workflow.config import ConfigError, EtlConfig, InferConfig
+from workflow.core.config import ConfigError, EtlConfig, InferConfig
 from tests.conftest import BAD_FILES, image_bytes, make_tree
 
 INFO = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "image_size": 32, "resize": "crop",
@@ -29,8 +30,8 @@ INFO = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "image_size": 3
 
 
 def _train_rows(data) -> list:
-    return [r for ref in sd.shard_refs(data.manifest, data.path, "train", "parquet")
-            for r in sd.read_shard(ref.uri, "parquet")]
+    return [r for ref in streaming.shard_refs(data.manifest, data.path, "train", "parquet")
+            for r in streaming.read_shard(ref.uri, "parquet")]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def setup(tmp_path_factory, ray_session):
     demo_data.generate(root / "src", images=120, seed=3)
     data = etl.run(EtlConfig(image_size=32, shard_max_rows=40), str(root / "src"), str(root / "ds"))
     rows = _train_rows(data)
-    x = to_batch([sd.decode_sample(r[2], 32, False) for r in rows], INFO["mean"], INFO["std"],
+    x = to_batch([streaming.decode_sample(r[2], 32, False) for r in rows], INFO["mean"], INFO["std"],
                  torch.device("cpu"), False, False)
     y = torch.tensor([r[1] for r in rows])
     torch.manual_seed(0)
@@ -75,9 +76,9 @@ def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     assert art.manifest["metrics"]["images_per_s"] > 0 and "confusion" not in art.manifest["metrics"]
     # the same images, predicted directly in this process, give the same answers
     model, info = load_model(model_path)
-    refs = sd.shard_refs(data.manifest, data.path, "test", "parquet")
-    samples = [r for ref in refs for r in sd.read_shard(ref.uri, "parquet")]
-    direct = predict_arrays(model, info, [sd.decode_sample(r[2], 32, False) for r in samples], top_k=3)
+    refs = streaming.shard_refs(data.manifest, data.path, "test", "parquet")
+    samples = [r for ref in refs for r in streaming.read_shard(ref.uri, "parquet")]
+    direct = predict_arrays(model, info, [streaming.decode_sample(r[2], 32, False) for r in samples], top_k=3)
     expected = {r[0]: (data.manifest["classes"][r[1]], p) for r, p in zip(samples, direct)}
     for row in rows:
         true, p = expected[row["key"]]
@@ -87,7 +88,7 @@ def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     assert metrics["accuracy"] == pytest.approx(sum(expected[k][0] == expected[k][1]["class_name"]
                                                     for k in expected) / len(expected))
     # the tar shards (read by the same actor class, here in-process) agree with parquet
-    tar_items = [vars(r) for r in sd.shard_refs(data.manifest, data.path, "test", "tar")]
+    tar_items = [vars(r) for r in streaming.shard_refs(data.manifest, data.path, "test", "tar")]
     threads = torch.get_num_threads()  # the actor sets its own share; give this process its own back
     try:
         actor = infer.Predictor(model_path=model_path, s3={}, mode="etl", top_k=3, batch_size=4,

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from stages import data as sd
+from stages import streaming
 from stages import etl, ingest_ray, train
 from stages.train_loop import stall_verdict
 from workflow import demo_data
-from workflow.config import ConfigError, load_config
+from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",
@@ -40,8 +40,8 @@ def dataset(tmp_path_factory, ray_session):
 
 
 def _train_keys(dataset) -> list[str]:
-    return sorted(r[0] for ref in sd.shard_refs(dataset.manifest, dataset.path, "train", "parquet")
-                  for r in sd.read_shard(ref.uri, "parquet"))
+    return sorted(r[0] for ref in streaming.shard_refs(dataset.manifest, dataset.path, "train", "parquet")
+                  for r in streaming.read_shard(ref.uri, "parquet"))
 
 
 def _history(artifact) -> list[dict]:

@@ -19,10 +19,10 @@ import pytest
 from PIL import Image
 
 from stages import etl, sources
-from stages.export import preprocess
+from stages.predict import preprocess
 from stages.images import decode_rgb
-from workflow import locks, storage
-from workflow.config import EtlConfig, S3Config
+from workflow.core import locks, storage
+from workflow.core.config import EtlConfig, S3Config
 from tests.conftest import REPO, image_bytes, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
@@ -134,7 +134,7 @@ def test_files_in_check_survives_python_dash_o(tmp_path):
 
 HOLDER = """
 import sys, time
-from workflow import locks, storage
+from workflow.core import locks, storage
 with locks.output_lock(sys.argv[1], "etl"):
     print("locked", flush=True)
     time.sleep(600)

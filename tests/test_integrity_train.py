@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import checkpoint_io, etl, export, train
-from stages import data as sd
-from workflow import demo_data, fingerprint, storage
+from stages import checkpoint_io, etl, publish, train
+from stages import streaming
+from workflow.core import fingerprint, storage
+from workflow import demo_data
 from workflow.__main__ import main
-from workflow.config import ConfigError, S3Config, load_config, section_dict
+from workflow.core.config import ConfigError, S3Config, load_config, section_dict
 from tests.conftest import REPO
 
 SMOKE = REPO / "configs/smoke.yaml"
@@ -138,7 +139,7 @@ def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, datas
             torch.save({"model": _Payload(marker), "optimizer": {}, "schedule": {}, "scaler": None,
                         "torch": _Payload(marker)}, path)
         with pytest.raises(checkpoint_io.CheckpointRefused, match="not plain tensors"):
-            export._read_checkpoint(ray.train.Checkpoint.from_directory(str(folders[-1])))
+            publish.read_checkpoint(ray.train.Checkpoint.from_directory(str(folders[-1])))
         cfg = _cfg()
         with pytest.raises(train.TrainError) as refused:
             train.run(cfg.train, dataset, first_run.path, seed=cfg.run.seed, ray_cfg=cfg.ray)
@@ -157,12 +158,12 @@ def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     good = os.urandom(4096)
     fs.pipe_file(f"{bucket}/shard.tar", good)
-    ref = sd.ShardRef(f"s3://{bucket}/shard.tar", "tar", 1, len(good), storage.sha256_bytes(good))
+    ref = streaming.ShardRef(f"s3://{bucket}/shard.tar", "tar", 1, len(good), storage.sha256_bytes(good))
     cache_dir = tmp_path / "cache"
     cache_dir.mkdir()
     planted = cache_dir / f"{ref.sha256}.tar"
     planted.write_bytes(bytes(len(good)))  # right name, right size, wrong content
-    cache = sd.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint))
+    cache = streaming.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint))
     assert Path(cache.local_path(ref)).read_bytes() == good
     assert (cache.hits, cache.misses) == (0, 1)
     assert Path(cache.local_path(ref)).read_bytes() == good and cache.hits == 1  # verified once: a hit
@@ -170,7 +171,7 @@ def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path
     fs.pipe_file(f"{bucket}/shard.tar", bytes(len(good)))
     planted.unlink()
     with pytest.raises(ValueError, match="fails its checksum"):
-        sd.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint)).local_path(ref)
+        streaming.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint)).local_path(ref)
     assert not planted.exists()
 
 

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from workflow import demo_data, pipeline
-from workflow.config import load_config
+from workflow.core.config import load_config
 from tests.conftest import REPO, free_port
 
 
@@ -48,8 +48,8 @@ def test_run_with_serve_end_to_end_then_reuse(tmp_path, ray_session, caplog):
 
 def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path):
     from tests.conftest import image_bytes, make_tree
-    from workflow.artifacts import Artifact, base_manifest, write_manifest
-    from workflow.config import section_dict
+    from workflow.core.artifacts import Artifact, base_manifest, write_manifest
+    from workflow.core.config import section_dict
 
     src = tmp_path / "src"
     make_tree(src, per_class=2, bad=False)

@@ -21,7 +21,7 @@ from PIL import Image
 from stages import serve as serve_stage
 from stages import serve_http
 from tests.conftest import bomb_png, free_port, image_bytes
-from workflow.config import ServeConfig
+from workflow.core.config import ServeConfig
 
 CLASSES = ["bird", "cat", "dog"]
 MAX_BODY = 200_000
@@ -29,7 +29,7 @@ JPEG = {"content-type": "image/jpeg"}
 
 
 def _save_model(out, version: str) -> str:
-    from stages.export import save_model
+    from stages.publish import save_model
     from stages.models import build_model
 
     info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": CLASSES, "image_size": 32,
@@ -85,7 +85,7 @@ def _check_prediction(body: dict) -> None:
 # --- pure helpers (no Serve) ------------------------------------------------------------------
 
 def test_deployment_options_and_decode_slots():
-    from workflow.config import ConfigError
+    from workflow.core.config import ConfigError
 
     fixed = serve_stage.deployment_options(ServeConfig(num_replicas=3, max_queued_requests=5))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
@@ -115,7 +115,7 @@ def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monke
     assert ok["class_name"] in CLASSES and ok["model_version"] == "test-1"
     assert asyncio.run(replica.classify(b"not an image"))["error"] == "not_an_image"
     with monkeypatch.context() as m:
-        m.setattr("stages.export.preprocess", lambda *a: [][1])
+        m.setattr("stages.predict.preprocess", lambda *a: [][1])
         assert asyncio.run(replica.classify(image_bytes(1)))["error"] == "bad_image"
 
     async def secret_failure():

@@ -16,7 +16,7 @@ import pytest
 from stages import serve as serve_stage
 from tests.conftest import free_port, image_bytes
 from tests.test_serve import JPEG, _save_model
-from workflow.config import ServeConfig
+from workflow.core.config import ServeConfig
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path,
     import ray
 
     from stages import serve_endpoint
-    from workflow.config import ConfigError
+    from workflow.core.config import ConfigError
 
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = proxy.model_copy(update={"app_name": "test-endpoint"})

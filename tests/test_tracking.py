@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
-from workflow import demo_data, tracking
-from workflow.config import load_config
+from workflow.core import tracking
+from workflow import demo_data
+from workflow.core.config import load_config
 
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 
@@ -124,12 +125,12 @@ def test_server_down_mid_run_training_finishes_with_one_warning(tmp_path, ray_se
         mlflow_server.stop()  # ... and now it is gone for the rest of the run
         return train.run(cfg.train, data, str(tmp_path / "train"), ray_cfg=cfg.ray, tracking=handle)
 
-    caplog.set_level(logging.WARNING, logger="workflow.tracking")
+    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
     started = time.monotonic()
     artifact = tracking.train(cfg, data, str(tmp_path / "train"), fit)
     assert artifact.manifest["metrics"]["epochs"] == 3 and (tmp_path / "train" / "model.pt").exists()
     assert not (tmp_path / "train" / tracking.TRACKING_FILE).exists()  # nothing to point at
-    driver = [r.getMessage() for r in caplog.records if r.name == "workflow.tracking"]
+    driver = [r.getMessage() for r in caplog.records if r.name == "workflow.core.tracking"]
     assert len(driver) == 1 and mlflow_server.uri in driver[0] and "tracking.enabled=false" in driver[0]
     time.sleep(2)  # Ray forwards worker output asynchronously
     worker = capfd.readouterr().err.count(f"tracking: MLflow at {mlflow_server.uri} failed")
@@ -163,7 +164,7 @@ def test_sqlite_store_default_resume_and_disabled(tmp_path):
 
 def test_unreachable_server_warns_once_and_never_raises(caplog):
     cfg = load_config(None, [f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout_s=1"])
-    caplog.set_level(logging.WARNING, logger="workflow.tracking")
+    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
     started = time.monotonic()
     assert tracking.start(cfg.tracking, "unused", "x", {}) is None
     handle = {"uri": cfg.tracking.uri, "run_id": "0" * 32, "timeout_s": 1}

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import data as sd
+from stages import streaming
 from stages import etl, train
 from stages.train_loop import precision_plan, stall_verdict, to_batch
-from workflow import demo_data, session
-from workflow.config import ConfigError, S3Config, load_config
+from workflow.core import session
+from workflow import demo_data
+from workflow.core.config import ConfigError, S3Config, load_config
 from tests.conftest import REPO
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
@@ -46,8 +47,8 @@ def reference(dataset, tmp_path_factory):
 
 def _ledger_ok(artifact, dataset):
     ledger = json.loads((Path(artifact.path) / "ledger.json").read_text())
-    train_keys = sorted(r[0] for ref in sd.shard_refs(dataset.manifest, dataset.path, "train", "parquet")
-                        for r in sd.read_shard(ref.uri, "parquet"))
+    train_keys = sorted(r[0] for ref in streaming.shard_refs(dataset.manifest, dataset.path, "train", "parquet")
+                        for r in streaming.read_shard(ref.uri, "parquet"))
     assert sorted(ledger) == ["0", "1"]
     for epoch, keys in ledger.items():
         assert sorted(keys) == train_keys, f"epoch {epoch}: lost or duplicated samples"
@@ -110,7 +111,7 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.put(dataset.path + "/", f"{bucket}/ds/", recursive=True)
     s3 = S3Config(endpoint_url=endpoint)
-    from workflow.artifacts import load_artifact
+    from workflow.core.artifacts import load_artifact
 
     remote = load_artifact(f"s3://{bucket}/ds", "etl", s3)
     cfg = _cfg("train.data_format=tar", "train.checkpoint_every_steps=0", "train.ledger=false",
@@ -167,17 +168,17 @@ def test_stall_verdict():
 
 
 def test_stream_positions_are_exact_and_ranks_partition_the_epoch():
-    refs = [sd.ShardRef(f"s{i}", "parquet", rows, 0, "") for i, rows in enumerate([7, 5, 9, 3])]
+    refs = [streaming.ShardRef(f"s{i}", "parquet", rows, 0, "") for i, rows in enumerate([7, 5, 9, 3])]
     rows = {r.uri: [(f"{r.uri}-{j}", 0, b"") for j in range(r.rows)] for r in refs}
     seen = []
     for rank in range(3):
-        pieces = sd.rank_pieces(refs, 0, 1, rank, 3, shuffle=True)
-        stream = list(sd.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
-        again = list(sd.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
+        pieces = streaming.rank_pieces(refs, 0, 1, rank, 3, shuffle=True)
+        stream = list(streaming.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
+        again = list(streaming.iter_samples(pieces, lambda ref: rows[ref.uri], 0, 1, rank, 4, shuffle=True))
         assert stream == again
         seen += [s[0] for s in stream]
     assert sorted(seen) == sorted(k for v in rows.values() for k, _, _ in v)
-    assert sum(sd.batch_sizes_at(0, 24, 3, 5)) == 15 and sd.steps_per_epoch(24, 3, 5) == 2
+    assert sum(streaming.batch_sizes_at(0, 24, 3, 5)) == 15 and streaming.steps_per_epoch(24, 3, 5) == 2
 
 
 def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
@@ -187,7 +188,7 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
     shutil.copytree(dataset.path, copy)
     shard = next(copy.glob("shards/train-*.parquet"))
     shard.write_bytes(shard.read_bytes()[:-10])
-    from workflow.artifacts import load_artifact
+    from workflow.core.artifacts import load_artifact
 
     cfg = _cfg()
     with pytest.raises(train.TrainError, match=shard.name):

@@ -4,8 +4,8 @@ from __future__ import annotations
 import inspect
 
 from stages import train, tune
-from workflow import storage
-from workflow.config import TrainConfig
+from workflow.core import storage
+from workflow.core.config import TrainConfig
 
 
 def test_shared_storage_path_gives_every_output_its_own_train_run():

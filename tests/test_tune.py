@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages import etl, export, tune
-from stages import data as sd
+from stages import etl, predict, tune
+from stages import streaming
 from workflow import demo_data
-from workflow.config import ConfigError, load_config
+from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
@@ -146,12 +146,12 @@ def test_asha_stops_a_trial_early_and_exports_a_loadable_model(search, dataset):
     assert best["metric"] == "val_acc" and best["value"] == m["best_val_acc"]
     assert Path(best["checkpoint"]).is_dir() and best["checkpoint"].startswith(str(out / "ray"))
     assert (out / "search.png").read_bytes()[:4] == b"\x89PNG" and (out / "trials.md").is_file()
-    model, info = export.load_model(str(out))
+    model, info = predict.load_model(str(out))
     assert info["classes"] == dataset.manifest["classes"] and info["tune"]["trial_id"] == best["trial_id"]
-    (ref,) = sd.shard_refs(dataset.manifest, dataset.path, "test", "parquet")[:1]
-    key, label, image = sd.read_shard(ref.uri, "parquet")[0]
-    pixels = export.preprocess(image, info)
-    (pred,) = export.predict_arrays(model, info, [pixels])
+    (ref,) = streaming.shard_refs(dataset.manifest, dataset.path, "test", "parquet")[:1]
+    key, label, image = streaming.read_shard(ref.uri, "parquet")[0]
+    pixels = predict.preprocess(image, info)
+    (pred,) = predict.predict_arrays(model, info, [pixels])
     assert pred["class_name"] in info["classes"] and len(pred["top_k"]) == 3
     assert np.isclose(sum(p["probability"] for p in pred["top_k"]), 1.0, atol=1e-4)
 
@@ -201,7 +201,7 @@ def test_default_search_space_covers_augmentation_and_length():
 
 
 def test_trials_fill_two_cpus_beside_the_data_reserve():
-    from workflow import session
+    from workflow.core import session
 
     cfg = load_config(REPO / "configs/smoke.yaml")
     plan = session.plan_trials(cfg.tune, cfg.train, {"CPU": 2.0, "GPU": 0.0}, cfg.ray.data_reserved_cpus)

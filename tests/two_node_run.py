@@ -28,10 +28,11 @@ import ray
 from ray.cluster_utils import Cluster
 
 from stages import etl, infer, train
-from workflow import demo_data, session
+from workflow.core import session
+from workflow import demo_data
 from workflow.__main__ import main as cli_main
-from workflow.artifacts import load_artifact
-from workflow.config import load_config
+from workflow.core.artifacts import load_artifact
+from workflow.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CAPACITY_TIMEOUT_S = 40

@@ -13,8 +13,8 @@ import signal
 import sys
 import time
 
-from workflow import console
-from workflow.config import ConfigError, load_config
+from workflow.core import console
+from workflow.core.config import ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -117,7 +117,7 @@ def cmd_etl(args) -> int:
         overrides.append(f"etl.formats={fmts}")
     cfg = load_config(args.config, overrides)
     from stages import etl
-    from workflow import session
+    from workflow.core import session
 
     session.start(cfg.ray)
     artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
@@ -141,8 +141,8 @@ def cmd_verify(args) -> int:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import train
-    from workflow import tracking
-    from workflow.artifacts import load_artifact
+    from workflow.core import tracking
+    from workflow.core.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
@@ -155,8 +155,8 @@ def cmd_train(args) -> int:
 def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import tune
-    from workflow import tracking
-    from workflow.artifacts import load_artifact
+    from workflow.core import tracking
+    from workflow.core.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
@@ -169,7 +169,7 @@ def cmd_tune(args) -> int:
 def cmd_infer(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import infer
-    from workflow import session, tracking
+    from workflow.core import session, tracking
 
     session.start(cfg.ray)
     artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
@@ -190,14 +190,14 @@ def cmd_serve(args) -> int:
         # the token (~/.ray/auth_token) only in token mode, read when Ray is first imported.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         from stages import serve
-        from workflow import session
+        from workflow.core import session
 
         session.start(cfg.ray.model_copy(update={"address": address}))
         url = serve.update(cfg.serve, args.model, s3=cfg.s3)
         print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
         return 0
     from stages import serve
-    from workflow import session
+    from workflow.core import session
 
     serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)

@@ -10,14 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.request
 from typing import Any, Callable
 
+import numpy as np
 import yaml
 
-from workflow import session, storage, tracking
-from workflow.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
-from workflow.config import Config, section_dict
-from workflow.locks import LOCK_NAME, output_lock
+from stages import etl, infer, serve, streaming, train, tune
+from workflow import report
+
+from workflow.core import session, storage, tracking
+from workflow.core.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
+from workflow.core.config import Config, section_dict
+from workflow.core.locks import LOCK_NAME, output_lock
 
 __all__ = ["run", "stage", "etl_inputs"]
 
@@ -70,16 +75,12 @@ def _clear(fs, root: str) -> None:
 def etl_inputs(cfg: Config) -> dict[str, Any]:
     """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
     changed images are noticed without hashing every file."""
-    from stages import etl
-
     listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks)
     return {"source": cfg.run.source, "source_listing": listing.fingerprint}
 
 
 def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     """ETL -> train -> (tune) -> infer on the test split -> (serve). Returns the report."""
-    from stages import etl, infer, train
-
     started = time.perf_counter()
     _write_config(cfg)
     resources = session.start(cfg.ray)
@@ -97,8 +98,6 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
 
     t = time.perf_counter()
     if cfg.tune.enabled:
-        from stages import tune
-
         model, _ = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
                          lambda out: tracking.tune(cfg, data, out, lambda callbacks: tune.run(
                              cfg.tune, cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
@@ -120,8 +119,6 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     timings["infer"] = time.perf_counter() - t
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
-    from workflow import report
-
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started)
 
 
@@ -133,8 +130,6 @@ def _write_config(cfg: Config) -> None:
 
 def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, Any]:
     """Start the endpoint, send it real test-split images over HTTP, report latency."""
-    from stages import serve
-
     url = serve.start(cfg.serve, model.path, s3=cfg.s3)
     log.info("serve: %s/predict is up (POST an image; see README)", url)
     return probe(url, data, cfg.s3, cfg.infer.split)
@@ -142,16 +137,10 @@ def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, 
 
 def probe(url: str, data: Artifact, s3: Any, split: str, requests: int = 50) -> dict[str, Any]:
     """Sequential real HTTP requests with the split's stored JPEG/PNG bytes; latency percentiles."""
-    import urllib.request
-
-    import numpy as np
-
-    from stages import data as sd
-
-    refs = sd.shard_refs(data.manifest, data.path, split, "tar") or \
-        sd.shard_refs(data.manifest, data.path, split, "parquet")
-    cache = sd.ShardCache("~/.cache/raymill/shards", 20e9, s3)
-    rows = [r for ref in refs[:2] for r in sd.read_shard(cache.local_path(ref), ref.format)][:requests]
+    refs = streaming.shard_refs(data.manifest, data.path, split, "tar") or \
+        streaming.shard_refs(data.manifest, data.path, split, "parquet")
+    cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
+    rows = [r for ref in refs[:2] for r in streaming.read_shard(cache.local_path(ref), ref.format)][:requests]
     if storage.stored_raw(data.manifest, refs[0].format):
         raise ValueError("probe needs encoded images; keep tar in etl.formats")
     codec = "image/png" if data.manifest["config"]["codec"] == "png" else "image/jpeg"

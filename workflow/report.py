@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflow import storage, tracking
-from workflow.artifacts import Artifact
-from workflow.config import Config
+from workflow.core import storage, tracking
+from workflow.core.artifacts import Artifact
+from workflow.core.config import Config
 
 __all__ = ["write", "summary"]
 

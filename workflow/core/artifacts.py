@@ -12,7 +12,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from workflow import storage
+from workflow.core import storage
 
 __all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "data_fingerprint"]

@@ -121,7 +121,7 @@ class TrainConfig(Section):
     num_workers: int = Field(2, ge=1)
     min_workers: int | None = Field(None, ge=1)  # set for elastic training: (min_workers, num_workers)
     use_gpu: bool = False
-    cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by workflow.session
+    cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by workflow.core.session
     gpus_per_worker: float = Field(1.0, gt=0)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     channels_last: bool = False

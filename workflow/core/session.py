@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from workflow.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
+from workflow.core.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
 __all__ = ["start", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
            "TrialPlan", "TRIAL_DRIVER_CPUS",
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 # workers inherit this process's environment; cluster nodes get credentials from their instance
 # profile / node-level env (README, "Credentials on a cluster").
 _FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                  "RAYMILL_VERBOSE")  # workflow.console: --verbose reaches workers
+                  "RAYMILL_VERBOSE")  # workflow.core.console: --verbose reaches workers
 _DASHBOARD: dict[str, str] = {}
 
 
@@ -37,7 +37,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
     """
     import ray
 
-    from workflow import console
+    from workflow.core import console
 
     first = not ray.is_initialized()
     if first:

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from ray.air.integrations.mlflow import MLflowLoggerCallback
 
-from workflow import tracking
+from workflow.core import tracking
 
 __all__ = ["TrialLogger"]
 

@@ -22,7 +22,8 @@ from typing import Any, Callable, ClassVar, Iterator
 
 import numpy as np
 
-from workflow import storage
+from workflow.core import storage
+from workflow.core.config import TrainConfig
 from stages import shards
 from stages.images import decode_rgb
 
@@ -30,6 +31,12 @@ __all__ = ["ShardRef", "shard_refs", "ShardCache", "rank_pieces", "iter_samples"
            "batch_sizes_at", "decode_sample", "augment", "Prefetcher"]
 
 log = logging.getLogger(__name__)
+
+
+# The shard cache's defaults are TrainConfig's (train.cache_dir, train.cache_max_gb); the driver's
+# evaluation, batch inference and the pipeline's probe use the same cache when no config is at hand.
+CACHE_DIR: str = TrainConfig.model_fields["cache_dir"].default
+CACHE_MAX_BYTES: float = TrainConfig.model_fields["cache_max_gb"].default * 1e9
 
 
 @dataclass(frozen=True)
@@ -113,14 +120,19 @@ class ShardCache:
             p.unlink(missing_ok=True)
 
 
-def read_shard(path: str, fmt: str) -> list[tuple[str, int, bytes]]:
-    """All (key, label, image bytes) rows of one local shard, in stored order."""
+def read_shard(path: str, fmt: str, with_path: bool = False) -> list[tuple]:
+    """All (key, label, image bytes) rows of one local shard, in stored order.
+
+    `with_path` gives (key, source path, label, image bytes): batch inference names rows by the
+    file they came from.
+    """
+    columns = ["key", "path", "label", "image"] if with_path else ["key", "label", "image"]
     fs = storage.filesystem(path)[0]
     if fmt == "parquet":
-        table = shards.read_parquet_table(fs, path, ["key", "label", "image"])
-        return list(zip(table["key"].to_pylist(), table["label"].to_pylist(), table["image"].to_pylist()))
+        table = shards.read_parquet_table(fs, path, columns)
+        return list(zip(*(table[c].to_pylist() for c in columns)))
     with open(path, "rb") as f:
-        return [(s["key"], s["label"], s["image"]) for s in shards.iter_tar(f)]
+        return [tuple(s.get(c) for c in columns) for s in shards.iter_tar(f)]
 
 
 def rank_pieces(refs: list[ShardRef], seed: int, epoch: int, rank: int, world: int,

@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from workflow import storage
-from workflow.artifacts import config_hash, data_fingerprint
-from workflow.config import ConfigError
+from workflow.core import storage
+from workflow.core.artifacts import config_hash, data_fingerprint
+from workflow.core.config import ConfigError
 
 __all__ = ["Fingerprint", "TRAIN_RESUMABLE", "compute", "for_train", "differences", "mismatch",
            "guard", "clear", "path_for"]

@@ -29,9 +29,9 @@ import time
 import uuid
 from typing import Any, Iterator
 
-from workflow import storage
-from workflow.artifacts import MANIFEST
-from workflow.config import ConfigError
+from workflow.core import storage
+from workflow.core.artifacts import MANIFEST
+from workflow.core.config import ConfigError
 
 __all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind",
            "HEARTBEAT_S", "STALE_AFTER_S"]

@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from workflow import storage
-from workflow.artifacts import Artifact, code_version, config_hash
-from workflow.config import Config, TrackingConfig
+from workflow.core import storage
+from workflow.core.artifacts import Artifact, code_version, config_hash
+from workflow.core.config import Config, TrackingConfig, section_dict
 
 __all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "log_epoch", "log_files",
            "register_model", "end", "train", "tune", "tune_callbacks", "log_infer", "find",
@@ -272,16 +272,12 @@ def train(cfg: Config, data: Artifact, out: str, fit: Callable[[Handle | None], 
 
     `fit` passes the handle to the rank-0 worker for per-epoch metrics (`log_epoch`).
     """
-    from workflow.config import section_dict
-
     return _tracked(cfg, data, out, store, "train", section_dict(cfg.train), fit)
 
 
 def tune(cfg: Config, data: Artifact, out: str, fit: Callable[[list], Artifact],
          store: str | None = None) -> Artifact:
     """Run `fit(callbacks)` (the tune stage) as a parent MLflow run; each trial becomes a child run."""
-    from workflow.config import section_dict
-
     section = {**section_dict(cfg.tune), "train": section_dict(cfg.train)}
     return _tracked(cfg, data, out, store, "tune", section,
                     lambda parent: fit(tune_callbacks(parent, cfg.tracking, cfg.tune.max_epochs)))
@@ -317,7 +313,7 @@ def tune_callbacks(parent: Handle | None, cfg: TrackingConfig, max_epochs: int) 
     """
     if parent is None:
         return []
-    from workflow.tracking_tune import TrialLogger  # imports Ray: only when a search runs
+    from workflow.core.tracking_tune import TrialLogger  # imports Ray: only when a search runs
 
     return [TrialLogger(tracking_uri=parent["uri"], experiment_name=cfg.experiment, max_epochs=max_epochs,
                         tags={"mlflow.parentRunId": parent["run_id"], "raymill.stage": "tune-trial"})]

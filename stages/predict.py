@@ -1,0 +1,95 @@
+"""Prediction with a published model: the one eval transform, batching, and accuracy over a split.
+
+Batch inference (`stages.infer`), online serving (`stages.serve`) and the accuracy written after
+training and tuning all go through these functions, so the three can never disagree.
+"""
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from stages import streaming
+from stages.images import decode_rgb
+from stages.models import build_model
+from workflow.core import storage
+
+__all__ = ["to_batch", "load_model", "preprocess", "predict_arrays", "evaluate_split"]
+
+
+def to_batch(arrays: list[np.ndarray], mean, std, device: torch.device, channels_last: bool,
+             pin_memory: bool) -> torch.Tensor:
+    """uint8 NHWC arrays -> normalised float NCHW on `device` (normalised there, after the copy)."""
+    size = arrays[0].shape[0] if arrays else 1
+    x = torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, size, size, 3), dtype=torch.uint8)
+    if pin_memory and device.type == "cuda":
+        x = x.pin_memory()
+    x = x.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
+    m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=device).view(1, 3, 1, 1)
+    x = (x - m) / s
+    # NHWC data permuted to NCHW is already channels_last in memory; keep it or make it contiguous.
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]:
+    """Load an exported model folder (a train/tune output, or any folder with model.pt+model.json)."""
+    fs, root = storage.filesystem(path, s3)
+    if not fs.exists(storage.join(root, "model.json")):
+        raise FileNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder")
+    info = json.loads(fs.cat_file(storage.join(root, "model.json")))
+    data = fs.cat_file(storage.join(root, "model.pt"))
+    if storage.sha256_bytes(data) != info["weights_sha256"]:
+        raise ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
+    model = build_model(info["architecture"], len(info["classes"]), info["width"], info["dropout"])
+    model.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+    return model.eval(), info
+
+
+def preprocess(data: bytes, info: dict, allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP"),
+               max_pixels: int = 89_478_485) -> np.ndarray:
+    """The eval transform for raw image bytes: identical to what ETL stored for training.
+
+    Raises stages.images.BadImage (with .reason) for unusable bytes.
+    """
+    return decode_rgb(data, info["image_size"], resize=info.get("resize", "crop"),
+                      allowed_formats=allowed_formats, max_pixels=max_pixels)
+
+
+@torch.no_grad()
+def predict_arrays(model: torch.nn.Module, info: dict, arrays: list[np.ndarray], top_k: int = 3,
+                   device: torch.device | None = None) -> list[dict[str, Any]]:
+    """Class predictions for uint8 RGB arrays of the model's input size (one dict per array)."""
+    if not arrays:
+        return []
+    device = device or torch.device("cpu")
+    x = to_batch(arrays, info["mean"], info["std"], device, False, False)
+    probs = torch.softmax(model(x).float(), dim=1).cpu()
+    k = min(top_k, probs.shape[1])
+    values, indices = probs.topk(k, dim=1)
+    classes = info["classes"]
+    return [{"class_index": int(idx[0]), "class_name": classes[int(idx[0])],
+             "top_k": [{"class_name": classes[int(i)], "class_index": int(i), "probability": float(p)}
+                       for p, i in zip(vals, idx)]} for vals, idx in zip(values, indices)]
+
+
+@torch.no_grad()
+def evaluate_split(model: torch.nn.Module, refs: list, info: dict, raw: bool, s3=None,
+                   cache_dir: str = streaming.CACHE_DIR, batch_size: int = 256) -> dict[str, float]:
+    """Accuracy of `model` over shards `refs`, in one process (the driver)."""
+    from stages import streaming
+    cache = streaming.ShardCache(cache_dir, streaming.CACHE_MAX_BYTES, s3)
+    correct = seen = 0
+    for ref in refs:
+        rows = streaming.read_shard(cache.local_path(ref), ref.format)
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size]
+            x = to_batch([streaming.decode_sample(r[2], info["image_size"], raw) for r in batch],
+                         info["mean"], info["std"], torch.device("cpu"), False, False)
+            y = torch.tensor([r[1] for r in batch])
+            correct += int((model(x).argmax(1) == y).sum())
+            seen += len(batch)
+    return {"acc": correct / max(1, seen), "rows": seen}
