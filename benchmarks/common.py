@@ -14,7 +14,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 __all__ = ["machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb",
-           "ratio", "fmt", "pct", "wait_for_quiet", "md_table", "targets_table", "NOISY_SPREAD", "with_retry"]
+           "ratio", "fmt", "pct", "start_ray", "wait_for_quiet", "md_table", "targets_table", "NOISY_SPREAD", "with_retry"]
 
 # Fastest / slowest run of one method above this: a 5-15% verdict is inside the noise, so say so.
 NOISY_SPREAD = 1.15
@@ -344,3 +344,17 @@ def targets_table(targets: list[dict[str, Any]], nd: int = 2) -> list[str]:
             verdict += f" (noisy: runs of one method differ up to x{fmt(t['spread'], 2)})"
         rows.append([t["target"], fmt(t.get("measured"), nd), verdict])
     return md_table(["target", "measured", "result"], rows, "lrl")
+
+
+def start_ray(workers: int, cpus_per_worker: float) -> float:
+    """Start raymill's Ray (session.start: the product's own settings) and check that `workers`
+    trainer workers of `cpus_per_worker` fit; returns the seconds `ray.init` took."""
+    from workflow.core import session
+    from workflow.core.config import RayConfig
+
+    t0 = time.perf_counter()
+    resources = session.start(RayConfig())
+    if workers * cpus_per_worker > resources["CPU"] + 1e-9:
+        raise ValueError(f"{workers} workers x {cpus_per_worker} CPU exceed the cluster's "
+                         f"{resources['CPU']:g} CPUs; lower --cpus-per-worker")
+    return time.perf_counter() - t0

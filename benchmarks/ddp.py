@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import NOISY_SPREAD, loadavg, ratio, targets_table, with_retry
+from benchmarks.common import NOISY_SPREAD, loadavg, ratio, start_ray, targets_table, with_retry
 from benchmarks.common import fmt as _fmt1
 
 
@@ -208,18 +208,10 @@ def _targets(methods: dict, ratios: dict, top: int) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from workflow.core import session
-    from workflow.core.config import RayConfig
-
     counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
     tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ddp-"))
     started_ray = not ray.is_initialized()
-    t0 = time.perf_counter()
-    resources = session.start(RayConfig())
-    ray_start_s = time.perf_counter() - t0
-    if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
-        raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "
-                         f"{resources['CPU']:g} CPUs; lower --cpus-per-worker")
+    ray_start_s = start_ray(max(counts), args.cpus_per_worker)
     try:
         runs, order_log = _rounds(args, counts, tmp)
     finally:
@@ -239,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"config": {k: getattr(args, k) for k in ("warmup", "steps", "batch_size", "image_size", "width",
                                                       "classes", "threads", "cpus_per_worker", "repeat")},
             "workers": counts, "cores": os.cpu_count(), "ray_start_s": round(ray_start_s, 1),
-            "cluster_cpus": resources["CPU"], "methods": methods, "ratios": ratios, "scaling": scaling,
+            "cluster_cpus": ray.cluster_resources().get("CPU"), "methods": methods, "ratios": ratios, "scaling": scaling,
             "order": order_log, "targets": _targets(methods, ratios, top),
             "runs": {k: [{kk: vv for kk, vv in m.items() if kk != "command"} for m in v] for k, v in runs.items()},
             "torchrun_command": runs[f"torchrun_{top}"][0]["command"] if runs.get(f"torchrun_{top}") else None}
@@ -247,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------
 
-def render(result: dict[str, Any]) -> str:
+def _tables(result: dict[str, Any]) -> list[str]:
     c, methods, ratios = result["config"], result["methods"], result["ratios"]
     lines = [
         f"DDP step rate, Ray Train `TorchTrainer` vs `torchrun` (`python -m torch.distributed.run "
@@ -282,9 +274,12 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"| {launcher} | {fmt(s['efficiency'], 3)} | {fmt(s['efficiency_median'], 3)} |")
         lines.append("")
     lines += targets_table(result["targets"], 3)
-    top = max(result["workers"])
-    lines += [
-        "",
+    return lines
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    ratios, top = result["ratios"], max(result["workers"])
+    lines = [
         f"- Scaling efficiency = samples/s with 2 workers / (2 x samples/s with 1 worker). This machine has "
         f"{result['cores']} cores, so 2 single-threaded workers can at best double a 1-worker run; gloo's "
         f"all-reduce and the machine's other load eat into that.",
@@ -311,7 +306,11 @@ def render(result: dict[str, Any]) -> str:
     ]
     if result.get("torchrun_command"):
         lines.append(f"- torchrun command: `{result['torchrun_command']}`")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def render(result: dict[str, Any]) -> str:
+    return "\n".join(_tables(result) + [""] + _notes(result)) + "\n"
 
 
 if __name__ == "__main__":  # quick manual run without the runner

@@ -419,8 +419,8 @@ _LABEL = {"ours": "ours (warm)", "ours_cold": "ours (first call)", "ours_large":
           "d": "(d) diagnostic: cores x ours' work, 1 process, no Ray"}
 
 
-def render(result: dict[str, Any]) -> str:
-    d, methods, ratios = result["data"], result["methods"], result["ratios"]
+def _table(result: dict[str, Any]) -> list[str]:
+    d, methods = result["data"], result["methods"]
     ours = methods["ours"]["images_per_s"]
     lines = [
         f"ETL throughput: {d['images']:,} JPEGs of {d['source_size'][0]}x{d['source_size'][1]} px "
@@ -448,9 +448,13 @@ def render(result: dict[str, Any]) -> str:
                      f"{fmt(m.get('busy_procs_mean'), 2)}/{fmt(m.get('busy_procs_max'))} | "
                      f"{fmt(m.get('start_rss_mb'))} → {fmt(m['peak_rss_mb'])} | {daemons} | "
                      f"{load[0] if load else '-'} |")
+    return lines
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    d, methods, ratios = result["data"], result["methods"], result["ratios"]
     cold, c = methods["ours_cold"], methods["c"]
-    lines += [
-        "",
+    lines = [
         f"- ours (first call) includes Ray Data start-up and cold workers; with `ray.init` "
         f"({cold['ray_start_s']} s) as well it is {cold['with_ray_start_s']} s, "
         f"{fmt(cold['with_ray_start_images_per_s'])} images/s end to end.",
@@ -500,6 +504,11 @@ def render(result: dict[str, Any]) -> str:
                      f"CPU-s vs {fmt(cs['cpu_s_per_n_run'], 2)} per N run, x{fmt(cs['cpu_ratio'], 2)}; "
                      f"load average before/after the large run {methods['ours_large'].get('loadavg_before')}"
                      f" / {methods['ours_large'].get('loadavg_after')}.")
+    return lines
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = _table(result) + [""] + _notes(result)
     lines += [""] + targets_table(result["targets"])
     wq = result.get("wait_for_quiet")
     if wq and wq.get("limit_s"):

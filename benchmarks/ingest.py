@@ -50,10 +50,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import NOISY_SPREAD, fmt, ratio, start_ray, targets_table, with_retry
+
 __all__ = ["add_arguments", "run", "render"]
 
 TARGETS = {"throughput_ratio": 2.0, "first_batch_ratio": 1.5, "stall_fraction": 0.05}
-NOISY_SPREAD = 1.15  # fastest / slowest run of one method above this: the verdict is flagged noisy
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -88,16 +89,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ours: the training stage's reader inside a Ray Train worker, no model
 # ------------------------------------------------------------------------------------------
 
-def _ours_loop(config: dict[str, Any]) -> None:
-    import itertools
+def _drain(prefetch, mean, std) -> tuple[int, float | None, int]:
+    """Consume one epoch as training would (normalised tensors, labels): (images, first batch time, batches)."""
+    import torch
 
-    import numpy as np
+    from stages.predict import to_batch
+
+    n, t_first, batches_seen = 0, None, 0
+    for batch, arrays in prefetch:
+        x = to_batch(arrays, mean, std, torch.device("cpu"), False, False)
+        y = torch.tensor([s[1] for s in batch], dtype=torch.long)
+        if x.shape[0] != y.shape[0]:
+            raise RuntimeError(f"batch of {x.shape[0]} images but {y.shape[0]} labels")
+        n += len(batch)
+        batches_seen += 1
+        if t_first is None:
+            t_first = time.time()
+    return n, t_first, batches_seen
+
+
+def _ours_loop(config: dict[str, Any]) -> None:
     import ray.train
     import torch
     import torch.distributed as dist
 
     from stages import streaming
-    from stages.predict import to_batch
     from workflow.core import storage
 
     t_loop = time.time()  # after the imports, as in the DataLoader process
@@ -106,7 +122,6 @@ def _ours_loop(config: dict[str, Any]) -> None:
     torch.set_num_threads(max(1, int(config["cpus_per_worker"] + 0.5)))  # as stages.train_loop.Worker
     refs = [streaming.ShardRef(**r) for r in config["shards"]]
     seed, size, bs, a = config["seed"], config["image_size"], config["batch_size"], config["augment"]
-    device = torch.device("cpu")
     distributed = dist.is_available() and dist.is_initialized() and world > 1
 
     reads: list[float] = []
@@ -122,20 +137,10 @@ def _ours_loop(config: dict[str, Any]) -> None:
         if distributed:
             dist.barrier()
         t0, cpu0 = time.time(), time.process_time()
-        pieces = streaming.rank_pieces(refs, seed, epoch, rank, world, shuffle=True)
-        stream = streaming.iter_samples(pieces, open_rows, seed, epoch, rank, config["shuffle_buffer_rows"],
-                                 shuffle=True)
-
-        def batches():
-            while batch := list(itertools.islice(stream, bs)):
-                yield batch
-
-        def decode(sample, epoch=epoch):  # = stages.train_loop.Worker.decode_train
-            key, _, image = sample
-            rng = np.random.default_rng([seed, epoch, int(key[:15], 16)])
-            return streaming.augment(streaming.decode_sample(image, size, False), rng, a["scale_min"],
-                              a["random_resized_crop"], a["flip"])
-
+        batches = streaming.epoch_batches(refs, open_rows, seed, epoch, rank, world, bs,
+                                          config["shuffle_buffer_rows"])  # = stages.train_loop.Worker
+        decode = streaming.train_decoder(seed, epoch, size, False, a["scale_min"], a["random_resized_crop"],
+                                         a["flip"])
         reads.clear()
         if config.get("ingest") == "ray_data":  # = stages.train_loop.Worker.batch_source
             from stages.ingest_ray import ShardBatches
@@ -145,16 +150,8 @@ def _ours_loop(config: dict[str, Any]) -> None:
                               shuffle_buffer_rows=config["shuffle_buffer_rows"])
             prefetch = ShardBatches(ray.train.get_dataset_shard("train"), cfg, seed, epoch, rank)
         else:
-            prefetch = streaming.Prefetcher(batches(), decode, config["decode_threads"], config["prefetch_batches"])
-        n, t_first, batches_seen = 0, None, 0
-        for batch, arrays in prefetch:
-            x = to_batch(arrays, a["mean"], a["std"], device, False, False)
-            y = torch.tensor([s[1] for s in batch], dtype=torch.long)
-            assert x.shape[0] == y.shape[0]
-            n += len(batch)
-            batches_seen += 1
-            if t_first is None:
-                t_first = time.time()
+            prefetch = streaming.Prefetcher(batches, decode, config["decode_threads"], config["prefetch_batches"])
+        n, t_first, batches_seen = _drain(prefetch, a["mean"], a["std"])
         epochs.append({"start": t0, "first": t_first, "end": time.time(), "images": n,
                        "batches": batches_seen, "wait_s": prefetch.wait_s,
                        "cpu_s": time.process_time() - cpu0,  # this worker process, all its threads
@@ -451,151 +448,131 @@ def _summ(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _ratio(x: float | None, y: float | None, nd: int = 2) -> float | None:
-    return round(x / y, nd) if x and y else None
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    import logging
-
-    import ray
-
-    from benchmarks.common import with_retry
-    from stages import streaming
-    from stages import etl
-    from workflow.core import session
+def _prepare(args: argparse.Namespace, tmp: Path, counts: list[int]) -> dict[str, Any]:
+    """Demo JPEGs -> Ray up -> the ETL stage's parquet shards, every method's input."""
+    from stages import etl, streaming
     from workflow import demo_data
-    from workflow.core.config import EtlConfig, RayConfig
+    from workflow.core.config import EtlConfig
 
-    logging.basicConfig(level=logging.WARNING)
     w, h = (int(v) for v in args.source_size.lower().split("x"))
-    counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
-    rd_counts = [int(x) for x in str(args.ray_data_workers).split(",") if x.strip()]
-    others = [f"ours_{n}" for n in counts] + [f"raydata_{n}" for n in rd_counts]
-    repeat = max(1, args.repeat)
-    tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ingest-", dir=args.workdir))
-    started_ray = not ray.is_initialized()
+    t0 = time.perf_counter()
+    demo_data.generate(tmp / "src", images=args.images, seed=args.seed, size=(w, h), png_fraction=0.0)
+    gen_s = time.perf_counter() - t0
+    src_bytes = sum(f.stat().st_size for f in (tmp / "src").glob("*/*"))
+    ray_start_s = start_ray(max(counts), args.cpus_per_worker)
+    etl_cfg = EtlConfig.model_validate({"image_size": args.image_size, "formats": ["parquet"],
+                                        "shard_max_rows": args.shard_rows,
+                                        "split": {"train": 1.0, "val": 0.0, "test": 0.0}})
+    t0 = time.perf_counter()
+    data = etl.run(etl_cfg, str(tmp / "src"), str(tmp / "ds"))
+    etl_s = time.perf_counter() - t0
+    refs = streaming.shard_refs(data.manifest, data.path, "train", "parquet")
+    if sum(r.rows for r in refs) != args.images:
+        raise RuntimeError(f"ETL kept {sum(r.rows for r in refs)} of {args.images} images")
+    print(f"ingest: ray {ray_start_s:.1f} s, ETL {etl_s:.1f} s -> {len(refs)} parquet shards", flush=True)
+    return {"shards": [{"uri": r.uri, "format": r.format, "rows": r.rows, "bytes": r.bytes, "sha256": r.sha256}
+                       for r in refs], "ray_start_s": round(ray_start_s, 1),
+            "data": {"images": args.images, "source_size": [w, h],
+                     "mean_file_kb": round(src_bytes / args.images / 1024, 1), "generate_s": round(gen_s, 1),
+                     "etl_s": round(etl_s, 1), "shards": len(refs), "rows_per_shard": sorted({r.rows for r in refs}),
+                     "shard_rows": args.shard_rows, "parquet_mb": round(sum(r.bytes for r in refs) / 2**20, 2)}}
+
+
+def _rounds(args: argparse.Namespace, shards: list[dict], tmp: Path, others: list[str]) -> tuple[dict, list]:
+    """`--repeat` rounds of every method, order flipped every other round (load drifts)."""
     runs: dict[str, list[dict[str, Any]]] = {"dataloader": [], **{key: [] for key in others}}
     order: list[str] = []
-    stall = None
-    try:
-        t0 = time.perf_counter()
-        demo_data.generate(tmp / "src", images=args.images, seed=args.seed, size=(w, h), png_fraction=0.0)
-        gen_s = time.perf_counter() - t0
-        src_bytes = sum(f.stat().st_size for f in (tmp / "src").glob("*/*"))
-        print(f"ingest: generated {args.images} JPEGs {w}x{h} in {gen_s:.1f} s", flush=True)
+    for r in range(max(1, args.repeat)):
+        methods = ["dataloader", *others]
+        for key in (methods[::-1] if r % 2 else methods):
+            m = with_retry(lambda: run_dataloader(tmp / "src", args) if key == "dataloader"
+                           else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray",
+                                         "ray_data" if key.startswith("raydata") else "stream"),
+                           f"ingest: {key}")
+            m["round"] = r
+            runs[key].append(m)
+            order.append(key)
+            print(f"ingest: round {r + 1}/{args.repeat} {key:10s} epochs "
+                  + " / ".join(f"{e['images_per_s']:.0f}" for e in m["epochs"])
+                  + f" img/s, first batch {m['first_batch_loop_s']:.2f} s (loop), peak RSS "
+                    f"{m['memory']['peak_rss_mb']:.0f} MiB, load {m['loadavg_before']}", flush=True)
+    return runs, order
 
-        t0 = time.perf_counter()
-        resources = session.start(RayConfig())
-        ray_start_s = time.perf_counter() - t0
-        if max(counts) * args.cpus_per_worker > resources["CPU"] + 1e-9:
-            raise ValueError(f"{max(counts)} workers x {args.cpus_per_worker} CPU exceed the cluster's "
-                             f"{resources['CPU']:g} CPUs; lower --cpus-per-worker")
-        etl_cfg = EtlConfig.model_validate({"image_size": args.image_size, "formats": ["parquet"],
-                                            "shard_max_rows": args.shard_rows,
-                                            "split": {"train": 1.0, "val": 0.0, "test": 0.0}})
-        t0 = time.perf_counter()
-        data = etl.run(etl_cfg, str(tmp / "src"), str(tmp / "ds"))
-        etl_s = time.perf_counter() - t0
-        refs = streaming.shard_refs(data.manifest, data.path, "train", "parquet")
-        shards = [{"uri": r.uri, "format": r.format, "rows": r.rows, "bytes": r.bytes, "sha256": r.sha256}
-                  for r in refs]
-        assert sum(r.rows for r in refs) == args.images, [r.rows for r in refs]
-        print(f"ingest: ray {ray_start_s:.1f} s, ETL {etl_s:.1f} s -> {len(refs)} parquet shards", flush=True)
 
-        for r in range(repeat):
-            methods = ["dataloader", *others]
-            if r % 2:
-                methods = methods[::-1]
-            for key in methods:
-                m = with_retry(lambda: run_dataloader(tmp / "src", args) if key == "dataloader"
-                                else run_ours(shards, args, int(key.split("_")[1]), tmp / "ray",
-                                              "ray_data" if key.startswith("raydata") else "stream"),
-                                f"ingest: {key}")
-                m["round"] = r
-                runs[key].append(m)
-                order.append(key)
-                print(f"ingest: round {r + 1}/{repeat} {key:10s} epochs "
-                      + " / ".join(f"{e['images_per_s']:.0f}" for e in m["epochs"])
-                      + f" img/s, first batch {m['first_batch_loop_s']:.2f} s (loop) "
-                        f"{m['first_batch_job_s']:.2f} s (job), peak RSS {m['memory']['peak_rss_mb']:.0f} MiB, "
-                        f"load {m['loadavg_before']}", flush=True)
-
-        if args.stall_images:
-            print(f"ingest: stall run: {args.stall_config} on {args.stall_images} demo images ...", flush=True)
-            stall = run_stall(args, tmp)
-            print(f"ingest: stall overall {stall['stall_overall']:.1%}, max {stall['stall_max']:.1%}, "
-                  f"last verdict: {stall['last_verdict']}", flush=True)
-    finally:
-        if started_ray:
-            ray.shutdown()
-        if args.keep:
-            print(f"ingest: kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    methods = {k: _summ(v) for k, v in runs.items() if v}
+def _ratios(methods: dict[str, dict], others: list[str]) -> dict[str, dict]:
     dl = methods["dataloader"]
-    main = f"ours_{max(counts)}"
-    ratios = {}
-    for key in others:
-        o = methods[key]
-        ratios[key] = {
-            "throughput": _ratio(o["images_per_s"], dl["images_per_s"]),
-            "throughput_median": _ratio(o["images_per_s_median"], dl["images_per_s_median"]),
-            "epoch_throughput": [_ratio(a, b) for a, b in zip(o["epoch_images_per_s"], dl["epoch_images_per_s"])],
-            "first_batch_loop": _ratio(o["first_batch_loop_s"], dl["first_batch_loop_s"]),
-            "first_batch_loop_median": _ratio(o["first_batch_loop_s_median"], dl["first_batch_loop_s_median"]),
-            "first_batch_job": _ratio(o["first_batch_job_s"], dl["first_batch_job_s"]),
-            "peak_rss": _ratio(o["peak_rss_mb"], dl["peak_rss_mb"]),
-            "per_cpu_s": _ratio(o["images_per_cpu_s_median"], dl["images_per_cpu_s_median"]),
-        }
-    r = ratios[main]
+    return {key: {
+        "throughput": ratio(o["images_per_s"], dl["images_per_s"]),
+        "throughput_median": ratio(o["images_per_s_median"], dl["images_per_s_median"]),
+        "epoch_throughput": [ratio(a, b) for a, b in zip(o["epoch_images_per_s"], dl["epoch_images_per_s"])],
+        "first_batch_loop": ratio(o["first_batch_loop_s"], dl["first_batch_loop_s"]),
+        "first_batch_loop_median": ratio(o["first_batch_loop_s_median"], dl["first_batch_loop_s_median"]),
+        "first_batch_job": ratio(o["first_batch_job_s"], dl["first_batch_job_s"]),
+        "peak_rss": ratio(o["peak_rss_mb"], dl["peak_rss_mb"]),
+        "per_cpu_s": ratio(o["images_per_cpu_s_median"], dl["images_per_cpu_s_median"]),
+    } for key, o in ((k, methods[k]) for k in others)}
+
+
+def _targets(args: argparse.Namespace, methods: dict, ratios: dict, main: str, stall: dict | None) -> list[dict]:
+    r, dl = ratios[main], methods["dataloader"]
     spread = max(methods[main]["spread"], dl["spread"])
+    name = main.replace("_", " ")
     targets = [
-        {"target": f"{main.replace('_', ' ')} workers: images/s over {args.epochs} epochs >= "
-                   f"{TARGETS['throughput_ratio']:g} x DataLoader", "measured": r["throughput"],
+        {"target": f"{name} workers: images/s over {args.epochs} epochs >= {TARGETS['throughput_ratio']:g} x "
+                   f"DataLoader", "measured": r["throughput"],
          "pass": r["throughput"] is not None and r["throughput"] >= TARGETS["throughput_ratio"],
          "noisy": spread > NOISY_SPREAD, "spread": spread},
-        {"target": f"{main.replace('_', ' ')} workers: time to first batch (loop start, Ray Train start-up "
-                   f"excluded) <= {TARGETS['first_batch_ratio']:g} x DataLoader's",
-         "measured": r["first_batch_loop"],
-         "pass": r["first_batch_loop"] is not None and r["first_batch_loop"] <= TARGETS["first_batch_ratio"]},
-    ]
+        {"target": f"{name} workers: time to first batch (loop start, Ray Train start-up excluded) <= "
+                   f"{TARGETS['first_batch_ratio']:g} x DataLoader's", "measured": r["first_batch_loop"],
+         "pass": r["first_batch_loop"] is not None and r["first_batch_loop"] <= TARGETS["first_batch_ratio"]}]
     if stall:
         targets.append({"target": f"demo training ({stall['config']}): input stall <= "
                                   f"{TARGETS['stall_fraction']:.0%} (all epochs together)",
-                        "measured": stall["stall_overall"],
-                        "pass": stall["stall_overall"] <= TARGETS["stall_fraction"]})
-    return {"data": {"images": args.images, "source_size": [w, h], "mean_file_kb": round(src_bytes / args.images / 1024, 1),
-                     "generate_s": round(gen_s, 1), "etl_s": round(etl_s, 1), "shards": len(refs),
-                     "rows_per_shard": sorted({r.rows for r in refs}),
-                     "shard_rows": args.shard_rows, "parquet_mb": round(sum(r.bytes for r in refs) / 2**20, 2)},
+                        "measured": stall["stall_overall"], "pass": stall["stall_overall"] <= TARGETS["stall_fraction"]})
+    return targets
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    counts = [int(x) for x in str(args.workers).split(",") if x.strip()]
+    rd_counts = [int(x) for x in str(args.ray_data_workers).split(",") if x.strip()]
+    others = [f"ours_{n}" for n in counts] + [f"raydata_{n}" for n in rd_counts]
+    tmp = Path(tempfile.mkdtemp(prefix="raymill-bench-ingest-", dir=args.workdir))
+    started_ray = not ray.is_initialized()
+    stall = None
+    try:
+        prepared = _prepare(args, tmp, counts)
+        runs, order = _rounds(args, prepared["shards"], tmp, others)
+        if args.stall_images:
+            stall = run_stall(args, tmp)
+            print(f"ingest: stall overall {stall['stall_overall']:.1%}, last verdict: {stall['last_verdict']}",
+                  flush=True)
+    finally:
+        if started_ray:
+            ray.shutdown()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+    methods = {k: _summ(v) for k, v in runs.items() if v}
+    ratios = _ratios(methods, others)
+    return {"data": prepared["data"],
             "config": {k: getattr(args, k) for k in ("image_size", "epochs", "batch_size", "cpus_per_worker",
                                                       "decode_threads", "prefetch_batches", "shuffle_buffer_rows",
                                                       "dl_workers", "repeat")},
-            "workers": counts, "ray_data_workers": rd_counts, "cores": os.cpu_count(), "ray_start_s": round(ray_start_s, 1),
-            "methods": methods, "ratios": ratios, "targets": targets, "order": order, "stall": stall,
-            "runs": runs}
+            "workers": counts, "ray_data_workers": rd_counts, "cores": os.cpu_count(),
+            "ray_start_s": prepared["ray_start_s"], "methods": methods, "ratios": ratios,
+            "targets": _targets(args, methods, ratios, f"ours_{max(counts)}", stall), "order": order,
+            "stall": stall, "runs": runs}
 
 
 # ------------------------------------------------------------------------------------------
 
-def _fmt(v: Any, nd: int = 1) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:,.{nd}f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
-
-
 _LABEL = {"dataloader": "DataLoader({w} workers), raw JPEGs"}
 
 
-def render(result: dict[str, Any]) -> str:
+def _table(result: dict[str, Any]) -> list[str]:
     d, c, methods, ratios = result["data"], result["config"], result["methods"], result["ratios"]
     epochs = c["epochs"]
-    main = f"ours_{max(result['workers'])}"
     lines = [
         f"Training ingest, no model step: {d['images']:,} JPEGs of {d['source_size'][0]}x{d['source_size'][1]} px "
         f"(mean {d['mean_file_kb']} KiB) read for {epochs} epochs as {c['image_size']} px batches of "
@@ -622,54 +599,47 @@ def render(result: dict[str, Any]) -> str:
             continue
         label = {"ours": "ours (stream), {} worker(s)", "raydata": "Ray Data ingest, {} worker(s)",
                  "dataloader": f"DataLoader, {c['dl_workers']} workers"}[key.split("_")[0]].format(key.split("_")[-1])
-        rel = "1.00" if key == "dataloader" else _fmt(ratios[key]["throughput"], 2)
+        rel = "1.00" if key == "dataloader" else fmt(ratios[key]["throughput"], 2)
         lines.append(
-            f"| {label} | " + " | ".join(f"{_fmt(x)} ({_fmt(y)})" for x, y in
+            f"| {label} | " + " | ".join(f"{fmt(x)} ({fmt(y)})" for x, y in
                                         zip(m["epoch_images_per_s"], m["epoch_images_per_s_median"])) +
-            f" | {_fmt(m['images_per_s'])} ({_fmt(m['images_per_s_median'])}) | {rel} | "
-            f"{_fmt(m.get('images_per_cpu_s'))} ({_fmt(m.get('images_per_cpu_s_median'))}) | "
-            f"{_fmt(m['first_batch_loop_s'], 3)} ({_fmt(m['first_batch_loop_s_median'], 3)}) | "
-            f"{_fmt(m['first_batch_job_s'], 2)} ({_fmt(m['first_batch_job_s_median'], 2)}) | "
-            f"{_fmt(m['epoch2_first_batch_s'], 3)} | {_fmt(m['start_rss_mb'])} → {_fmt(m['peak_rss_mb'])} |")
-    r = ratios[main]
-    dl = methods["dataloader"]
-    o = methods[main]
-    lines += [
-        "",
-        "| target | measured | result |", "|---|---:|---|",
-    ]
-    for t in result["targets"]:
-        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
-        nd = 3 if "stall" in t["target"] else 2
-        if t.get("noisy"):
-            verdict += f" (noisy: runs of one method differ up to x{_fmt(t['spread'], 2)})"
-        lines.append(f"| {t['target']} | {_fmt(t['measured'], nd)} | {verdict} |")
-    lines += [""]
-    notes_at = len(lines) + 1
-    lines += [
+            f" | {fmt(m['images_per_s'])} ({fmt(m['images_per_s_median'])}) | {rel} | "
+            f"{fmt(m.get('images_per_cpu_s'))} ({fmt(m.get('images_per_cpu_s_median'))}) | "
+            f"{fmt(m['first_batch_loop_s'], 3)} ({fmt(m['first_batch_loop_s_median'], 3)}) | "
+            f"{fmt(m['first_batch_job_s'], 2)} ({fmt(m['first_batch_job_s_median'], 2)}) | "
+            f"{fmt(m['epoch2_first_batch_s'], 3)} | {fmt(m['start_rss_mb'])} → {fmt(m['peak_rss_mb'])} |")
+    return lines
+
+
+def _notes(result: dict[str, Any]) -> list[str]:
+    d, c, methods, ratios = result["data"], result["config"], result["methods"], result["ratios"]
+    epochs = c["epochs"]
+    main = f"ours_{max(result['workers'])}"
+    r, dl, o = ratios[main], methods["dataloader"], methods[main]
+    lines = [
         f"- Time to first batch, **loop** (the target's measure): from the start of the per-worker "
         f"loop, after its imports, to the first normalised batch (ours: the slowest rank; it includes reading the first shards "
         f"and filling the {c['shuffle_buffer_rows']}-row shuffle buffer; DataLoader: listing the folder, "
         f"forking {c['dl_workers']} workers and their first batches). **Job**: from the launch to the first "
         f"batch: ours from `TorchTrainer.fit()` with Ray already up (Ray Train start-up: controller, worker "
-        f"actors, gloo process group, {_fmt(o['startup_s'], 1)} s at best), DataLoader from the subprocess "
-        f"launch (Python start-up and `import torch`, {_fmt(dl['startup_s'], 1)} s at best). "
-        f"Ratio ours ÷ DataLoader on the job measure: {_fmt(r['first_batch_job'], 1)} x. "
+        f"actors, gloo process group, {fmt(o['startup_s'], 1)} s at best), DataLoader from the subprocess "
+        f"launch (Python start-up and `import torch`, {fmt(dl['startup_s'], 1)} s at best). "
+        f"Ratio ours ÷ DataLoader on the job measure: {fmt(r['first_batch_job'], 1)} x. "
         f"`ray.init` ({result['ray_start_s']} s, once per process) is in neither.",
         f"- Per-epoch ratios ours ({main.split('_')[1]} workers) ÷ DataLoader: "
-        + ", ".join(f"epoch {i + 1} {_fmt(x, 2)}" for i, x in enumerate(r["epoch_throughput"]))
+        + ", ".join(f"epoch {i + 1} {fmt(x, 2)}" for i, x in enumerate(r["epoch_throughput"]))
         + f". An epoch's time runs from the start of its iteration to its last batch, so epoch 1 carries the "
           f"first-batch latency; the DataLoader forks its workers again every epoch (not persistent, the default).",
         f"- Images per CPU-s: images over the CPU seconds spent in the loop (ours: the Ray Train worker "
         f"processes, all threads; DataLoader: its main process plus its worker processes), medians "
-        f"ours ÷ DataLoader {_fmt(r.get('per_cpu_s'), 2)} x. Other load on the machine moves this much less "
+        f"ours ÷ DataLoader {fmt(r.get('per_cpu_s'), 2)} x. Other load on the machine moves this much less "
         f"than images/s; it is blind to idle cores. Verdicts are flagged noisy when the fastest and slowest "
         f"run of one method differ by more than x{NOISY_SPREAD}.",
         f"- Peak memory (psutil, summed RSS sampled every 0.1 s): ours counts the driver and every `ray::` "
-        f"process (Train controller, workers, and idle pooled workers left from the ETL), {_fmt(o['peak_rss_mb'])} "
-        f"MiB ({_fmt(o['peak_rss_tree_mb'])} MiB with Ray's daemons); DataLoader counts the driver (which has "
-        f"Ray and the ETL imported, {_fmt(dl['start_rss_mb'])} MiB) plus its process and workers, "
-        f"{_fmt(dl['peak_rss_mb'])} MiB, of which the DataLoader's own processes {_fmt(dl['peak_rss_workers_mb'])} MiB. "
+        f"process (Train controller, workers, and idle pooled workers left from the ETL), {fmt(o['peak_rss_mb'])} "
+        f"MiB ({fmt(o['peak_rss_tree_mb'])} MiB with Ray's daemons); DataLoader counts the driver (which has "
+        f"Ray and the ETL imported, {fmt(dl['start_rss_mb'])} MiB) plus its process and workers, "
+        f"{fmt(dl['peak_rss_mb'])} MiB, of which the DataLoader's own processes {fmt(dl['peak_rss_workers_mb'])} MiB. "
         f"Shared pages count once per process: upper bounds.",
         f"- Why ours is faster per image: ETL already decoded the {d['source_size'][0]}x{d['source_size'][1]} "
         f"JPEGs and stored {c['image_size']} px ones, so training decodes a ~{c['image_size']} px JPEG instead "
@@ -682,37 +652,46 @@ def render(result: dict[str, Any]) -> str:
     reads = [x for x in o.get("first_read_s", []) if x is not None]
     later = [x for x in o.get("later_first_read_s", []) if x is not None]
     if reads and later:
-        lines.insert(notes_at, f"- The first shard read in a fresh worker process took {_fmt(max(reads), 3)} s at worst "
-                     f"({', '.join(_fmt(x, 3) for x in reads)} per run, slowest rank), against {_fmt(max(later), 3)} s "
+        lines.insert(1, f"- The first shard read in a fresh worker process took {fmt(max(reads), 3)} s at worst "
+                     f"({', '.join(fmt(x, 3) for x in reads)} per run, slowest rank), against {fmt(max(later), 3)} s "
                      f"at worst in epoch {epochs}: it is part of ours' first batch (the shuffle buffer needs rows "
                      f"before anything is decoded).")
-    s = result.get("stall")
-    if s:
-        lines += [
-            "",
-            f"### Input stall of the demo training ({s['config']})",
-            "",
-            f"`stages.train.run` with {s['config']} on a {s['images']:,}-image demo set "
-            f"(`workflow.demo_data.generate`, random sizes, 30% PNG) after its ETL ({s['train_rows']} train rows, "
-            f"parquet {s['parquet_encoding']}): {s['train_config']['num_workers']} workers, "
-            f"{s['train_config']['model']} width {s['train_config']['width']}, batch {s['train_config']['batch_size']}, "
-            f"{s['train_config']['decode_threads']} decode threads, {s['train_config']['prefetch_batches']} batches "
-            f"prefetched. From its metrics.jsonl (stall = time waiting for input / (waiting + computing), "
-            f"averaged over ranks):",
-            "",
-            "| epoch | images/s | waiting s | computing s | stall | verdict |", "|---:|---:|---:|---:|---:|---|",
-        ]
-        for e in s["epochs"]:
-            lines.append(f"| {e['epoch']} | {_fmt(e['images_per_s'])} | {_fmt(e['wait_s'], 2)} | "
-                         f"{_fmt(e['compute_s'], 2)} | {e['stall_fraction']:.1%} | {e['verdict']} |")
-        lines += [
-            "",
-            f"- All epochs together: stall {s['stall_overall']:.1%}; worst epoch {s['stall_max']:.1%}"
-            + (f", worst after the first {s['stall_max_after_first']:.1%}" if s["stall_max_after_first"] is not None else "")
-            + f"; {s['epochs_over_target']} of {len(s['epochs'])} epochs above {TARGETS['stall_fraction']:.0%}. "
-              f"Verdict of the last epoch: \"{s['last_verdict']}\". Test accuracy {s['test_acc']:.3f}; "
-              f"training took {s['train_s']} s (Ray Train start-up and export included).",
-        ]
+    return lines
+
+
+def _stall_lines(s: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        f"### Input stall of the demo training ({s['config']})",
+        "",
+        f"`stages.train.run` with {s['config']} on a {s['images']:,}-image demo set "
+        f"(`workflow.demo_data.generate`, random sizes, 30% PNG) after its ETL ({s['train_rows']} train rows, "
+        f"parquet {s['parquet_encoding']}): {s['train_config']['num_workers']} workers, "
+        f"{s['train_config']['model']} width {s['train_config']['width']}, batch {s['train_config']['batch_size']}, "
+        f"{s['train_config']['decode_threads']} decode threads, {s['train_config']['prefetch_batches']} batches "
+        f"prefetched. From its metrics.jsonl (stall = time waiting for input / (waiting + computing), "
+        f"averaged over ranks):",
+        "",
+        "| epoch | images/s | waiting s | computing s | stall | verdict |", "|---:|---:|---:|---:|---:|---|",
+    ]
+    for e in s["epochs"]:
+        lines.append(f"| {e['epoch']} | {fmt(e['images_per_s'])} | {fmt(e['wait_s'], 2)} | "
+                     f"{fmt(e['compute_s'], 2)} | {e['stall_fraction']:.1%} | {e['verdict']} |")
+    lines += [
+        "",
+        f"- All epochs together: stall {s['stall_overall']:.1%}; worst epoch {s['stall_max']:.1%}"
+        + (f", worst after the first {s['stall_max_after_first']:.1%}" if s["stall_max_after_first"] is not None else "")
+        + f"; {s['epochs_over_target']} of {len(s['epochs'])} epochs above {TARGETS['stall_fraction']:.0%}. "
+          f"Verdict of the last epoch: \"{s['last_verdict']}\". Test accuracy {s['test_acc']:.3f}; "
+          f"training took {s['train_s']} s (Ray Train start-up and export included).",
+    ]
+    return lines
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = _table(result) + [""] + targets_table(result["targets"], 3) + [""] + _notes(result)
+    if result.get("stall"):
+        lines += _stall_lines(result["stall"])
     return "\n".join(lines) + "\n"
 
 

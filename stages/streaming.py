@@ -8,6 +8,7 @@ sequentially and shuffles in a bounded buffer with its own seeded RNG. A positio
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from stages import shards
 from stages.images import decode_rgb
 
 __all__ = ["ShardRef", "shard_refs", "ShardCache", "rank_pieces", "iter_samples", "steps_per_epoch",
+           "epoch_batches", "train_decoder",
            "batch_sizes_at", "decode_sample", "augment", "Prefetcher"]
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,41 @@ def augment(pixels: np.ndarray, rng: np.random.Generator, scale_min: float, crop
     if flip and rng.random() < 0.5:
         pixels = pixels[:, ::-1]
     return np.ascontiguousarray(pixels)
+
+
+def epoch_batches(refs: list[ShardRef], open_rows: Callable[[ShardRef], list], seed: int, epoch: int,
+                  rank: int, world: int, batch_size: int, buffer_rows: int, start_step: int = 0,
+                  steps: int | None = None) -> Iterator[list]:
+    """This rank's training batches of (key, label, image) for `epoch`, from step `start_step`.
+
+    The training worker and the ingest benchmark both read through this: shard order, then the
+    shuffle buffer, both pure functions of (seed, epoch, rank), so a resumed run skips exactly the
+    rows it has seen. `steps` stops after that many steps in all; None reads until the rows run out.
+    """
+    pieces = rank_pieces(refs, seed, epoch, rank, world, shuffle=True)
+    stream = iter_samples(pieces, open_rows, seed, epoch, rank, buffer_rows, shuffle=True)
+    stream = itertools.islice(stream, start_step * batch_size, None)  # resume: skip undecoded
+    step = start_step
+    while steps is None or step < steps:
+        batch = list(itertools.islice(stream, batch_size))
+        if not batch and steps is None:
+            return
+        yield batch
+        step += 1
+
+
+def train_decoder(seed: int, epoch: int, size: int, raw: bool, scale_min: float, crop: bool,
+                  flip: bool) -> Callable[[tuple], np.ndarray]:
+    """Decode + augment one (key, label, image) sample for training in `epoch`.
+
+    The RNG comes from (seed, epoch, key): augmentation does not depend on which attempt or
+    worker decodes a sample, so a resumed run sees the same pixels.
+    """
+    def decode(sample) -> np.ndarray:
+        key, _, image = sample
+        rng = np.random.default_rng([seed, epoch, int(key[:15], 16)])
+        return augment(decode_sample(image, size, raw), rng, scale_min, crop, flip)
+    return decode
 
 
 class Prefetcher:

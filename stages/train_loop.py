@@ -146,25 +146,13 @@ class Worker:
     # ---- data -------------------------------------------------------------------------------
     def train_batches(self, epoch: int, start_step: int):
         """Batches of (key, label, image) for steps start_step..steps-1 of `epoch` on this rank."""
-        pieces = streaming.rank_pieces(self.refs["train"], self.seed, epoch, self.rank, self.world, shuffle=True)
-        stream = streaming.iter_samples(pieces, self.open_rows, self.seed, epoch, self.rank,
-                                 self.cfg.shuffle_buffer_rows, shuffle=True)
-        size = self.cfg.batch_size
-        stream = itertools.islice(stream, start_step * size, None)  # resume: skip undecoded
-        for _ in range(start_step, self.steps):
-            yield list(itertools.islice(stream, size))
+        return streaming.epoch_batches(self.refs["train"], self.open_rows, self.seed, epoch, self.rank, self.world,
+                                       self.cfg.batch_size, self.cfg.shuffle_buffer_rows, start_step, self.steps)
 
     def decode_train(self, epoch: int):
         a = self.cfg.augment
-
-        def decode(sample) -> np.ndarray:
-            key, _, image = sample
-            # Per-sample RNG from (seed, epoch, key): augmentation doesn't depend on which
-            # attempt or worker decodes it, so a resumed run sees the same pixels.
-            rng = np.random.default_rng([self.seed, epoch, int(key[:15], 16)])
-            return streaming.augment(streaming.decode_sample(image, self.size, self.raw), rng, a.scale_min,
-                              a.random_resized_crop, a.flip)
-        return decode
+        return streaming.train_decoder(self.seed, epoch, self.size, self.raw, a.scale_min, a.random_resized_crop,
+                                       a.flip)
 
     def batch_source(self, epoch: int, start_step: int):
         """This epoch's (batch, arrays) pairs: this worker's own reader, or its Ray Data shard."""

@@ -1,4 +1,5 @@
-"""The floors of the code base (ARCHITECTURE.md), checked on every import statement.
+"""The shape of the code base (ARCHITECTURE.md): floors checked on every import statement,
+functions that fit on a screen, benchmarks smaller than the product.
 
 ground floor  workflow/core/  config, storage, artifacts, session, locks, fingerprint, tracking:
                               imports nothing from stages/ or the roof
@@ -51,3 +52,27 @@ def test_the_check_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from workflow import pipeline\n    import stages.etl\n")
     assert {"workflow", "workflow.pipeline", "stages.etl"} <= set(_imports(bad))
+
+
+def _functions(folder: str):
+    for path in _files(folder):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path, node
+
+
+@pytest.mark.parametrize("folder", ["stages", "workflow", "benchmarks"])
+def test_functions_fit_on_a_screen(folder):
+    """STYLE.md rule 7: at most 60 lines a function, unless a `# long:` comment on its first
+    line says why."""
+    long = [f"{p.relative_to(REPO)}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+            for p, n in _functions(folder) if n.end_lineno - n.lineno + 1 > 60
+            and "# long:" not in p.read_text().splitlines()[n.lineno - 1]]
+    assert not long, "split these functions: " + "; ".join(long)
+
+
+def test_benchmarks_are_smaller_than_the_product():
+    def lines(folder: str) -> int:
+        return sum(len(p.read_text().splitlines()) for p in _files(folder))
+
+    assert lines("benchmarks") < lines("stages") + lines("workflow")
