@@ -274,7 +274,7 @@ class ServeConfig(Section):
 
 
 class TrackingConfig(Section):
-    """MLflow experiment tracking (workflow/tracking.py). Failures warn once and never stop a stage."""
+    """MLflow experiment tracking (workflow/core/tracking.py). Failures warn once and never stop a stage."""
     enabled: bool = True
     # None: SQLite inside the run folder (`raymill run`) or --output (`raymill train/tune`). A path on
     # the head is invisible to workers on other nodes: clusters set a server, e.g. http://head:5000.

@@ -1,6 +1,6 @@
 """Tune's MLflow logger: Ray's `MLflowLoggerCallback`, made failure-proof and outcome-aware.
 
-Separate from workflow/tracking.py because it imports Ray at module level (a Tuner pickles its
+Separate from workflow/core/tracking.py because it imports Ray at module level (a Tuner pickles its
 callbacks by reference, so the class must live at module level).
 """
 from __future__ import annotations
