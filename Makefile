@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 CONFIG ?= configs/default.yaml
 RUN_DIR ?= runs/demo
 
@@ -10,15 +11,21 @@ RUN_DIR ?= runs/demo
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+# `make run` installs the product only (mlflow-skinny); `make test` adds the test extra (full
+# mlflow for `mlflow server`, moto, nbclient, ...), so the demo run does not pay for the test stack.
+$(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# No GPU driver here: take the CPU torch build so pip does not pull CUDA wheels.
 	command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) -m workflow demo-data data/demo
 	$(PY) -m workflow run --config $(CONFIG) --set run.source=data/demo --set run.dir=$(RUN_DIR)
 
