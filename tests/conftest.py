@@ -181,3 +181,12 @@ class FlakyS3Proxy:
 
     def close(self) -> None:
         self.server.close()
+
+
+def demo_dataset(root: Path, etl_cfg, images: int, seed: int):
+    """A demo ImageFolder tree of `images` images under `root`, put through the real ETL stage."""
+    from stages import etl
+    from workflow import demo_data
+
+    demo_data.generate(root / "src", images=images, seed=seed)
+    return etl.run(etl_cfg, str(root / "src"), str(root / "ds"))

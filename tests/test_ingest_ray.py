@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+
 from stages import streaming
 from stages import etl, ingest_ray, train
 from stages.train_loop import stall_verdict
 from workflow import demo_data
 from workflow.core.config import ConfigError, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_dataset
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",
         "etl.shard_max_rows=40"]
@@ -34,9 +35,7 @@ def _cfg(*extra):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, ray_session):
-    root = tmp_path_factory.mktemp("ingest")
-    demo_data.generate(root / "src", images=200, seed=1)
-    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+    return demo_dataset(tmp_path_factory.mktemp("ingest"), _cfg().etl, images=200, seed=1)
 
 
 def _train_keys(dataset) -> list[str]:

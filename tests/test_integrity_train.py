@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from stages import checkpoint_io, etl, publish, train
@@ -19,7 +20,7 @@ from workflow.core import fingerprint, storage
 from workflow import demo_data
 from workflow.__main__ import main
 from workflow.core.config import ConfigError, S3Config, load_config, section_dict
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_dataset
 
 SMOKE = REPO / "configs/smoke.yaml"
 BASE = ["train.epochs=2", "train.batch_size=8", "train.max_steps=2", "train.shuffle_buffer_rows=16",
@@ -32,9 +33,7 @@ def _cfg(*extra: str):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, ray_session):
-    root = tmp_path_factory.mktemp("integrity")
-    demo_data.generate(root / "src", images=100, seed=2)
-    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+    return demo_dataset(tmp_path_factory.mktemp("integrity"), _cfg().etl, images=100, seed=2)
 
 
 @pytest.fixture(scope="module")

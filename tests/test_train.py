@@ -12,15 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from stages import streaming
 from stages import etl, train
-from stages.train_loop import precision_plan, stall_verdict, to_batch
+from stages.predict import to_batch
+from stages.train_loop import precision_plan, stall_verdict
 from workflow.core import session
 from workflow import demo_data
 from workflow.core.config import ConfigError, S3Config, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, demo_dataset
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
         "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40"]
@@ -32,9 +34,7 @@ def _cfg(*extra):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, ray_session):
-    root = tmp_path_factory.mktemp("train")
-    demo_data.generate(root / "src", images=200, seed=1)
-    return etl.run(_cfg().etl, str(root / "src"), str(root / "ds"))
+    return demo_dataset(tmp_path_factory.mktemp("train"), _cfg().etl, images=200, seed=1)
 
 
 @pytest.fixture(scope="module")
