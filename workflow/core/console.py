@@ -63,7 +63,7 @@ def quiet_train_worker() -> None:
     Ray Train sets a worker's root logger to INFO with a console handler. Its per-report line
     ("Reporting training result N: TrainingReport(...)") is logged under a logger named after
     its file path, not `ray.train`, so `LoggingConfig(log_level=...)` does not hold it back
-    (ray/train/v2/_internal/execution/context.py, Ray 2.60).
+    (the execution context module of Ray Train V2, Ray 2.60).
     """
     if verbose():
         return
