@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stages import streaming
+from workflow.core import console
 from workflow.core.artifacts import Artifact, write_manifest
 from workflow.core.config import ConfigError, TrainConfig
 
@@ -153,6 +154,9 @@ def build_train_dataset(cfg: TrainConfig, shards: list[dict], *, seed: int, imag
     ds = decoded.map_batches(augment_batch, fn_kwargs={"scale_min": a.scale_min, "crop": a.random_resized_crop,
                                                        "flip": a.flip},
                              batch_size=MAP_BATCH_ROWS, num_cpus=cpus)
+    # Every epoch runs this dataset inside Train's split coordinator actor, whose stdout reaches
+    # the terminal: its progress bars would print a screen per epoch. --verbose brings them back.
+    ds.context.enable_progress_bars = console.verbose()
     return ds, info
 
 
