@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.common import combine, fmt, measure, pct, ratio, targets_table, wait_for_quiet
+from benchmarks.common import combine, fmt, md_table, measure, pct, ratio, targets_table, wait_for_quiet
 
 __all__ = ["add_arguments", "run", "render"]
 
@@ -422,33 +422,27 @@ _LABEL = {"ours": "ours (warm)", "ours_cold": "ours (first call)", "ours_large":
 def _table(result: dict[str, Any]) -> list[str]:
     d, methods = result["data"], result["methods"]
     ours = methods["ours"]["images_per_s"]
-    lines = [
-        f"ETL throughput: {d['images']:,} JPEGs of {d['source_size'][0]}x{d['source_size'][1]} px "
-        f"(mean {d['mean_file_kb']} KiB) to {result['image_size']} px parquet; ours also on "
-        f"{fmt(d.get('large_images'))} images. All methods ran in one process on the same files "
-        f"(page-cached). Data: {d['how']} ({d['generate_seconds']} s).",
-        "",
-        "| method | images | seconds | images/s | ours ÷ method | images per CPU-s | CPU busy | "
-        "busy procs mean/max | RSS driver+workers, start → peak (MiB) | peak RSS incl. Ray daemons (MiB) | "
-        "load avg before |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for key in _ORDER:
-        m = methods.get(key)
-        if not m:
-            continue
-        rel = "1.00" if key == "ours" else fmt(ratio(ours, m["images_per_s"]), 2)
+    rows = []
+    for key in (k for k in _ORDER if methods.get(k)):
+        m = methods[key]
         load = m.get("loadavg_before")
         if load and isinstance(load[0], list):  # several runs: the first run's
             load = load[0]
-        daemons = fmt(m["peak_rss_tree_mb"]) if m.get("counts_ray_processes", True) else "n/a"
-        lines.append(f"| {_LABEL[key]} | {fmt(m['images'])} | {fmt(m['seconds'], 2)} | "
-                     f"{fmt(m['images_per_s'])} | {rel} | {fmt(m.get('images_per_cpu_s'))} | "
-                     f"{pct(m.get('cpu_util'))} | "
-                     f"{fmt(m.get('busy_procs_mean'), 2)}/{fmt(m.get('busy_procs_max'))} | "
-                     f"{fmt(m.get('start_rss_mb'))} → {fmt(m['peak_rss_mb'])} | {daemons} | "
-                     f"{load[0] if load else '-'} |")
-    return lines
+        rows.append([_LABEL[key], fmt(m["images"]), fmt(m["seconds"], 2), fmt(m["images_per_s"]),
+                     "1.00" if key == "ours" else fmt(ratio(ours, m["images_per_s"]), 2),
+                     fmt(m.get("images_per_cpu_s")), pct(m.get("cpu_util")),
+                     f"{fmt(m.get('busy_procs_mean'), 2)}/{fmt(m.get('busy_procs_max'))}",
+                     f"{fmt(m.get('start_rss_mb'))} → {fmt(m['peak_rss_mb'])}",
+                     fmt(m["peak_rss_tree_mb"]) if m.get("counts_ray_processes", True) else "n/a",
+                     load[0] if load else "-"])
+    header = (f"ETL throughput: {d['images']:,} JPEGs of {d['source_size'][0]}x{d['source_size'][1]} px "
+              f"(mean {d['mean_file_kb']} KiB) to {result['image_size']} px parquet; ours also on "
+              f"{fmt(d.get('large_images'))} images. All methods ran in one process on the same files "
+              f"(page-cached). Data: {d['how']} ({d['generate_seconds']} s).")
+    return [header, ""] + md_table(
+        ["method", "images", "seconds", "images/s", "ours ÷ method", "images per CPU-s", "CPU busy",
+         "busy procs mean/max", "RSS driver+workers, start → peak (MiB)", "peak RSS incl. Ray daemons (MiB)",
+         "load avg before"], rows)
 
 
 def _notes(result: dict[str, Any]) -> list[str]:
