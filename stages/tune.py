@@ -163,7 +163,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
            "loop": train.loop_config(train_cfg, data, shards, seed, s3, plan.workers)}
     log.info(f"tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
-          f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data", flush=True)
+          f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data")
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_fingerprint": data_fingerprint(data.manifest)}
     grid = _fit(cfg, _make_driver(ctx), plan.concurrent_trials, ray_dir, s3, key, callbacks)

@@ -291,7 +291,7 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     log.info(f"tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
           f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
           f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
-          f"test_acc {test['acc']:.3f}; {metrics['seconds']:.0f}s", flush=True)
+          f"test_acc {test['acc']:.3f}; {metrics['seconds']:.0f}s")
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray

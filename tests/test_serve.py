@@ -115,7 +115,7 @@ def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monke
     assert ok["class_name"] in CLASSES and ok["model_version"] == "test-1"
     assert asyncio.run(replica.classify(b"not an image"))["error"] == "not_an_image"
     with monkeypatch.context() as m:
-        m.setattr("stages.predict.preprocess", lambda *a: [][1])
+        m.setattr("stages.serve.preprocess", lambda *a: [][1])
         assert asyncio.run(replica.classify(image_bytes(1)))["error"] == "bad_image"
 
     async def secret_failure():

@@ -17,7 +17,7 @@ def test_shared_storage_path_gives_every_output_its_own_train_run():
 
 
 def test_train_and_tune_build_their_trainer_through_one_function():
-    assert "build_trainer(" in inspect.getsource(train.run)
+    assert "build_trainer(" in inspect.getsource(train._run_locked)
     assert "train.build_trainer(" in inspect.getsource(tune._run_trial)
     assert "TorchTrainer(" not in inspect.getsource(tune)
 

@@ -84,10 +84,8 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     started = time.perf_counter()
     _write_config(cfg)
     resources = session.start(cfg.ray)
-    train_cfg = cfg.train
-    if serve:  # checked before ETL; a previous run's replicas may still hold CPUs while this trains
-        plan = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
-        train_cfg = cfg.train.model_copy(update={"cpus_per_worker": plan.workers.cpus_per_worker})
+    if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
+        session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
@@ -104,9 +102,9 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
                              callbacks=callbacks), store=cfg.run.dir))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, _ = stage("train", cfg, train_cfg, {"data": fingerprint, "seed": cfg.run.seed},
+        model, _ = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
                          lambda out: tracking.train(cfg, data, out, lambda run: train.run(
-                             train_cfg, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
+                             cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
                              store=cfg.run.dir))
         timings["train"] = time.perf_counter() - t
 
