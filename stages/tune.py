@@ -29,7 +29,7 @@ from typing import Any, Sequence
 from stages import train, tune_results
 from stages.tune_results import EXPERIMENT, _InvalidTrialConfig, trial_train_config
 from workflow.core import session, storage
-from workflow.core.artifacts import Artifact, data_fingerprint
+from workflow.core.artifacts import Artifact, data_fingerprint, load_artifact
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
 __all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
@@ -154,6 +154,8 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     """
     started = time.perf_counter()
     check_search(cfg, train_cfg)
+    if (done := _published(cfg, train_cfg, data, out, seed, s3)) is not None:
+        return done
     shards = train.check_data(train_cfg, data, s3)  # the one data check of the search
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
@@ -184,6 +186,26 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
                         f"First errors: {'; '.join(errors) or 'none recorded'}")
     return tune_results.publish(cfg, train_cfg, data, out, seed=seed, s3=s3, plan=plan, loop=ctx["loop"],
                                 trials=trials, best=best, seconds_so_far=time.perf_counter() - started)
+
+
+def _published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
+               s3: Any | None) -> Artifact | None:
+    """The search already published in `out` by this config, seed and data, or None.
+
+    A finished search is not restored and re-fitted: Tune's periodic experiment snapshot can
+    predate the last trial's end, and restoring it would run that trial again.
+    """
+    try:
+        done = load_artifact(out, "tune", s3)
+    except (FileNotFoundError, ValueError):
+        return None
+    inputs = done.manifest.get("inputs", {})
+    same = (done.manifest.get("config") == section_dict(cfg) and inputs.get("seed") == seed
+            and inputs.get("train") == section_dict(train_cfg)
+            and inputs.get("data_fingerprint") == data_fingerprint(data.manifest))
+    if same:
+        log.info("tune: %s already holds this search's result (same config, seed and data); reusing it", out)
+    return done if same else None
 
 
 def _fit(cfg: TuneConfig, driver, concurrent_trials: int, ray_dir: str, s3, key: dict,
