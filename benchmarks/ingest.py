@@ -285,7 +285,7 @@ class JpegFolder:
         import numpy as np
         import torch
 
-        from stages.data import augment
+        from stages.streaming import augment
         from stages.images import decode_rgb
 
         path, label = self.items[index]
