@@ -645,9 +645,8 @@ def _notes(result: dict[str, Any]) -> list[str]:
         f"JPEGs and stored {c['image_size']} px ones, so training decodes a ~{c['image_size']} px JPEG instead "
         f"of a full-size one (JPEG draft already cuts the full-size decode to 1/4 scale). The ETL cost "
         f"({d['etl_s']} s here, once) is not in these numbers.",
-        "- The machine (2 cores) was shared with other work (tests, other helpers) while this ran; absolute "
-        "rates move with that load (load averages per run are in the JSON), which is why the methods were "
-        "interleaved and ratios of runs taken side by side are the result.",
+        "- Absolute rates move with other load on the 2-core machine (the load average before every run is "
+        "in the JSON); the methods are interleaved, so the ratios of runs taken side by side are the result.",
     ]
     reads = [x for x in o.get("first_read_s", []) if x is not None]
     later = [x for x in o.get("later_first_read_s", []) if x is not None]
