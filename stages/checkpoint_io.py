@@ -1,6 +1,6 @@
 """Reading and writing the files of a training checkpoint without trusting them.
 
-Checkpoints may sit in a shared bucket. `torch.load(weights_only=False)` unpickles, and an
+Checkpoints may sit in a shared bucket. `torch.load` with weights_only off unpickles, and an
 unpickled file can run any code on every worker that loads it. So everything in a checkpoint
 is plain data: tensors, numbers, strings, lists and dicts (model, SGD/AdamW optimiser, LR
 schedule, GradScaler, RNG states), loaded with `weights_only=True`; anything else is refused.
@@ -46,7 +46,7 @@ def load_plain(path: Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message suggests weights_only=False, which is exactly what must not happen here;
+        # torch's message suggests turning weights_only off, which is exactly what must not happen here;
         # keep only the line naming the refused object.
         lines = [line for line in str(e).splitlines() if "unsupported" in line.lower()]
         reason = lines[0].strip() if lines else type(e).__name__
