@@ -190,3 +190,21 @@ def demo_dataset(root: Path, etl_cfg, images: int, seed: int):
 
     demo_data.generate(root / "src", images=images, seed=seed)
     return etl.run(etl_cfg, str(root / "src"), str(root / "ds"))
+
+
+def kill_one_train_worker(killed: list) -> bool:
+    """SIGKILL one `ray::RayTrainWorker` of this test session's Ray (our descendants only, never
+    another session's workers); its pid goes into `killed`. False when none is running yet."""
+    import signal
+
+    import psutil
+
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
+                os.kill(proc.pid, signal.SIGKILL)
+                killed.append(proc.pid)
+                return True
+        except psutil.NoSuchProcess:
+            continue
+    return False

@@ -23,7 +23,7 @@ from stages import etl, ingest_ray, train
 from stages.train_loop import stall_verdict
 from workflow import demo_data
 from workflow.core.config import ConfigError, load_config
-from tests.conftest import REPO, demo_dataset
+from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",
         "etl.shard_max_rows=40"]
@@ -51,19 +51,10 @@ def _kill_a_worker_once_registered(run_dir: Path, name: str, killed: list) -> No
     """SIGKILL one training worker once Ray Train has *registered* checkpoint `name` (listed in its
     checkpoint manager snapshot), so the restart must resume from it; a kill while the folder is
     still being written would restart from scratch and prove nothing."""
-    import psutil
-
     snapshot, deadline = run_dir / "checkpoint_manager_snapshot.json", time.time() + 300
     while time.time() < deadline and not (snapshot.exists() and name in snapshot.read_text(errors="ignore")):
         time.sleep(0.05)
-    for proc in psutil.Process().children(recursive=True):  # this session's Ray only
-        try:
-            if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
-                os.kill(proc.pid, signal.SIGKILL)
-                killed.append(proc.pid)
-                return
-        except psutil.NoSuchProcess:
-            continue
+    kill_one_train_worker(killed)
 
 
 def test_killed_worker_repeats_only_the_interrupted_epoch_and_counts_it(dataset, tmp_path):

@@ -22,7 +22,7 @@ from stages.train_loop import precision_plan, stall_verdict
 from workflow.core import session
 from workflow import demo_data
 from workflow.core.config import ConfigError, S3Config, load_config
-from tests.conftest import REPO, demo_dataset
+from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
         "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40"]
@@ -70,20 +70,10 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
 
 
 def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
-    import psutil
-
     deadline = time.time() + 240
     while time.time() < deadline and not killed:
-        if any(checkpoint_dir.glob("checkpoint-e000-s000004-*")):
-            # only this test session's Ray (our descendants), never another session's workers
-            for proc in psutil.Process().children(recursive=True):
-                try:
-                    if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
-                        os.kill(proc.pid, signal.SIGKILL)
-                        killed.append(proc.pid)
-                        return
-                except psutil.NoSuchProcess:
-                    continue
+        if any(checkpoint_dir.glob("checkpoint-e000-s000004-*")) and kill_one_train_worker(killed):
+            return
         time.sleep(0.05)
 
 
