@@ -118,7 +118,7 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=k)) as ac:
         await asyncio.gather(*[ac.post("/predict", content=bodies[i % len(bodies)], headers=headers)
                                for i in range(k)])  # warm-up: open the k connections
-        started = time.perf_counter()
+        cpu_before, started = _cpu_by_role(), time.perf_counter()
 
         async def worker() -> None:
             nonlocal errors, issued
@@ -138,10 +138,62 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
 
         await asyncio.gather(*[worker() for _ in range(k)])
         wall = time.perf_counter() - started
+        cpu = _per_request(cpu_before, _cpu_by_role(), len(latencies) + errors)
     lat = sorted(latencies) or [float("nan")]
     return {"p50_ms": round(statistics.median(lat), 2), "p99_ms": round(lat[int(0.99 * (len(lat) - 1))], 2),
             "rps": round(len(latencies) / wall, 1), "ok": len(latencies), "errors": errors,
-            "server_p50_ms": round(statistics.median(inside), 2) if inside else None}
+            "server_p50_ms": round(statistics.median(inside), 2) if inside else None, "cpu_ms_per_request": cpu}
+
+
+# Substring of a process's command line -> its role in the request path (first match wins).
+ROLES = [("ProxyActor", "proxy"), (":Classifier", "model replica"), ("ServeReplica", "ingress replica"),
+         ("benchmarks.serve_apps", "fastapi"), ("raylet", "ray daemons"), ("gcs_server", "ray daemons"),
+         ("site-packages/ray", "ray daemons"), ("ray::", "ray daemons")]
+
+
+def _cpu_by_role() -> dict[str, float]:
+    """CPU seconds used so far by every process on the machine, summed by role (see ROLES)."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        times, cmd = proc.info["cpu_times"], " ".join(proc.info["cmdline"] or [])
+        if times is None:
+            continue
+        role = "client (httpx)" if proc.info["pid"] == os.getpid() else next(
+            (r for key, r in ROLES if key in cmd), "other")
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
+
+
+def _per_request(before: dict[str, float], after: dict[str, float], requests: int) -> dict[str, float]:
+    """CPU milliseconds per request by role between two _cpu_by_role snapshots (roles under 0.05 ms dropped)."""
+    out = {role: 1000 * (after[role] - before.get(role, 0.0)) / max(1, requests) for role in after}
+    return {role: round(ms, 2) for role, ms in sorted(out.items()) if ms >= 0.05}
+
+
+def _forward_costs(model_dir: str, bodies: list[bytes], batch: int = 16) -> dict[str, float]:
+    """In this process, torch 1 thread: decode+preprocess, and the forward pass per image at
+    batch 1 and at `batch`: the most CPU that dynamic batching can save per request."""
+    import torch
+
+    from stages.predict import load_model, predict_arrays, preprocess
+
+    torch.set_num_threads(1)
+    model, info = load_model(model_dir)
+    t0 = time.perf_counter()
+    arrays = [preprocess(b, info) for b in bodies]
+    decode = (time.perf_counter() - t0) / len(bodies)
+    per_image = {}
+    for size in (1, batch):
+        predict_arrays(model, info, arrays[:size])  # warm-up
+        t0, n = time.perf_counter(), 0
+        while n < 4 * batch:
+            predict_arrays(model, info, arrays[:size])
+            n += size
+        per_image[size] = (time.perf_counter() - t0) / n
+    return {"decode_ms": round(1000 * decode, 2), "forward_b1_ms": round(1000 * per_image[1], 2),
+            f"forward_b{batch}_ms": round(1000 * per_image[batch], 2), "batch": batch}
 
 
 def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: list[bytes]) -> dict[str, Any]:
@@ -186,6 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_dir = str(Path(tmp) / "model")
         _make_model(Path(model_dir))
         bodies = _jpegs(args.bodies, args.size)
+        forward = _forward_costs(model_dir, bodies)
         port = _free_port()
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serve_apps", "--model", model_dir,
@@ -199,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait(timeout=30)
     return {"bodies": args.bodies, "size": args.size, "mean_kib": round(sum(map(len, bodies)) / len(bodies) / 1024, 1),
             "levels": args.levels.split(","), "requests": args.requests, "rounds": args.rounds,
-            "modes": modes, "targets": {m: _targets(v) for m, v in modes.items()}}
+            "modes": modes, "targets": {m: _targets(v) for m, v in modes.items()}, "forward": forward}
 
 
 def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -235,4 +288,29 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", "| target | ratio | result |", "|---|---:|---|"]
         lines += [f"| {t['what']} | {t['ratio']} | {'PASS' if t['pass'] else 'FAIL'} |"
                   for t in result["targets"][mode]] + [""]
+        lines += _cpu_table(best, result.get("forward"))
     return "\n".join(lines)
+
+
+def _cpu_table(best: dict[str, dict[str, Any]], forward: dict[str, Any] | None) -> list[str]:
+    """Where the time goes at c=32: CPU ms per request by process role, and what batching can save."""
+    cells = {name: per_level.get("32", {}).get("cpu_ms_per_request") for name, per_level in best.items()}
+    cells = {name: c for name, c in cells.items() if c}
+    if not cells:
+        return []
+    roles = sorted({r for c in cells.values() for r in c})
+    lines = ["CPU milliseconds per request at c=32, by process (all processes on the machine; 2 cores = "
+             "2000 CPU ms per second):", "", "| variant | " + " | ".join(roles) + " | total |",
+             "|---|" + "---:|" * (len(roles) + 1)]
+    for name, c in cells.items():
+        lines.append(f"| {name} | " + " | ".join(f"{c.get(r, 0):.2f}" for r in roles) + f" | {sum(c.values()):.2f} |")
+    if forward and cells.get("nobatch"):
+        b = forward["batch"]
+        saving = forward["forward_b1_ms"] - forward[f"forward_b{b}_ms"]
+        total = sum(cells["nobatch"].values())
+        bound = total / max(total - saving, 1e-9)
+        lines += ["", f"In one process, torch 1 thread: decode + preprocess {forward['decode_ms']} ms per image; "
+                  f"forward pass {forward['forward_b1_ms']} ms per image alone, {forward[f'forward_b{b}_ms']} ms "
+                  f"per image in batches of {b}. Batching can save at most {saving:.2f} ms of the {total:.2f} CPU "
+                  f"ms a request costs without batching: at most {bound:.2f}x the requests/s when CPU-bound."]
+    return lines + [""]

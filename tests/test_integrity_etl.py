@@ -186,6 +186,28 @@ def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
         assert json.loads(fs.cat_file(key))["pid"] == os.getpid()
 
 
+def test_a_run_that_lost_its_s3_lock_publishes_nothing(s3_bucket):
+    import s3fs
+
+    from workflow.core.artifacts import write_manifest
+
+    endpoint, bucket = s3_bucket
+    s3, out = S3Config(endpoint_url=endpoint), f"s3://{bucket}/lost"
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    key = f"{bucket}/lost/{locks.LOCK_NAME}"
+    with locks.output_lock(out, "etl", s3):
+        write_manifest(out, {"stage": "etl", "run": 1}, s3)  # still ours: published
+        # Our heartbeats failed long enough that another run took the lock over (what _S3Lock.acquire
+        # does to a stale lock); we are still running and about to publish.
+        other = {"owner": "bob", "host": "node-9", "pid": 99, "kind": "etl", "since": "now",
+                 "heartbeat_unix": time.time()}
+        fs.pipe_file(key, json.dumps(other).encode(), IfMatch=fs.info(key)["ETag"])
+        with pytest.raises(locks.OutputLockedError, match="taken over by a raymill etl run of bob on host node-9"):
+            write_manifest(out, {"stage": "etl", "run": 2}, s3)
+    assert json.loads(fs.cat_file(f"{bucket}/lost/manifest.json"))["run"] == 1
+    assert json.loads(fs.cat_file(key))["owner"] == "bob", "the new holder's lock must stay"
+
+
 def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(tmp_path, ray_session,
                                                                             monkeypatch):
     src, out = tmp_path / "src", tmp_path / "ds"

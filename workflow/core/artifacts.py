@@ -12,12 +12,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from workflow.core import storage
+from workflow.core import locks, storage
 
 __all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "data_fingerprint"]
 
-MANIFEST = "manifest.json"
+MANIFEST = storage.MANIFEST
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,10 @@ def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) ->
 
 
 def write_manifest(out: str, manifest: dict[str, Any], s3: Any | None = None) -> None:
-    """Write `out/manifest.json` atomically. It is the publish step: write it last."""
+    """Write `out/manifest.json` atomically. It is the publish step: write it last.
+
+    A run that lost its S3 output lock to another run (see locks.ensure_held) publishes nothing."""
+    locks.ensure_held(out, s3)
     fs, path = storage.filesystem(out, s3)
     data = json.dumps(manifest, indent=2, sort_keys=False).encode()
     storage.write_bytes_atomic(fs, storage.join(path, MANIFEST), data)

@@ -30,10 +30,10 @@ import uuid
 from typing import Any, Iterator
 
 from workflow.core import storage
-from workflow.core.artifacts import MANIFEST
+from workflow.core.storage import MANIFEST
 from workflow.core.config import ConfigError
 
-__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind",
+__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "ensure_held",
            "HEARTBEAT_S", "STALE_AFTER_S"]
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ HEARTBEAT_S = 30.0  # S3 only: how often the holder proves it is alive
 STALE_AFTER_S = 180.0  # S3 only: a lock not refreshed for this long belongs to a dead run
 
 _held: dict[str, int] = {}  # lock path -> depth, for re-entrancy within this process
+_locks: dict[str, Any] = {}  # lock path -> the lock this process holds on it
 _held_guard = threading.Lock()
 
 
@@ -92,9 +93,7 @@ def _locked_error(out: str, holder: dict[str, Any] | None) -> OutputLockedError:
 @contextlib.contextmanager
 def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
     """Hold the exclusive lock on `out` (local folder or s3:// prefix) for the body of the `with`."""
-    fs, root = storage.filesystem(out, s3)
-    path = storage.join(root, LOCK_NAME)
-    key = f"{'s3' if storage.is_remote(out) else 'file'}:{path}"
+    fs, path, key = _lock_path(out, s3)
     with _held_guard:
         depth = _held.get(key, 0)
         if depth:
@@ -110,14 +109,34 @@ def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
     lock = _S3Lock(fs, path, out, kind) if storage.is_remote(out) else _LocalLock(path, out, kind)
     lock.acquire()
     with _held_guard:
-        _held[key] = 1
+        _held[key], _locks[key] = 1, lock
     try:
         check_output_kind(out, kind, s3)  # again: the folder may have changed while we waited
         yield
     finally:
         with _held_guard:
-            del _held[key]
+            del _held[key], _locks[key]
         lock.release()
+
+
+def _lock_path(out: str, s3: Any | None) -> tuple[Any, str, str]:
+    fs, root = storage.filesystem(out, s3)
+    path = storage.join(root, LOCK_NAME)
+    return fs, path, f"{'s3' if storage.is_remote(out) else 'file'}:{path}"
+
+
+def ensure_held(out: str, s3: Any | None = None) -> None:
+    """Raise OutputLockedError if this process's S3 lock on `out` now belongs to another run.
+
+    An flock cannot be lost while its holder lives. An S3 lock can: a run whose heartbeats failed
+    for STALE_AFTER_S looks dead and is taken over, and must then not publish over the new run.
+    No-op for a folder this process holds no lock on.
+    """
+    key = _lock_path(out, s3)[2]
+    with _held_guard:
+        lock = _locks.get(key)
+    if isinstance(lock, _S3Lock):
+        lock.ensure()
 
 
 class _LocalLock:
@@ -185,7 +204,7 @@ class _S3Lock:
         self.fs, self.path, self.out, self.kind = fs, path, out, kind
         self.info = _holder_info(uuid.uuid4().hex, kind)
         self.etag: str | None = None
-        self.lost = False
+        self._mutex = threading.Lock()  # a heartbeat's PUT and its new ETag are one step for ensure()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -231,10 +250,19 @@ class _S3Lock:
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self.etag = self._put(IfMatch=self.etag)
+                with self._mutex:
+                    self.etag = self._put(IfMatch=self.etag)
             except Exception as e:  # taken over (we looked dead) or the endpoint is down
-                self.lost = True
                 log.error("lock: could not refresh %s (%s); another run may take it over", self.path, e)
+
+    def ensure(self) -> None:
+        with self._mutex:
+            etag, holder = self._read()
+            mine = etag == self.etag
+        if not mine:
+            raise OutputLockedError(f"output '{self.out}' lock ({LOCK_NAME}) was taken over by "
+                                    f"{_describe(holder)} while this run held it (its heartbeat could not "
+                                    f"be refreshed): nothing was published. Rerun once that run is done")
 
     def release(self) -> None:
         self._stop.set()

@@ -10,8 +10,11 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
+__all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw"]
+
+# Every output folder's publish marker (workflow.core.artifacts writes it; locks reads its kind).
+MANIFEST = "manifest.json"
 
 CHUNK_BYTES = 4 * 1024 * 1024
 
