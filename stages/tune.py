@@ -21,14 +21,13 @@ their last Train checkpoint. A different config, seed or data for the same folde
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Any, Sequence
 
 from stages import train, tune_results
 from stages.tune_results import EXPERIMENT, _InvalidTrialConfig, trial_train_config
-from workflow.core import session, storage
+from workflow.core import fingerprint, session, storage
 from workflow.core.artifacts import Artifact, data_fingerprint, load_artifact
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
@@ -217,18 +216,15 @@ def _fit(cfg: TuneConfig, driver, concurrent_trials: int, ray_dir: str, s3, key:
     pafs, base = storage.pyarrow_filesystem(ray_dir, s3)
     experiment = f"{base}/{EXPERIMENT}"
     trainable = tune.with_resources(driver, {"CPU": session.TRIAL_DRIVER_CPUS})
-    fs, root = storage.filesystem(ray_dir, s3)
-    key_path = storage.join(root, "search.json")
+    # The one resume guard of every stage: the search's config, seed and data content are recorded
+    # beside its Tune state (`tune.fingerprint.json`) and a search made by others is refused.
+    fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
+                      fix=f"use a new output folder, or delete '{ray_dir}' to start over")
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
-        previous = storage.read_json(fs, key_path) if fs.exists(key_path) else None
-        if previous != key:
-            raise ConfigError(f"'{ray_dir}/{EXPERIMENT}' holds a search with another config, seed or data; "
-                              f"use a new output folder, or delete '{ray_dir}' to start over")
         log.info(f"tune: resuming the search in {ray_dir}/{EXPERIMENT} (finished trials are kept)")
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=pafs)
     else:
-        storage.write_bytes_atomic(fs, key_path, json.dumps(key, indent=2).encode())
         tuner = tune.Tuner(
             trainable, param_space=param_space(cfg),
             tune_config=tune.TuneConfig(

@@ -167,6 +167,16 @@ def test_a_trial_that_raises_is_recorded_and_the_search_goes_on(search):
     assert "| ERROR | failed |" in (out / "trials.md").read_text()
 
 
+def test_a_search_made_with_another_config_is_refused_naming_the_key(search, dataset):
+    _, _, artifact, out = search
+    published = (out / "manifest.json").read_bytes()
+    cfg = _cfg("tune.grace_period=2")
+    with pytest.raises(ConfigError, match=r"tune\.grace_period: 1 -> 2.*use a new output folder"):
+        tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    assert (out / "manifest.json").read_bytes() == published
+    assert (out / "ray" / "tune.fingerprint.json").exists()
+
+
 def test_config_errors_name_the_key(dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.search_space\.lr\.type"):
         load_config(REPO / "configs/smoke.yaml", ["tune.search_space.lr.type=gaussian"])
