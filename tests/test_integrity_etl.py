@@ -162,13 +162,17 @@ def test_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, ray_s
     assert etl.verify(art.path) == [] and not (out / locks.LOCK_NAME).exists()
 
 
-def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
+def _s3_output(s3_bucket, name: str):
+    """(S3Config, s3:// output, a fresh s3fs, that output's lock key) on the loopback moto server."""
     import s3fs
 
     endpoint, bucket = s3_bucket
-    s3, out = S3Config(endpoint_url=endpoint), f"s3://{bucket}/ds"
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-    key = f"{bucket}/ds/{locks.LOCK_NAME}"
+    return S3Config(endpoint_url=endpoint), f"s3://{bucket}/{name}", fs, f"{bucket}/{name}/{locks.LOCK_NAME}"
+
+
+def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
+    s3, out, fs, key = _s3_output(s3_bucket, "ds")
     with locks.output_lock(out, "etl", s3):
         held = json.loads(fs.cat_file(key))
         assert held["pid"] == os.getpid() and held["kind"] == "etl"
@@ -187,14 +191,9 @@ def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
 
 
 def test_a_run_that_lost_its_s3_lock_publishes_nothing(s3_bucket):
-    import s3fs
-
     from workflow.core.artifacts import write_manifest
 
-    endpoint, bucket = s3_bucket
-    s3, out = S3Config(endpoint_url=endpoint), f"s3://{bucket}/lost"
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
-    key = f"{bucket}/lost/{locks.LOCK_NAME}"
+    s3, out, fs, key = _s3_output(s3_bucket, "lost")
     with locks.output_lock(out, "etl", s3):
         write_manifest(out, {"stage": "etl", "run": 1}, s3)  # still ours: published
         # Our heartbeats failed long enough that another run took the lock over (what _S3Lock.acquire
@@ -204,7 +203,7 @@ def test_a_run_that_lost_its_s3_lock_publishes_nothing(s3_bucket):
         fs.pipe_file(key, json.dumps(other).encode(), IfMatch=fs.info(key)["ETag"])
         with pytest.raises(locks.OutputLockedError, match="taken over by a raymill etl run of bob on host node-9"):
             write_manifest(out, {"stage": "etl", "run": 2}, s3)
-    assert json.loads(fs.cat_file(f"{bucket}/lost/manifest.json"))["run"] == 1
+    assert json.loads(fs.cat_file(key.replace(locks.LOCK_NAME, "manifest.json")))["run"] == 1
     assert json.loads(fs.cat_file(key))["owner"] == "bob", "the new holder's lock must stay"
 
 
