@@ -49,7 +49,7 @@ def test_node_loss_then_a_replacement_node_resumes_the_full_group_on_it(workdir)
 
 
 def test_node_loss_without_a_replacement_stops_after_the_capacity_timeout(workdir):
-    result = _run(workdir, "capacity-timeout")  # `raymill train`, train.capacity_timeout_s=40
+    result = _run(workdir, "capacity-timeout")  # `raymill train`, train.capacity_timeout_s=20
     assert not problems(result), result
     assert result["exit_code"] == 1
     assert "missing: 1 x {CPU: 0.75}" in result["error"] and "rerun the same command" in result["error"]

@@ -1,11 +1,13 @@
 """MLflow tracking against real MLflow: a real `mlflow server` on 127.0.0.1 and the SQLite store.
 
 The runs are queried back with MlflowClient: params, per-epoch metrics, artifacts, the registered
-model, infer accuracy in the model's run, and parent/child runs for a Tune search. One test kills
+model, infer accuracy in the model's run, and parent/child runs for a Tune search. The pipeline
+test is also the end-to-end `raymill run --serve` test (with stage reuse on rerun). One test kills
 the server mid-run: training still finishes, with one tracking warning.
 """
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -77,14 +79,26 @@ def _runs(uri: str, experiment: str = "raymill") -> list:
 
 
 @pytest.mark.slow
-def test_pipeline_tracks_train_and_infer_on_a_server(tmp_path, ray_session, mlflow_server):
+def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path, ray_session, mlflow_server,
+                                                                        caplog):
+    """`raymill run --serve` end to end, tracked on a real MLflow server; then reruns that reuse
+    every stage, or all but the one whose config changed (one pipeline run serves all three checks)."""
+    from ray import serve as ray_serve
+
+    from stages import serve
     from workflow import pipeline
 
     demo_data.generate(tmp_path / "src", images=160, seed=3)
-    cfg = load_config(REPO / "configs/smoke.yaml", [
-        f"run.source={tmp_path / 'src'}", f"run.dir={tmp_path / 'run'}", f"tracking.uri={mlflow_server.uri}",
-        "tracking.experiment=pipeline-test", "tracking.model_name=pipeline-test"])
-    report = pipeline.run(cfg)
+    overrides = [f"run.source={tmp_path / 'src'}", f"run.dir={tmp_path / 'run'}", f"tracking.uri={mlflow_server.uri}",
+                 "tracking.experiment=pipeline-test", "tracking.model_name=pipeline-test",
+                 f"serve.port={free_port()}", "serve.app_name=pipeline-test"]
+    cfg = load_config(REPO / "configs/smoke.yaml", overrides)
+    try:
+        report = pipeline.run(cfg, serve=True)
+    finally:
+        serve.shutdown(cfg.serve)
+        ray_serve.shutdown()  # Serve's proxy keeps its port for the whole Ray session
+    _check_run_folder(tmp_path / "run", report, rows=160)
 
     client = _client(mlflow_server.uri)
     (run,) = _runs(mlflow_server.uri, "pipeline-test")
@@ -108,6 +122,28 @@ def test_pipeline_tracks_train_and_infer_on_a_server(tmp_path, ray_session, mlfl
     # the model folder and the report point at the run
     assert tracking.find(report["outputs"]["model"])["run_id"] == run_id
     assert run_id in (tmp_path / "run" / "report.md").read_text()
+
+    caplog.set_level(logging.INFO)
+    pipeline.run(cfg)  # same config and inputs: nothing is recomputed
+    reused = [r.getMessage() for r in caplog.records if "reusing" in r.getMessage()]
+    assert len(reused) == 3, reused
+    changed = load_config(REPO / "configs/smoke.yaml", overrides + ["infer.top_k=2"])
+    caplog.clear()
+    pipeline.run(changed)  # only the stage whose config changed runs again
+    reused = [r.getMessage().split(":")[0] for r in caplog.records if "reusing" in r.getMessage()]
+    assert reused == ["etl", "train"]
+    assert len(_runs(mlflow_server.uri, "pipeline-test")) == 1, "a reused train stage must not start a run"
+
+
+def _check_run_folder(run: Path, report: dict, rows: int) -> None:
+    for name in ("config.yaml", "report.json", "report.md", "etl/manifest.json", "train/model.pt",
+                 "infer/predictions.parquet"):
+        assert (run / name).exists(), name
+    saved = json.loads((run / "report.json").read_text())
+    assert saved["stages"][0]["rows"] == rows and [s["stage"] for s in saved["stages"]] == ["etl", "train", "infer"]
+    assert saved["serve"]["requests"] > 0 and saved["serve"]["p50_ms"] > 0
+    assert 0 <= saved["test_accuracy"] <= 1 and 0 <= saved["input_stall_fraction"] <= 1
+    assert report["test_accuracy"] == saved["test_accuracy"]
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from workflow.core.artifacts import load_artifact
 from workflow.core.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
-CAPACITY_TIMEOUT_S = 40
+CAPACITY_TIMEOUT_S = 20  # with the 15 s start timeout below: 2 start attempts, then CapacityError
 
 
 def _mid_epoch_checkpoint_registered(run_dir: Path) -> bool:
