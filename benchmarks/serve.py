@@ -41,7 +41,7 @@ __all__ = ["add_arguments", "run", "render"]
 
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"ours": {}, "nobatch": {"batching": False}, "2 replicas": {"num_replicas": 2},
-            "one hop": {"model_deployment": False}}
+            "one hop": {"model_deployment": False}, "no access log": {"access_log": False}}
 # (what, variant, level, ratio of) -> bound; checked per ingress mode against FastAPI in that mode
 TARGETS = [("c=1 p50 ours / fastapi <= 1.5", "p50_ms", "1", 1.5, "max"),
            ("c=32 req/s ours / fastapi >= 1.0", "rps", "32", 1.0, "min")]

@@ -119,6 +119,7 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
         # A killed replica is noticed at the next health check (default every 10 s): check often,
         # so the replacement starts within seconds (the ingress retries calls meanwhile).
         "health_check_period_s": 2.0,
+        "logging_config": {"enable_access_log": cfg.access_log},
         "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": 1 if cfg.use_gpu else 0,
                               "memory": cfg.replica_memory_mb * 2**20},
     }
@@ -143,6 +144,7 @@ def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
     ingress = Ingress.options(num_replicas=cfg.ingress_replicas, max_queued_requests=cfg.max_queued_requests,
                               max_ongoing_requests=cfg.max_ongoing_requests,
                               max_surge_percent=cfg.max_surge_percent,
+                              logging_config={"enable_access_log": cfg.access_log},
                               ray_actor_options={"num_cpus": cfg.ingress_cpus})
     return ingress.bind(model, cfg)
 

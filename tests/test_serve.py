@@ -91,6 +91,8 @@ def test_deployment_options_and_decode_slots():
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
     assert fixed["max_queued_requests"] == 5
     assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0, "memory": 2048 * 2**20}
+    assert fixed["logging_config"] == {"enable_access_log": True}
+    assert serve_stage.deployment_options(ServeConfig(access_log=False))["logging_config"] == {"enable_access_log": False}
     scaled = serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=1, max_replicas=4,
                                                         use_gpu=True))
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4}

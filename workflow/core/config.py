@@ -271,6 +271,8 @@ class ServeConfig(Section):
     # Extra replicas during a model update (percent of num_replicas): 100 = new ones start
     # before old ones stop, so an update loses no request; 0 = no spare resources needed.
     max_surge_percent: int = Field(100, ge=0, le=100)
+    # Serve's per-request access log line in each replica's log file (Serve's LoggingConfig).
+    access_log: bool = True
 
 
 class TrackingConfig(Section):
