@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from stages import streaming
+from stages.feed import FedBatch
 from workflow.core import console
 from workflow.core.artifacts import Artifact, write_manifest
 from workflow.core.config import ConfigError, TrainConfig
@@ -181,9 +182,9 @@ class _Collate:
 
 
 class ShardBatches:
-    """One epoch of this rank's Ray Data shard as (batch, arrays) pairs, like stages.streaming.Prefetcher.
+    """One epoch of this rank's Ray Data shard as stages.feed.FedBatch, like every other feed.
 
-    `batch` holds (key, label, None) per row; `arrays` the augmented uint8 images. `wait_s` is the
+    `rows` holds (key, label, None) per row; `images` the augmented uint8 images. `wait_s` is the
     time the training thread waited for input.
     """
 
@@ -212,7 +213,13 @@ class ShardBatches:
             self.wait_s += time.perf_counter() - started
             self.decode_nodes |= nodes
             self.decoded_in_epoch += int((decoded_at >= self.started_at).sum())
-            yield [(k, int(y), None) for k, y in zip(keys, labels)], list(images)
+            yield FedBatch([(k, int(y), None) for k, y in zip(keys, labels)], np.asarray(images))
+
+    def close(self) -> None:
+        pass  # Ray Data's iterator owns its threads
+
+    def capacity(self) -> None:
+        return None  # Ray Data's decode runs elsewhere; its wait is what the loop sees
 
     def stats(self) -> dict[str, Any]:
         """This epoch's Ray Data iterator wait, where decoding ran, and how many of this rank's rows

@@ -20,13 +20,22 @@ from workflow.core import storage
 __all__ = ["to_batch", "load_model", "preprocess", "predict_arrays", "evaluate_split"]
 
 
-def to_batch(arrays: list[np.ndarray], mean, std, device: torch.device, channels_last: bool,
+def to_batch(arrays, mean, std, device: torch.device, channels_last: bool,
              pin_memory: bool) -> torch.Tensor:
-    """uint8 NHWC arrays -> normalised float NCHW on `device` (normalised there, after the copy)."""
-    size = arrays[0].shape[0] if arrays else 1
-    x = torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, size, size, 3), dtype=torch.uint8)
-    if pin_memory and device.type == "cuda":
-        x = x.pin_memory()
+    """uint8 NHWC images -> normalised float NCHW on `device` (normalised there, after the copy).
+
+    `arrays`: a list of HWC arrays, one NHWC array (a decode pool's slot: copied out here, so the
+    slot is free when this returns), or a uint8 tensor already on the device (the decoded tier).
+    """
+    if isinstance(arrays, torch.Tensor):
+        x = arrays
+    elif isinstance(arrays, np.ndarray):
+        x = torch.from_numpy(arrays)
+    else:
+        size = arrays[0].shape[0] if arrays else 1
+        x = torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, size, size, 3), dtype=torch.uint8)
+    if pin_memory and device.type == "cuda" and x.device.type == "cpu":
+        x = x.pin_memory()  # a copy: the non-blocking transfer below never reads the caller's buffer
     x = x.to(device, non_blocking=True).permute(0, 3, 1, 2).float().div_(255)
     m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
     s = torch.tensor(std, device=device).view(1, 3, 1, 1)

@@ -20,7 +20,7 @@ from workflow.core import storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, write_manifest
 from workflow.core.config import section_dict
 
-__all__ = ["publish", "save_model", "model_info", "state_hash", "read_checkpoint", "curves"]
+__all__ = ["publish", "save_model", "model_info", "state_hash", "read_checkpoint", "curves", "test_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,21 @@ def _best(result) -> tuple[Any, dict]:
     scored = [s for s in scored if s[0] >= 0] or [(0, result.checkpoint, result.metrics)]
     _, checkpoint, metrics = max(scored, key=lambda s: s[0])
     return checkpoint, metrics
+
+
+def test_metrics(best_metrics: dict, out: str, loop_config: dict, cache_dir: str,
+                 s3: Any | None = None) -> dict[str, Any]:
+    """The published model's test accuracy: scored by the training workers on their devices
+    (stages.train_loop) when the best checkpoint carries it, else here on the driver's CPU
+    (a checkpoint written by an older raymill), which the manifest says."""
+    if "test_acc" in best_metrics:
+        return {"acc": best_metrics["test_acc"], "rows": best_metrics["test_rows"], "where": "workers",
+                "seconds": best_metrics.get("test_seconds")}
+    model, info = load_model(out, s3)
+    refs = [streaming.ShardRef(**r) for r in loop_config["shards"]["test"]]
+    log.warning("train: the best checkpoint has no test score; scoring the test split on the driver's CPU")
+    return {**evaluate_split(model, refs, info, loop_config["raw"], loop_config["s3"], cache_dir),
+            "where": "driver"}
 
 
 def curves(history: list[dict], path: Path) -> None:
@@ -94,9 +109,7 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
     info = model_info(cfg, data, {"val_acc": best_metrics.get("val_acc"), "epoch": best_meta["epoch"],
                                   "version": f"{best_meta['epoch']}-{config_hash(state_hash(state))}"})
     save_model(out, state, info, s3)
-    model, info = load_model(out, s3)
-    test_refs = [streaming.ShardRef(**r) for r in loop_config["shards"]["test"]]
-    test = evaluate_split(model, test_refs, info, loop_config["raw"], loop_config["s3"], cfg.cache_dir)
+    test = test_metrics(best_metrics, out, loop_config, cfg.cache_dir, s3)
     history = meta["history"]
     fs, root = storage.filesystem(out, s3)
     files = {"metrics.jsonl": "".join(json.dumps(h) + "\n" for h in history).encode()}
@@ -114,9 +127,11 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
         "resource_plan": plan.as_dict(), "checkpoint": {"best": best_checkpoint.path,
                                                         "latest": result.checkpoint.path},
         "model": {"path": "model.pt", "info": "model.json", "architecture": cfg.model},
-        "metrics": {"test_acc": test["acc"], "test_rows": test["rows"], "best_val_acc": info["val_acc"],
+        "metrics": {"test_acc": test["acc"], "test_rows": test["rows"], "test_scored_in": test["where"],
+                    "best_val_acc": info["val_acc"],
                     "epochs": len(history), "seconds": round(seconds, 1),
                     "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
+                    "device_utilisation": last.get("device_utilisation"), "tier": last.get("tier"),
                     "verdict": last.get("verdict")},
         "files": sorted(files) + ["model.pt", "model.json"]})
     write_manifest(out, manifest, s3)

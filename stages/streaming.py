@@ -30,7 +30,7 @@ from stages.images import decode_rgb
 
 __all__ = ["ShardRef", "shard_refs", "ShardCache", "rank_pieces", "iter_samples", "steps_per_epoch",
            "epoch_batches", "train_decoder",
-           "batch_sizes_at", "decode_sample", "augment", "Prefetcher"]
+           "batch_sizes_at", "decode_sample", "augment", "sample_rng", "Prefetcher"]
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +237,14 @@ def train_decoder(seed: int, epoch: int, size: int, raw: bool, scale_min: float,
     worker decodes a sample, so a resumed run sees the same pixels.
     """
     def decode(sample) -> np.ndarray:
-        key, _, image = sample
-        rng = np.random.default_rng([seed, epoch, int(key[:15], 16)])
-        return augment(decode_sample(image, size, raw), rng, scale_min, crop, flip)
+        key, _, image = sample[:3]
+        return augment(decode_sample(image, size, raw), sample_rng(seed, epoch, key), scale_min, crop, flip)
     return decode
+
+
+def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:
+    """The augmentation RNG of one sample in one epoch: the same in every process and attempt."""
+    return np.random.default_rng([seed, epoch, int(key[:15], 16)])
 
 
 class Prefetcher:

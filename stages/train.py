@@ -56,7 +56,8 @@ def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: A
     return {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
             "image_size": data.manifest["config"]["image_size"], "shards": shards,
             "s3": storage.s3_options(s3), "raw": storage.stored_raw(data.manifest, cfg.data_format),
-            "cpus_per_worker": plan.cpus_per_worker}
+            "cpus_per_worker": plan.cpus_per_worker, "decode_processes": plan.decode_processes,
+            "torch_threads": plan.torch_threads}
 
 
 def run_name(cfg: TrainConfig, out: str) -> str:

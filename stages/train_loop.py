@@ -7,7 +7,6 @@ restarted worker rebuilds it and skips what the checkpoint already covers.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -21,7 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages import streaming
+from stages import feed as feeds
+from stages import meters, streaming
+from stages.worker_feeds import WorkerFeeds
 from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages import ingest_ray
 from stages.models import build_model
@@ -29,13 +30,19 @@ from stages.predict import to_batch
 from workflow.core import console, tracking
 from workflow.core.config import ConfigError, TrainConfig
 
-__all__ = ["train_loop", "precision_plan", "stall_verdict", "to_batch", "make_schedule"]
+__all__ = ["train_loop", "precision_plan", "to_batch", "make_schedule"]
 
 log = logging.getLogger(__name__)
 
 
 def precision_plan(precision: str, device_type: str) -> tuple[torch.dtype | None, bool]:
-    """(autocast dtype or None, use GradScaler). fp16 needs loss scaling; bf16 does not."""
+    """(autocast dtype or None, use GradScaler). fp16 needs loss scaling; bf16 does not.
+
+    auto: bf16 where the device runs it natively (a CUDA GPU that supports it), else fp32.
+    """
+    if precision == "auto":
+        fast = device_type == "cuda" and torch.cuda.is_bf16_supported()
+        precision = "bf16" if fast else "fp32"
     if precision == "fp32":
         return None, False
     if precision == "bf16":
@@ -43,22 +50,6 @@ def precision_plan(precision: str, device_type: str) -> tuple[torch.dtype | None
     if device_type != "cuda":
         raise ConfigError("train.precision=fp16 needs a GPU (train.use_gpu=true); use bf16 on CPU")
     return torch.float16, True
-
-
-def stall_verdict(wait_s: float, compute_s: float, ingest: str = "stream") -> tuple[float, str]:
-    """Input-stall fraction and a one-phrase verdict with the likely fix, for either ingest path."""
-    stall = wait_s / max(wait_s + compute_s, 1e-9)
-    if stall > 0.2 and ingest == "ray_data":
-        return stall, ("input-bound: Ray Data is the weakest link; add CPU nodes or raise "
-                       "ray.data_reserved_cpus, cache decoded images (train.object_store_cache=true) "
-                       "or store decoded (etl.parquet_encoding=raw)")
-    if stall > 0.2:
-        return stall, ("input-bound: add ingest CPUs (train.decode_threads, train.cpus_per_worker), "
-                       "store decoded (etl.parquet_encoding=raw), raise train.prefetch_batches, or "
-                       "decode on CPU nodes with train.ingest=ray_data")
-    if ingest == "ray_data":
-        return stall, "compute-bound: compute is the weakest link, Ray Data keeps up"
-    return stall, "compute-bound: the accelerator (or CPU) is the weakest link, input keeps up"
 
 
 def make_schedule(optimizer, warmup_steps: int, total_steps: int):
@@ -98,9 +89,10 @@ class Worker:
         self.attempt = self.gather(os.urandom(4).hex())[0]
         torch.manual_seed(self.seed)  # identical init everywhere; DDP also broadcasts rank 0's
         if self.device.type == "cpu":
-            torch.set_num_threads(max(1, int(config.get("cpus_per_worker", 1) + 0.5)))
+            torch.set_num_threads(config.get("torch_threads", 1))
+        self.channels_last = self.device.type == "cuda" if self.cfg.channels_last is None else self.cfg.channels_last
         model = build_model(self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout)
-        if self.cfg.channels_last:
+        if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.model = ray.train.torch.prepare_model(model)
         self.optimizer = _optimizer(self.cfg, self.model)
@@ -118,6 +110,8 @@ class Worker:
         self.cache = streaming.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
+        self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
+                                 self.steps, self.open_rows)
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
 
     def gather(self, value: Any) -> list[Any]:
@@ -141,84 +135,84 @@ class Worker:
 
     def batch(self, arrays) -> torch.Tensor:
         a = self.cfg.augment
-        return to_batch(arrays, a.mean, a.std, self.device, self.cfg.channels_last, self.cfg.pin_memory)
-
-    # ---- data -------------------------------------------------------------------------------
-    def train_batches(self, epoch: int, start_step: int):
-        """Batches of (key, label, image) for steps start_step..steps-1 of `epoch` on this rank."""
-        return streaming.epoch_batches(self.refs["train"], self.open_rows, self.seed, epoch, self.rank, self.world,
-                                       self.cfg.batch_size, self.cfg.shuffle_buffer_rows, start_step, self.steps)
-
-    def decode_train(self, epoch: int):
-        a = self.cfg.augment
-        return streaming.train_decoder(self.seed, epoch, self.size, self.raw, a.scale_min, a.random_resized_crop,
-                                       a.flip)
-
-    def batch_source(self, epoch: int, start_step: int):
-        """This epoch's (batch, arrays) pairs: this worker's own reader, or its Ray Data shard."""
-        if self.cfg.ingest == "ray_data":
-            import ray.train
-
-            return ingest_ray.ShardBatches(ray.train.get_dataset_shard("train"), self.cfg, self.seed,
-                                           epoch, self.rank)
-        return streaming.Prefetcher(self.train_batches(epoch, start_step), self.decode_train(epoch),
-                             self.cfg.decode_threads, self.cfg.prefetch_batches)
+        return to_batch(arrays, a.mean, a.std, self.device, self.channels_last, self.cfg.pin_memory)
 
     # ---- steps ------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, start_step: int) -> dict[str, float] | None:
         """Run the rest of `epoch`; returns epoch metrics, or None if the loss went non-finite."""
         self.model.train()
-        prefetch = self.batch_source(epoch, start_step)
-        compute_s, loss_sum, correct, seen, started = 0.0, 0.0, 0, 0, time.perf_counter()
-        self.report_s = 0.0
-        for step, (batch, arrays) in enumerate(prefetch, start=start_step):
-            t0 = time.perf_counter()
-            x = self.batch(arrays)
-            y = torch.tensor([s[1] for s in batch], dtype=torch.long, device=self.device)
-            global_rows = sum(streaming.batch_sizes_at(step, self.total, self.world, self.cfg.batch_size))
-            with self.autocast():
-                logits = self.model(x)
-                summed = F.cross_entropy(logits.float(), y, reduction="sum",
-                                         label_smoothing=self.cfg.label_smoothing)
-            # DDP averages gradients over ranks; scaling by world/global_rows makes the result the
-            # exact mean over the global batch, even when ranks hold unequal (or empty) batches.
-            loss = summed * self.world / max(1, global_rows)
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scaler:
-                self.scaler.scale(loss).backward()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                loss.backward()
-                self.optimizer.step()
-            self.schedule.step()
-            if not self.all_finite(summed):
-                return None
-            compute_s += time.perf_counter() - t0
-            loss_sum += float(summed.detach())
-            correct += int((logits.argmax(1) == y).sum())
-            seen += len(batch)
-            self.step = step + 1
-            if self.cfg.ledger:
-                self.ledger.setdefault(str(epoch), []).extend(s[0] for s in batch)
-            every = self.cfg.checkpoint_every_steps
-            if every and self.step % every == 0 and self.step < self.steps:
-                t1 = time.perf_counter()
-                self.report(epoch, self.step, self.partial_metrics(epoch, prefetch.wait_s, compute_s, seen))
-                self.report_s += time.perf_counter() - t1
-        totals = self.all_sum([loss_sum, correct, seen, prefetch.wait_s, compute_s])
-        elapsed = time.perf_counter() - started - self.report_s  # checkpoint I/O is not training
-        stall, verdict = stall_verdict(totals[3] / self.world, totals[4] / self.world, self.cfg.ingest)
-        return {**(prefetch.stats() if self.cfg.ingest == "ray_data" else {}),"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
-                "images_per_s": totals[2] / max(elapsed, 1e-9), "wait_s": totals[3] / self.world,
-                "compute_s": totals[4] / self.world, "stall_fraction": stall, "verdict": verdict,
-                "lr": self.optimizer.param_groups[0]["lr"]}
+        feed, meter = self.input.train_feed(epoch, start_step), meters.StepMeter(self.device)
+        # loss and correct stay on the device: a float()/int() per step would sync the GPU
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        seen, started, self.report_s = 0, time.perf_counter(), 0.0
+        try:
+            for step, fed in enumerate(feed, start=start_step):
+                meter.start()
+                self.step_once(fed, step, sums)
+                meter.stop()
+                self.input.keep(epoch, step, fed)
+                seen += len(fed.rows)
+                self.step = step + 1
+                if self.cfg.ledger:
+                    self.ledger.setdefault(str(epoch), []).extend(s[0] for s in fed.rows)
+                every = self.cfg.checkpoint_every_steps
+                if every and self.step % every == 0 and self.step < self.steps:
+                    if not self.all_finite(sums):
+                        return None
+                    t1 = time.perf_counter()
+                    self.report(epoch, self.step, {"epoch": epoch, "samples_seen": seen, "val_acc": -1.0})
+                    self.report_s += time.perf_counter() - t1
+        finally:
+            feed.close()
+        if not self.all_finite(sums):
+            return None
+        wall = time.perf_counter() - started - self.report_s  # checkpoint I/O is not training
+        return self.epoch_metrics(feed, meter, sums, seen, wall)
 
-    def partial_metrics(self, epoch, wait_s, compute_s, seen) -> dict[str, Any]:
-        stall, verdict = stall_verdict(wait_s, compute_s, self.cfg.ingest)
-        # val_acc -1: mid-epoch checkpoints never outrank epoch-end ones for "best" retention.
-        return {"epoch": epoch, "samples_seen": seen, "stall_fraction": stall, "verdict": verdict,
-                "val_acc": -1.0}
+    def step_once(self, fed: feeds.FedBatch, step: int, sums: torch.Tensor) -> None:
+        """One optimiser step on `fed`; adds its summed loss and correct count to `sums`."""
+        x = self.batch(fed.images)
+        y = torch.tensor([s[1] for s in fed.rows], dtype=torch.long).to(self.device, non_blocking=True)
+        global_rows = sum(streaming.batch_sizes_at(step, self.total, self.world, self.cfg.batch_size))
+        with self.autocast():
+            logits = self.model(x)
+            summed = F.cross_entropy(logits.float(), y, reduction="sum",
+                                     label_smoothing=self.cfg.label_smoothing)
+        # DDP averages gradients over ranks; scaling by world/global_rows makes the result the
+        # exact mean over the global batch, even when ranks hold unequal (or empty) batches.
+        loss = summed * self.world / max(1, global_rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        self.schedule.step()
+        with torch.no_grad():  # a non-finite loss makes sums[0] non-finite: checked per report
+            sums[0] += summed.detach().double()
+            sums[1] += (logits.argmax(1) == y).sum()
+
+    def epoch_metrics(self, feed, meter: meters.StepMeter, sums: torch.Tensor, seen: int,
+                      wall: float) -> dict[str, Any]:
+        """The epoch's row: rates, the three clocks (stages.meters) and the verdict, over all ranks."""
+        loss_sum, correct = sums.tolist()
+        totals = self.all_sum([loss_sum, correct, seen, feed.wait_s, meter.busy_s(), wall])
+        per_rank = [v / self.world for v in totals[2:]]
+        times = meters.EpochTimes(int(per_rank[0]), *per_rank[1:])
+        capacity = feed.capacity()
+        device = "GPU" if self.device.type == "cuda" else "CPU"
+        row = {"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
+               "images_per_s": totals[2] / max(wall, 1e-9), "wait_s": times.wait_s,
+               "compute_s": times.busy_s, "wall_s": times.wall_s, "stall_fraction": times.stall,
+               "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
+               "tier": getattr(feed, "tier", self.cfg.ingest),
+               "verdict": meters.verdict(times, device, self.cfg.ingest, capacity),
+               "lr": self.optimizer.param_groups[0]["lr"]}
+        if capacity:
+            row["decode_images_per_s"] = capacity["images_per_s"]
+        return {**(feed.stats() if self.cfg.ingest == "ray_data" else {}), **row}
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64)
@@ -226,28 +220,32 @@ class Worker:
             torch.distributed.all_reduce(t)
         return t.tolist()
 
-    def all_finite(self, loss: torch.Tensor) -> bool:
-        bad = 0.0 if bool(torch.isfinite(loss.detach())) else 1.0
+    def all_finite(self, sums: torch.Tensor) -> bool:
+        bad = 0.0 if bool(torch.isfinite(sums[0])) else 1.0
         return self.all_sum([bad])[0] == 0
 
     @torch.no_grad()
     def evaluate(self, split: str) -> dict[str, float]:
-        # The unwrapped module: DDP's forward broadcasts buffers, a collective that would hang
-        # when ranks hold different numbers of eval batches.
+        """Loss and accuracy over `split`, sharded across the ranks and summed: on their device,
+        decoded by their pool. The unwrapped module: DDP's forward broadcasts buffers, a
+        collective that would hang when ranks hold different numbers of eval batches."""
         self.model.eval()
-        pieces = streaming.rank_pieces(self.refs[split], self.seed, 0, self.rank, self.world, shuffle=False)
-        stream = streaming.iter_samples(pieces, self.open_rows, self.seed, 0, self.rank, 1, shuffle=False)
-        loss_sum, correct, seen = 0.0, 0, 0
-        while batch := list(itertools.islice(stream, self.cfg.batch_size)):
-            x = self.batch([streaming.decode_sample(s[2], self.size, self.raw) for s in batch])
-            y = torch.tensor([s[1] for s in batch], dtype=torch.long, device=self.device)
-            with self.autocast():
-                logits = self.net(x).float()
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-            seen += len(batch)
-        loss_sum, correct, seen = self.all_sum([loss_sum, correct, seen])
-        return {f"{split}_loss": loss_sum / max(1, seen), f"{split}_acc": correct / max(1, seen)}
+        feed = self.input.eval_feed(split)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        try:
+            for fed in feed:
+                x = self.batch(fed.images)
+                y = torch.tensor([s[1] for s in fed.rows], dtype=torch.long).to(self.device, non_blocking=True)
+                with self.autocast():
+                    logits = self.net(x).float()
+                sums += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                                     (logits.argmax(1) == y).sum().double(),
+                                     torch.tensor(float(len(fed.rows)), dtype=torch.float64, device=self.device)])
+        finally:
+            feed.close()
+        loss_sum, correct, seen = self.all_sum(sums.tolist())
+        return {f"{split}_loss": loss_sum / max(1, seen), f"{split}_acc": correct / max(1, seen),
+                f"{split}_rows": int(seen)}
 
     # ---- checkpoints ------------------------------------------------------------------------
     def report(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
@@ -309,7 +307,14 @@ def train_loop(config: dict[str, Any]) -> None:
     """Ray Train entry point: resume if a checkpoint exists, then train the remaining epochs."""
     console.quiet_train_worker()
     w = Worker(config)
-    w.restore()
+    try:
+        w.restore()
+        _epochs(w, config)
+    finally:  # the decode processes end with the loop, whether it returns or raises
+        w.input.close()
+
+
+def _epochs(w: Worker, config: dict[str, Any]) -> None:
     for epoch in range(w.epoch, w.cfg.epochs):
         # ray_data resume is epoch-granular: the interrupted epoch restarts from its first batch
         start = w.step if epoch == w.epoch and w.cfg.ingest == "stream" else 0
@@ -325,6 +330,12 @@ def train_loop(config: dict[str, Any]) -> None:
         # cache counters after validation, so each epoch's row covers all of its reads
         row = {"epoch": epoch + 1, **metrics, **w.val, "cache_hits": w.cache.hits,
                "cache_misses": w.cache.misses, "worker_nodes": w.nodes}
+        # The test split is scored here, in the workers on their device, whenever this epoch's
+        # checkpoint may be the one published (the best val_acc so far, ties included): publish
+        # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.
+        if w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0):
+            started = time.perf_counter()
+            row.update(w.evaluate("test"), test_seconds=time.perf_counter() - started)
         if w.cfg.ledger:  # counted, not hidden: ray_data repeats rows of an interrupted epoch
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))

@@ -15,9 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages import streaming
-from stages.publish import curves, model_info, read_checkpoint, save_model, state_hash
-from stages.predict import evaluate_split, load_model
+from stages.publish import curves, model_info, read_checkpoint, save_model, state_hash, test_metrics
 from workflow.core import storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
@@ -246,9 +244,9 @@ def _best_model_files(cfg: TuneConfig, tcfg: TrainConfig, data: Artifact, out: s
         "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(state_hash(state))}",
         "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]}})
     save_model(out, state, info, s3)
-    model, info = load_model(out, s3)
-    refs = [streaming.ShardRef(**r) for r in loop["shards"]["test"]]  # checked once, before the search
-    test = evaluate_split(model, refs, info, loop["raw"], loop["s3"], tcfg.cache_dir)
+    # the trial's workers scored the test split at this epoch when it was their best val_acc
+    row = next((h for h in meta["history"] if h.get("epoch") == meta["epoch"]), {})
+    test = test_metrics(row, out, loop, tcfg.cache_dir, s3)
     files = {"metrics.jsonl": "".join(json.dumps(h) + "\n" for h in meta["history"]).encode()}
     with tempfile.TemporaryDirectory() as tmp:
         curves(meta["history"], Path(tmp) / "curves.png")

@@ -123,13 +123,25 @@ class TrainConfig(Section):
     use_gpu: bool = False
     cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by workflow.core.session
     gpus_per_worker: float = Field(1.0, gt=0)
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    channels_last: bool = False
+    # auto: bf16 on a GPU that supports it, else fp32. channels_last None: on for GPUs, off on CPU.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    channels_last: bool | None = None
     pin_memory: bool = True  # GPU only: pinned host buffers + non_blocking copies
     data_format: Literal["parquet", "tar"] = "parquet"
     shuffle_buffer_rows: int = Field(512, ge=1)
     prefetch_batches: int = Field(4, ge=0)
+    # Decode + augment processes per worker (stages.decode_pool), outside the loop's GIL. None: the
+    # plan's (workflow.core.session: the worker's CPUs, less one for the loop on a GPU); 0: decode
+    # in train.decode_threads threads of the training process instead (the old path).
+    decode_processes: int | None = Field(None, ge=0)
     decode_threads: int = Field(2, ge=1)
+    # Decoded tier (stages.decoded_tier): from epoch 2 on, each rank trains on the decoded,
+    # pre-augmentation pixels of its epoch-1 rows, kept in memory and augmented as tensor ops.
+    # auto: on the GPU if they fit in decoded_tier_gpu_share of its memory, else in host memory if
+    # they fit in decoded_tier_host_gb, else off (said in the log). gpu/host: only there.
+    decoded_tier: Literal["off", "auto", "gpu", "host"] = "off"
+    decoded_tier_gpu_share: float = Field(0.3, gt=0, le=0.9)
+    decoded_tier_host_gb: float = Field(8.0, gt=0)
     augment: AugmentConfig = AugmentConfig()
     checkpoint_every_steps: int = Field(0, ge=0)  # 0: only at epoch ends
     num_to_keep: int = Field(2, ge=1)

@@ -80,5 +80,6 @@ def epoch(row: dict[str, Any], epochs: int) -> None:
     """
     log.info(f"[raymill] train: epoch {row['epoch']}/{epochs} loss {row['train_loss']:.3f} "
              f"acc {row['train_acc']:.3f} val_acc {row['val_acc']:.3f} | {row['images_per_s']:.0f} images/s, "
-             f"waiting {row['wait_s']:.1f}s vs computing {row['compute_s']:.1f}s, "
-             f"stall {row['stall_fraction']:.1%}")
+             f"input wait {row['wait_s']:.1f}s, device busy {row['compute_s']:.1f}s of "
+             f"{row.get('wall_s', 0):.1f}s ({row.get('device_utilisation', 0):.0%}), "
+             f"stall {row['stall_fraction']:.1%}, tier {row.get('tier', '-')} | {row['verdict']}")

@@ -32,14 +32,15 @@ log = logging.getLogger(__name__)
 #   position is saved, never the position's meaning);
 # - placement: num_workers, min_workers, cpus_per_worker, gpus_per_worker, use_gpu. A world
 #   size change is the elastic path the checkpoint already handles (the epoch restarts);
-# - input plumbing: decode_threads, prefetch_batches, pin_memory, cache_dir, cache_max_gb,
+# - input plumbing: decode_threads, decode_processes (pixels do not depend on who decodes them),
+#   prefetch_batches, pin_memory, cache_dir, cache_max_gb,
 #   storage_path (the state's location, not its content).
 # Everything else is fingerprinted. Notably epochs and max_steps: they set the cosine LR
 # schedule's length, so "two more epochs" is a different run. So are batch_size (resume skips
 # step * batch_size rows), lr, optimizer, model, seed, precision and ledger.
 TRAIN_RESUMABLE = frozenset({
     "max_failures", "num_to_keep", "checkpoint_every_steps", "num_workers", "min_workers",
-    "cpus_per_worker", "gpus_per_worker", "use_gpu", "decode_threads", "prefetch_batches",
+    "cpus_per_worker", "gpus_per_worker", "use_gpu", "decode_threads", "decode_processes", "prefetch_batches",
     "pin_memory", "cache_dir", "cache_max_gb", "storage_path"})
 
 SUFFIX = ".fingerprint.json"

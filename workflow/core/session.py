@@ -91,10 +91,18 @@ def dashboard_url() -> str | None:
 
 
 def cluster_resources() -> dict[str, float]:
+    """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, and the fewest
+    CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node)."""
     import ray
 
     res = ray.cluster_resources()
-    return {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0))}
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
+    out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
+           "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0)))}
+    if gpu_nodes:
+        out["node_cpus_per_gpu"] = min(float(n.get("CPU", 0)) / float(n["GPU"]) for n in gpu_nodes)
+    return out
 
 
 @dataclass(frozen=True)
@@ -107,30 +115,37 @@ class WorkerPlan:
     use_gpu: bool
     data_reserved_cpus: float
     total_cpus: float
+    decode_processes: int = 0  # per worker (stages.decode_pool); 0: threads, or Ray Data decodes
+    torch_threads: int = 1  # intra-op threads of a CPU worker
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
-                 slots: int = 1) -> WorkerPlan:
+                 slots: int = 1, keep_reserve: bool | None = None) -> WorkerPlan:
     """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`.
 
-    CPUs per worker default to an equal share of what is left after the Ray Data reserve,
-    capped at 1 (extra CPUs help ingest more than a second intra-op thread helps a worker).
+    The Ray Data reserve is kept when Ray Data runs beside the trainers (`train.ingest=ray_data`,
+    or `keep_reserve`); a `stream` run has no Ray Data task to leave room for. Then:
+    - `stream`: each worker gets its share of the CPUs, within one node (on a GPU node, its
+      share of that node's CPUs per GPU), and decodes in that many processes (less one for the
+      loop on a GPU): a decode-heavy run uses every core;
+    - `ray_data`: a worker keeps 1 CPU for its loop at most, and Ray Data gets the rest.
     """
+    reserve = data_reserved_cpus if (train.ingest == "ray_data" if keep_reserve is None else keep_reserve) else 0.0
     total_cpus, total_gpus = resources["CPU"], resources["GPU"]
     workers = train.num_workers * slots
-    free = total_cpus - data_reserved_cpus
+    free = total_cpus - reserve
     if free <= 0:
         raise ConfigError(f"the cluster has {total_cpus:g} CPUs, all needed by ray.data_reserved_cpus="
-                          f"{data_reserved_cpus:g}; lower ray.data_reserved_cpus or add CPUs")
-    cpus = train.cpus_per_worker or math.floor(min(1.0, free / workers) * 100) / 100
+                          f"{reserve:g}; lower ray.data_reserved_cpus or add CPUs")
+    cpus = train.cpus_per_worker or math.floor(_cpu_share(train, resources, free / workers) * 100) / 100
     if cpus <= 0 or cpus * workers > free + 1e-9:
         raise ConfigError(
             f"train.num_workers={train.num_workers} x {slots} trainer(s) x {cpus:g} CPU needs "
             f"{cpus * workers:g} CPUs but only {free:g} of {total_cpus:g} are free after "
-            f"ray.data_reserved_cpus={data_reserved_cpus:g}; lower train.num_workers or "
+            f"ray.data_reserved_cpus={reserve:g}; lower train.num_workers or "
             f"train.cpus_per_worker, or add nodes")
     if train.use_gpu and train.gpus_per_worker * workers > total_gpus + 1e-9:
         raise ConfigError(
@@ -141,11 +156,32 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
                           f"{train.num_workers}; set min_workers <= num_workers")
     plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
-                      train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu,
-                      data_reserved_cpus, total_cpus)
-    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %.2f CPU kept for Ray Data",
-             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, data_reserved_cpus)
+                      train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
+                      total_cpus, _decode_processes(train, cpus), max(1, int(cpus + 0.5)))
+    decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
+              "Ray Data decodes" if train.ingest == "ray_data" else f"{train.decode_threads} decode threads")
+    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
+             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
+
+
+def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:
+    """CPUs per worker when the config does not say: an even share, within what one node holds."""
+    if train.ingest == "ray_data":
+        return min(1.0, even)  # the loop's own CPU; decoding runs in Ray Data's tasks
+    if train.use_gpu and "node_cpus_per_gpu" in resources:
+        return min(even, resources["node_cpus_per_gpu"] * train.gpus_per_worker)
+    return min(even, resources.get("max_node_cpus", resources["CPU"]))
+
+
+def _decode_processes(train: TrainConfig, cpus: float) -> int:
+    if train.decode_processes is not None:
+        return train.decode_processes
+    if train.ingest == "ray_data":
+        return 0
+    # On a GPU the loop needs a core of its own to launch kernels; on the CPU the step and the
+    # decoders take turns on the same cores (the step waits while a batch decodes), so all of them.
+    return max(1, int(cpus) - 1) if train.use_gpu else max(1, int(cpus + 0.5))
 
 
 @dataclass(frozen=True)
@@ -193,7 +229,7 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
             f"{free(1):g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
             f"tune.workers_per_trial or train.cpus_per_worker")
     plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
-                        data_reserved_cpus, slots=concurrent)
+                        data_reserved_cpus, slots=concurrent, keep_reserve=True)
     log.info("trial plan: %d trial(s) at a time", concurrent)
     return TrialPlan(concurrent, plan)
 
@@ -229,7 +265,7 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
                           f"has {resources['GPU']:g}; set serve.use_gpu=false or add GPUs")
     rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
     try:
-        workers = plan_workers(train, rest, data_reserved_cpus)
+        workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True)
     except ConfigError as e:
         raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
                           f"training: lower {key} or serve.cpus_per_replica)") from None

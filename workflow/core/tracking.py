@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 Handle = dict[str, Any]  # {"uri", "run_id", "experiment_id", "timeout_s"}: JSON, crosses processes
 TRACKING_FILE = "tracking.json"  # next to model.pt: which MLflow run made this model
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "stall_fraction",
-                 "wait_s", "compute_s", "lr")
+                 "wait_s", "compute_s", "device_utilisation", "decode_images_per_s", "test_acc", "lr")
 _failed: set[str] = set()  # tracking URIs that failed in this process: warned once, skipped after
 
 

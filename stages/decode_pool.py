@@ -1,0 +1,192 @@
+"""Decode and augment in worker processes, outside the training process's GIL.
+
+Why processes: on a 16-core GPU node, Pillow decode + random-resized-crop in 12 threads of the
+training process gave 1,275 img/s and 12 processes 6,063 (shared/PLATFORM.md); the threads also
+held the GIL the training thread needs between kernel launches. This follows torch's DataLoader
+workers: results land in shared memory, not in pickles, and the parent decides the sample order,
+so the workers only decode (mosaicml/streaming's "elastic determinism").
+
+Memory: `depth` batch slots in one `multiprocessing.sharedctypes.RawArray`. On Linux that is an
+mmap of a /dev/shm file that is unlinked at once, so nothing is left behind even after a SIGKILL.
+Children: started with `forkserver` (fork is unsafe after CUDA is initialised); each one exits
+within `WATCHDOG_S` of its parent's death, so a killed Ray worker leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.sharedctypes
+import os
+import signal
+import threading
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from stages import streaming
+
+__all__ = ["DecodeSpec", "DecodePool", "WATCHDOG_S"]
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_S = 0.5
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How one epoch's samples become pixels: the training transform, or the eval one.
+
+    `keep_plain` also returns the decoded, resized, pre-augmentation pixels (the decoded tier's
+    fill). Augmentation draws from an RNG seeded by (seed, epoch, key) (streaming.train_decoder),
+    so the pixels do not depend on which process decodes a sample.
+    """
+    size: int
+    raw: bool
+    seed: int = 0
+    epoch: int = 0
+    augment: bool = False
+    scale_min: float = 0.08
+    crop: bool = False
+    flip: bool = False
+    keep_plain: bool = False
+
+    def decoder(self) -> Callable[[tuple], np.ndarray]:
+        if not self.augment:
+            return lambda sample: streaming.decode_sample(sample[2], self.size, self.raw)
+        return streaming.train_decoder(self.seed, self.epoch, self.size, self.raw, self.scale_min,
+                                       self.crop, self.flip)
+
+
+# ---- child side ------------------------------------------------------------------------------
+_CHILD: dict[str, Any] = {}
+
+
+def _child_init(buffer, slot_shape: tuple[int, ...], parent_pid: int) -> None:
+    # The parent owns shutdown: Ctrl-C reaches the whole process group, and a child that died of
+    # it would turn a clean stop into a BrokenProcessPool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _CHILD["slots"] = np.frombuffer(buffer, dtype=np.uint8).reshape(slot_shape)
+    threading.Thread(target=_watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int, first_ppid: int) -> None:
+    """Exit when the parent is gone. A pool worker blocks on its task queue, whose write end it
+    also holds, so it would never see EOF and would outlive a SIGKILLed parent forever."""
+    while True:
+        time.sleep(WATCHDOG_S)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        if os.getppid() != first_ppid:  # re-parented: the parent (or the forkserver) died
+            os._exit(0)
+
+
+def _decode_chunk(slot: int, offset: int, samples: Sequence[tuple], spec: DecodeSpec) -> float:
+    """Decode `samples` into rows offset.. of `slot`; returns the CPU seconds it took."""
+    started = time.process_time()
+    decode, slots = spec.decoder(), _CHILD["slots"]
+    for i, sample in enumerate(samples):
+        if spec.keep_plain:
+            plain = streaming.decode_sample(sample[2], spec.size, spec.raw)
+            slots[slot, 1, offset + i] = plain
+            slots[slot, 0, offset + i] = _augment_plain(plain, sample, spec)
+        else:
+            slots[slot, 0, offset + i] = decode(sample)
+    return time.process_time() - started
+
+
+def _augment_plain(plain: np.ndarray, sample: tuple, spec: DecodeSpec) -> np.ndarray:
+    if not spec.augment:
+        return plain
+    rng = streaming.sample_rng(spec.seed, spec.epoch, sample[0])
+    return streaming.augment(plain, rng, spec.scale_min, spec.crop, spec.flip)
+
+
+def _ready() -> int:
+    time.sleep(0.05)  # long enough that each warm-up task lands in a process of its own
+    return os.getpid()
+
+
+# ---- parent side -----------------------------------------------------------------------------
+class DecodePool:
+    """`processes` decode processes writing into `depth` shared slots of `batch_size` images.
+
+    Start it once per training worker (start-up is 0.1-1 s) and close it when the worker ends;
+    `submit` decodes one batch into a free slot, `view` reads a slot, `release` frees it.
+    """
+
+    def __init__(self, processes: int, batch_size: int, image_size: int, depth: int,
+                 keep_plain: bool = False, start_method: str = "forkserver"):
+        if processes < 1:
+            raise ValueError(f"a decode pool needs at least 1 process, got {processes}")
+        self.processes, self.batch_size, self.depth = processes, batch_size, max(1, depth)
+        self.shape = (self.depth, 2 if keep_plain else 1, batch_size, image_size, image_size, 3)
+        buffer = multiprocessing.sharedctypes.RawArray(ctypes.c_uint8, int(np.prod(self.shape)))
+        self._slots = np.frombuffer(buffer, dtype=np.uint8).reshape(self.shape)
+        self._free = _SlotQueue(self.depth)
+        started = time.perf_counter()
+        self._executor = ProcessPoolExecutor(
+            max_workers=processes, mp_context=multiprocessing.get_context(start_method),
+            initializer=_child_init, initargs=(buffer, self.shape, os.getpid()))
+        # Start every child now, not at the first batch: start-up is not input wait (each submit
+        # to a pool with no idle process starts one).
+        for future in [self._executor.submit(_ready) for _ in range(processes)]:
+            future.result()
+        self.start_s = time.perf_counter() - started
+        log.debug("decode pool: %d processes (%s) in %.2f s, %d slots of %d images, %.0f MiB shared",
+                  processes, start_method, self.start_s, self.depth, batch_size, self._slots.nbytes / 2**20)
+
+    def acquire(self, stop: threading.Event) -> int | None:
+        """A free slot, or None once `stop` is set."""
+        return self._free.get(stop)
+
+    def release(self, slot: int) -> None:
+        self._free.put(slot)
+
+    def submit(self, slot: int, samples: list[tuple], spec: DecodeSpec) -> list[Future]:
+        """Decode `samples` into `slot`, split into contiguous chunks, one per process."""
+        if len(samples) > self.batch_size:
+            raise ValueError(f"batch of {len(samples)} exceeds the pool's slot of {self.batch_size}")
+        chunk = max(1, -(-len(samples) // self.processes))
+        return [self._executor.submit(_decode_chunk, slot, start, samples[start:start + chunk], spec)
+                for start in range(0, len(samples), chunk)]
+
+    def view(self, slot: int, rows: int, plain: bool = False) -> np.ndarray:
+        """The decoded images of `slot`: valid until the slot is released."""
+        return self._slots[slot, 1 if plain else 0, :rows]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "DecodePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _SlotQueue:
+    """Free slot numbers; a blocked `get` gives up when its stop event is set."""
+
+    def __init__(self, n: int):
+        self._cond = threading.Condition()
+        self._items = list(range(n))
+
+    def get(self, stop: threading.Event) -> int | None:
+        with self._cond:
+            while not self._items:
+                if stop.is_set():
+                    return None
+                self._cond.wait(0.1)
+            return None if stop.is_set() else self._items.pop(0)
+
+    def put(self, slot: int) -> None:
+        with self._cond:
+            self._items.append(slot)
+            self._cond.notify()
+

@@ -1,0 +1,146 @@
+"""The decoded tier: a rank's decoded, resized, pre-augmentation training pixels kept in memory.
+
+Why: decoding JPEGs is the input path's whole CPU cost. A data set that fits is decoded once
+(during the first epoch, by the decode pool, at no extra decode cost) and later epochs augment
+the kept pixels as batched tensor ops on the device (random resized crop + flip as one
+`grid_sample`), so the CPUs no longer bound the rate (the seeds: keep small data on the GPU).
+
+Semantics, stated because they differ from the stream path:
+- each rank keeps the rows of its epoch-1 range (`streaming.rank_pieces` at epoch 0) and
+  reshuffles them every epoch with a permutation seeded by (seed, epoch, rank): exactly-once per
+  epoch holds, but rows no longer move between ranks from epoch to epoch;
+- augmentation parameters come from a generator seeded by (seed, epoch, rank, step), so a
+  resumed run sees the same pixels; a restarted worker refills the tier first (one decode pass).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.feed import FedBatch
+
+__all__ = ["DecodedTier", "TierFeed", "place", "augment_batch"]
+
+log = logging.getLogger(__name__)
+
+
+def place(mode: str, rows: int, size: int, device: torch.device, gpu_share: float,
+          host_gb: float) -> str | None:
+    """Where a tier of `rows` images fits: "gpu", "host", or None (the reason is logged)."""
+    need = rows * size * size * 3
+    if mode in ("auto", "gpu") and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if need <= gpu_share * total:
+            return "gpu"
+        log.info("decoded tier: %.2f GiB does not fit in %.0f%% of the GPU's %.0f GiB "
+                 "(train.decoded_tier_gpu_share)", need / 2**30, gpu_share * 100, total / 2**30)
+    if mode in ("auto", "host") or device.type != "cuda":
+        if need <= host_gb * 1e9:
+            return "host"
+        log.warning("decoded tier: %.2f GB exceeds train.decoded_tier_host_gb=%g; training streams "
+                    "every epoch (raise the key, or shrink etl.image_size)", need / 1e9, host_gb)
+    return None
+
+
+def augment_batch(pixels: torch.Tensor, generator: torch.Generator, scale_min: float, crop: bool,
+                  flip: bool) -> torch.Tensor:
+    """Random resized crop (area in [scale_min, 1], aspect in [3/4, 4/3]) and horizontal flip of
+    a uint8 NHWC batch, as one affine `grid_sample` on the batch's device; returns uint8 NHWC."""
+    n = pixels.shape[0]
+    if n == 0 or not (crop or flip):
+        return pixels
+    u = torch.rand((n, 4), generator=generator, dtype=torch.float64)  # drawn on the CPU: portable
+    if crop:
+        area = scale_min + (1 - scale_min) * u[:, 0]
+        log_ratio = math.log(3 / 4) + (math.log(4 / 3) - math.log(3 / 4)) * u[:, 1]
+        w = torch.sqrt(area * torch.exp(log_ratio)).clamp(max=1.0)
+        h = torch.sqrt(area / torch.exp(log_ratio)).clamp(max=1.0)
+    else:
+        w = h = torch.ones(n, dtype=torch.float64)
+    # crop centre in [-1, 1] coordinates, so the box stays inside the image
+    cx, cy = (1 - w) * (2 * u[:, 2] - 1), (1 - h) * (2 * u[:, 3] - 1)
+    sign = torch.where(torch.rand(n, generator=generator, dtype=torch.float64) < 0.5, -1.0, 1.0) if flip \
+        else torch.ones(n, dtype=torch.float64)
+    theta = torch.zeros((n, 2, 3), dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = w * sign, cx, h, cy
+    x = pixels.permute(0, 3, 1, 2).float()
+    grid = F.affine_grid(theta.to(x.device, torch.float32), list(x.shape), align_corners=False)
+    out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+
+
+class DecodedTier:
+    """`rows` decoded images of one rank, indexed by their position in its epoch-1 stream."""
+
+    def __init__(self, rows: int, size: int, where: str, device: torch.device):
+        self.where, self.device = where, device
+        store = device if where == "gpu" else torch.device("cpu")
+        self.pixels = torch.empty((rows, size, size, 3), dtype=torch.uint8, device=store)
+        if where == "host" and device.type == "cuda":
+            self.pixels = self.pixels.pin_memory()  # batches copy to the GPU without staging
+        self.meta: list[tuple | None] = [None] * rows
+        self.filled = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.filled == len(self.meta)
+
+    def put(self, position: int, rows: list[tuple], plain: np.ndarray) -> None:
+        """Keep the pre-augmentation pixels of `rows`, which sit at `position`.. of the stream."""
+        if not len(rows):
+            return
+        self.pixels[position:position + len(rows)].copy_(torch.from_numpy(plain), non_blocking=False)
+        for i, row in enumerate(rows):
+            if self.meta[position + i] is None:
+                self.filled += 1
+            self.meta[position + i] = (row[0], row[1])
+
+    def feed(self, seed: int, epoch: int, rank: int, batch_size: int, start_step: int, steps: int,
+             augment: dict[str, Any]) -> "TierFeed":
+        return TierFeed(self, seed, epoch, rank, batch_size, start_step, steps, augment)
+
+    def nbytes(self) -> int:
+        return self.pixels.numel()
+
+
+class TierFeed:
+    """One epoch of batches from a full tier: a seeded permutation, augmented on the device."""
+
+    def __init__(self, tier: DecodedTier, seed: int, epoch: int, rank: int, batch_size: int,
+                 start_step: int, steps: int, augment: dict[str, Any]):
+        self.tier_store, self.augment = tier, augment
+        self.tier = f"decoded-{tier.where}"
+        self.seed, self.epoch, self.rank = seed, epoch, rank
+        self.batch_size, self.start_step, self.steps = batch_size, start_step, steps
+        self.wait_s = 0.0
+        order = torch.Generator().manual_seed(_mix(seed, epoch, rank, -1))
+        self.order = torch.randperm(len(tier.meta), generator=order)
+
+    def __iter__(self) -> Iterator[FedBatch]:
+        a, tier = self.augment, self.tier_store
+        for step in range(self.start_step, self.steps):
+            started = time.perf_counter()
+            index = self.order[step * self.batch_size:(step + 1) * self.batch_size]
+            pixels = tier.pixels[index.to(tier.pixels.device)].to(tier.device, non_blocking=True)
+            generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.rank, step))
+            images = augment_batch(pixels, generator, a["scale_min"], a["random_resized_crop"], a["flip"])
+            rows = [tier.meta[i] for i in index.tolist()]
+            self.wait_s += time.perf_counter() - started
+            yield FedBatch(rows, images)
+
+    def close(self) -> None:
+        pass
+
+    def capacity(self) -> None:
+        return None
+
+
+def _mix(seed: int, epoch: int, rank: int, step: int) -> int:
+    """A 63-bit seed from the four numbers (torch generators take one integer)."""
+    return int(np.random.SeedSequence([seed, epoch, rank, step + 1]).generate_state(2, np.uint64)[0] >> 1)

@@ -1,0 +1,113 @@
+"""Where a training epoch's time goes, measured so that nothing can hide, and the verdict on it.
+
+Three clocks per epoch:
+- `wait_s`: host time the loop spent blocked on its next batch (the feed's own counter);
+- `busy_s`: the device's busy time. On CUDA, events recorded around each step on the stream and
+  read once per epoch, so a host thread that waits for the GIL between kernel launches no
+  longer counts as "compute" (it did: 81 -> 262 ms a step beside 12 decode threads on an H100);
+  on the CPU, the step's wall time, because the CPU is the device;
+- `wall_s`: the epoch's wall time, checkpoint I/O excluded.
+stall = wait / wall; utilisation = busy / wall.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepMeter", "EpochTimes", "verdict", "INPUT_BOUND_STALL", "LOW_UTILISATION"]
+
+# Above this share of the wall spent waiting for input, input is the weakest link.
+INPUT_BOUND_STALL = 0.15
+# A GPU busy for less than this share of the wall, with no input wait to blame, is held back by
+# the host's own step work (launches, syncs, Python).
+LOW_UTILISATION = 0.8
+
+
+@dataclass(frozen=True)
+class EpochTimes:
+    images: int
+    wait_s: float
+    busy_s: float
+    wall_s: float
+
+    @property
+    def stall(self) -> float:
+        return min(1.0, self.wait_s / max(self.wall_s, 1e-9))
+
+    @property
+    def utilisation(self) -> float:
+        return min(1.0, self.busy_s / max(self.wall_s, 1e-9))
+
+    @property
+    def device_images_per_s(self) -> float:
+        """What the device (or the CPU step) sustains when it never waits."""
+        return self.images / max(self.busy_s, 1e-9)
+
+
+class StepMeter:
+    """Device busy time of each step: CUDA events on a GPU, the step's wall time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._pairs: list[tuple] = []
+        self._host_s = 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._pairs.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            self._pairs[-1][0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._pairs[-1][1].record()
+        else:
+            self._host_s += time.perf_counter() - self._t0
+
+    def busy_s(self) -> float:
+        """Busy seconds so far (one device sync on CUDA: call per epoch or checkpoint, not per step)."""
+        if not self.cuda:
+            return self._host_s
+        if self._pairs:
+            self._pairs[-1][1].synchronize()
+        # Fold finished pairs into a sum, so a long epoch holds a bounded number of events.
+        self._host_s += sum(a.elapsed_time(b) for a, b in self._pairs) / 1e3
+        self._pairs.clear()
+        return self._host_s
+
+
+def _rate(x: float) -> str:
+    return f"{x:,.0f} img/s"
+
+
+def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None) -> str:
+    """One phrase naming the weakest link with its numbers, and a fix that works.
+
+    `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
+    knows it: r is n / (decode CPU seconds per image), what its processes can deliver.
+    """
+    rate = _rate(t.device_images_per_s)
+    have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
+    if t.stall > INPUT_BOUND_STALL:
+        if ingest == "ray_data":
+            return (f"input-bound: Ray Data is the weakest link, stall {t.stall:.0%} beside a {device} "
+                    f"that does ≈ {rate}; add CPU nodes or raise ray.data_reserved_cpus, "
+                    "train.object_store_cache=true, or store decoded (etl.parquet_encoding=raw)")
+        more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
+        if decode and decode["images_per_s"] >= t.device_images_per_s:
+            return (f"input-bound: stall {t.stall:.0%} although decode {decode['processes']} procs ≈ "
+                    f"{_rate(decode['images_per_s'])} ≥ {device} ≈ {rate}: the wait is shard reads or "
+                    "the first batches, not decode; raise train.prefetch_batches, or train longer epochs")
+        limit = (f"decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])}" if decode
+                 else "decode in threads")
+        return (f"input-bound: {limit} < {device} ≈ {rate}; {more}, train.decoded_tier=auto when "
+                "the data fits, or train.ingest=ray_data with CPU nodes")
+    if device == "GPU" and t.utilisation < LOW_UTILISATION:
+        return (f"host-bound: the GPU is busy {t.utilisation:.0%} of the wall and input waits only "
+                f"{t.stall:.0%}; the step's host work (launches, syncs) is the limit: raise "
+                f"train.batch_size or use a larger model per step{have}")
+    return f"compute-bound: the {device} is the weakest link ≈ {rate}, input keeps up{have}"
