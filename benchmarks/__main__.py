@@ -30,6 +30,8 @@ from benchmarks.common import loadavg, machine_info, now_iso, versions
 # name -> module implementing add_arguments / run / render. Order = order in RESULTS.md and `all`.
 BENCHMARKS: dict[str, str] = {
     "etl": "benchmarks.etl",
+    "feed": "benchmarks.feed",
+    "gpu": "benchmarks.gpu",
     "ingest": "benchmarks.ingest",
     "ddp": "benchmarks.ddp",
     "serve": "benchmarks.serve",
@@ -150,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     names = list(BENCHMARKS) if args.command == "all" else [args.command]
     command = "python -m benchmarks " + shlex.join(argv)
     for name in names:
+        unavailable = getattr(_module(name), "available", lambda: None)()
+        if unavailable and args.command == "all":
+            print(f"== benchmark {name}: skipped, {unavailable}", flush=True)
+            continue
         run_one(name, _default_args(name) if args.command == "all" else args, command)
         render_results()  # after each, so a later failure keeps the earlier sections
     print(f"wrote {RESULTS_MD}")

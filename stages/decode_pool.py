@@ -34,6 +34,7 @@ __all__ = ["DecodeSpec", "DecodePool", "WATCHDOG_S"]
 log = logging.getLogger(__name__)
 
 WATCHDOG_S = 0.5
+NICE = 5
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ def _child_init(buffer, slot_shape: tuple[int, ...], parent_pid: int) -> None:
     # The parent owns shutdown: Ctrl-C reaches the whole process group, and a child that died of
     # it would turn a clean stop into a BrokenProcessPool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Below the loop that launches kernels: when cores are short, the loop is never queued
+    # behind a decoder (a GPU idles while its launcher waits); decoders take what is left.
+    os.nice(NICE)
     _CHILD["slots"] = np.frombuffer(buffer, dtype=np.uint8).reshape(slot_shape)
     threading.Thread(target=_watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
 

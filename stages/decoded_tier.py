@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import time
 from typing import Any, Iterator
 
@@ -122,23 +124,52 @@ class TierFeed:
         order = torch.Generator().manual_seed(_mix(seed, epoch, rank, -1))
         self.order = torch.randperm(len(tier.meta), generator=order)
 
-    def __iter__(self) -> Iterator[FedBatch]:
+    def batches(self) -> Iterator[FedBatch]:
         a, tier = self.augment, self.tier_store
         for step in range(self.start_step, self.steps):
-            started = time.perf_counter()
             index = self.order[step * self.batch_size:(step + 1) * self.batch_size]
             pixels = tier.pixels[index.to(tier.pixels.device)].to(tier.device, non_blocking=True)
             generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.rank, step))
             images = augment_batch(pixels, generator, a["scale_min"], a["random_resized_crop"], a["flip"])
-            rows = [tier.meta[i] for i in index.tolist()]
+            yield FedBatch([tier.meta[i] for i in index.tolist()], images)
+
+    def __iter__(self) -> Iterator[FedBatch]:
+        """On a GPU the ops are queued on the device in the loop's thread (launching them takes
+        microseconds); on a CPU they are the work itself, so a thread runs them 2 batches ahead
+        (torch releases the GIL inside them) and the loop waits only when it catches up."""
+        source = self.batches() if self.tier_store.device.type == "cuda" else _ahead(self.batches(), 2)
+        while True:
+            started = time.perf_counter()
+            fed = next(source, None)
             self.wait_s += time.perf_counter() - started
-            yield FedBatch(rows, images)
+            if fed is None:
+                return
+            yield fed
 
     def close(self) -> None:
         pass
 
     def capacity(self) -> None:
         return None
+
+
+def _ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
+    """`items`, produced by a background thread up to `depth` ahead; its errors re-raised here."""
+    out: queue.Queue = queue.Queue(maxsize=depth)
+
+    def fill() -> None:
+        try:
+            for item in items:
+                out.put(item)
+        except BaseException as e:
+            out.put(e)
+        out.put(StopIteration())
+
+    threading.Thread(target=fill, daemon=True, name="raymill-tier").start()
+    while not isinstance(item := out.get(), StopIteration):
+        if isinstance(item, BaseException):
+            raise item
+        yield item
 
 
 def _mix(seed: int, epoch: int, rank: int, step: int) -> int:

@@ -160,7 +160,10 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> p
               "batch_size": cfg.batch_size, "use_gpu": cfg.use_gpu,
               "threads": max(1, int(cfg.cpus_per_actor)), **plan.reader}
     ds = ray.data.from_items(plan.items, override_num_blocks=plan.blocks)
-    ds = ds.map_batches(Predictor, fn_constructor_kwargs=kwargs, batch_size=None, batch_format="pyarrow",
+    # One call per block's worth of work items, as batch_size=None would give; explicit, because
+    # Ray Data refuses batch_size=None when the actors ask for GPUs (infer.use_gpu).
+    per_call = max(1, math.ceil(len(plan.items) / plan.blocks))
+    ds = ds.map_batches(Predictor, fn_constructor_kwargs=kwargs, batch_size=per_call, batch_format="pyarrow",
                         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
                         num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.use_gpu else 0)
     try:

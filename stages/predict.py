@@ -29,8 +29,8 @@ def to_batch(arrays, mean, std, device: torch.device, channels_last: bool,
     """
     if isinstance(arrays, torch.Tensor):
         x = arrays
-    elif isinstance(arrays, np.ndarray):
-        x = torch.from_numpy(arrays)
+    elif isinstance(arrays, np.ndarray):  # Ray Data's batches are read-only views: torch needs a copy
+        x = torch.from_numpy(arrays if arrays.flags.writeable else arrays.copy())
     else:
         size = arrays[0].shape[0] if arrays else 1
         x = torch.from_numpy(np.stack(arrays)) if arrays else torch.zeros((0, size, size, 3), dtype=torch.uint8)

@@ -53,7 +53,7 @@ def test_capacity_timeout_is_recognised_through_rays_controller_error():
 
 
 def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
-    plan = session.plan_workers(_cfg().train, TWO_CPUS, 0.5)  # 2 workers x 0.75 CPU
+    plan = session.plan_workers(_cfg().train, TWO_CPUS, 0.5, keep_reserve=True)  # 2 workers x 0.75 CPU
     nodes = [{"Alive": True, "Resources": {"CPU": 1.0}}, {"Alive": False, "Resources": {"CPU": 1.0}}]
     assert capacity.workers_that_fit({"CPU": 0.75}, nodes) == 1
     message = str(capacity.capacity_error(plan, 40, "runs/x/train", nodes))

@@ -20,7 +20,7 @@ import pytest
 
 from stages import streaming
 from stages import etl, ingest_ray, train
-from stages.train_loop import stall_verdict
+from stages.meters import EpochTimes, verdict
 from workflow import demo_data
 from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker
@@ -107,9 +107,10 @@ def test_task_sizes_that_cannot_fit_beside_the_trainer_are_refused(caplog):
 
 
 def test_verdicts_name_the_other_path_as_the_fix():
-    assert "train.ingest=ray_data" in stall_verdict(9.0, 1.0)[1]
-    assert "Ray Data is the weakest link" in stall_verdict(9.0, 1.0, "ray_data")[1]
-    assert "compute is the weakest link" in stall_verdict(0.1, 9.9, "ray_data")[1]
+    starved, busy = EpochTimes(100, 9.0, 1.0, 10.0), EpochTimes(100, 0.1, 9.9, 10.0)
+    assert "train.ingest=ray_data" in verdict(starved, "GPU", "stream")
+    assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data")
+    assert verdict(busy, "GPU", "ray_data").startswith("compute-bound: the GPU is the weakest link")
 
 
 def test_two_nodes_decode_off_the_accelerator_node(tmp_path):

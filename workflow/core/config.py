@@ -131,8 +131,8 @@ class TrainConfig(Section):
     shuffle_buffer_rows: int = Field(512, ge=1)
     prefetch_batches: int = Field(4, ge=0)
     # Decode + augment processes per worker (stages.decode_pool), outside the loop's GIL. None: the
-    # plan's (workflow.core.session: the worker's CPUs, less one for the loop on a GPU); 0: decode
-    # in train.decode_threads threads of the training process instead (the old path).
+    # plan's (workflow.core.session: one per CPU of the worker); 0: decode in train.decode_threads
+    # threads of the training process instead (the old path).
     decode_processes: int | None = Field(None, ge=0)
     decode_threads: int = Field(2, ge=1)
     # Decoded tier (stages.decoded_tier): from epoch 2 on, each rank trains on the decoded,

@@ -129,8 +129,8 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     The Ray Data reserve is kept when Ray Data runs beside the trainers (`train.ingest=ray_data`,
     or `keep_reserve`); a `stream` run has no Ray Data task to leave room for. Then:
     - `stream`: each worker gets its share of the CPUs, within one node (on a GPU node, its
-      share of that node's CPUs per GPU), and decodes in that many processes (less one for the
-      loop on a GPU): a decode-heavy run uses every core;
+      share of that node's CPUs per GPU), and decodes in that many processes, below the loop's
+      priority: a decode-heavy run uses every core;
     - `ray_data`: a worker keeps 1 CPU for its loop at most, and Ray Data gets the rest.
     """
     reserve = data_reserved_cpus if (train.ingest == "ray_data" if keep_reserve is None else keep_reserve) else 0.0
@@ -179,9 +179,10 @@ def _decode_processes(train: TrainConfig, cpus: float) -> int:
         return train.decode_processes
     if train.ingest == "ray_data":
         return 0
-    # On a GPU the loop needs a core of its own to launch kernels; on the CPU the step and the
-    # decoders take turns on the same cores (the step waits while a batch decodes), so all of them.
-    return max(1, int(cpus) - 1) if train.use_gpu else max(1, int(cpus + 0.5))
+    # One per CPU of the worker. They run at a lower priority (stages.decode_pool.NICE), so the
+    # loop that launches kernels (or computes, on a CPU) is never queued behind them: it gets a
+    # core when it needs one, and the decoders take every cycle it leaves.
+    return max(1, int(cpus + 0.5))
 
 
 @dataclass(frozen=True)

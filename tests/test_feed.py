@@ -1,0 +1,173 @@
+"""The input path without Ray: decode processes, their determinism and clean-up, the decoded
+tier, and the verdict in settings whose answer is known (slowed decode vs a slow step)."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+from stages import decoded_tier, meters, streaming
+from stages.decode_pool import DecodePool, DecodeSpec
+from stages.feed import PoolFeed, ThreadFeed
+from tests.conftest import REPO
+
+SPEC = DecodeSpec(size=32, raw=False, seed=3, epoch=1, augment=True, scale_min=0.3, crop=True, flip=True)
+
+
+def _jpeg(rng, shape=(48, 64), fmt="JPEG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((*shape, 3)) * 255).astype(np.uint8)).save(buf, fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def shards():
+    """Three in-memory 'shards' of (key, label, jpeg) rows, read through the real epoch reader."""
+    rng = np.random.default_rng(0)
+    rows = [(f"{i:032x}", i % 3, _jpeg(rng)) for i in range(90)]
+    refs = [streaming.ShardRef(f"mem://{k}", "parquet", 30, 0, str(k)) for k in range(3)]
+    return refs, {ref.uri: rows[k * 30:(k + 1) * 30] for k, ref in enumerate(refs)}
+
+
+def _epoch(shards, rank=0, world=1):
+    refs, data = shards
+    return streaming.epoch_batches(refs, lambda ref: data[ref.uri], 3, 1, rank, world, 8, 16)
+
+
+def _collect(feed):
+    return [([r[0] for r in fed.rows], np.array(fed.images)) for fed in feed]
+
+
+def test_same_batches_for_one_and_many_processes_and_threads(shards):
+    with DecodePool(1, 8, 32, 2) as one, DecodePool(3, 8, 32, 4) as many:
+        a, b = _collect(PoolFeed(one, _epoch(shards), SPEC)), _collect(PoolFeed(many, _epoch(shards), SPEC))
+    c = _collect(ThreadFeed(_epoch(shards), SPEC, 2, 2))
+    assert len(a) == len(b) == len(c) == 12
+    for (ka, xa), (kb, xb), (kc, xc) in zip(a, b, c):
+        assert ka == kb == kc and np.array_equal(xa, xb) and np.array_equal(xa, xc)
+    keys = [k for ks, _ in a for k in ks]
+    assert sorted(keys) == sorted(r[0] for rows in shards[1].values() for r in rows), "not exactly once"
+
+
+def test_a_bad_sample_raises_in_the_loop_and_the_pool_ends_clean(shards):
+    refs, data = shards
+    broken = {**data, refs[1].uri: [(k, y, b"not a jpeg") for k, y, _ in data[refs[1].uri]]}
+    me = psutil.Process()
+    with DecodePool(2, 8, 32, 2) as pool:
+        feed = PoolFeed(pool, streaming.epoch_batches(refs, lambda r: broken[r.uri], 3, 1, 0, 1, 8, 4), SPEC)
+        with pytest.raises(Exception, match="not_an_image|cannot identify|decode"):
+            _collect(feed)
+        assert len(_collect(PoolFeed(pool, _epoch(shards), SPEC))) == 12, "the pool survives a bad epoch"
+    _no_decoders_left(me)
+
+
+def _decoders(root: psutil.Process) -> list[psutil.Process]:
+    """Decode-pool children of `root`'s forkserver (its own process stays: one per process)."""
+    out = []
+    for p in root.children(recursive=True):
+        try:
+            if "stages.decode_pool" in " ".join(p.cmdline()) and p.ppid() != root.pid:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _no_decoders_left(root: psutil.Process, timeout_s: float = 5.0) -> None:
+    deadline = time.time() + timeout_s
+    while _decoders(root) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _decoders(root), "decode processes outlived their pool"
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    from stages.decode_pool import DecodePool
+    if __name__ == "__main__":
+        pool = DecodePool(2, 4, 16, 2)
+        print("ready", flush=True)
+        time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("how", ["sigkill", "ctrl_c"])
+def test_no_orphans_when_the_owner_is_killed_or_interrupted(tmp_path, how):
+    script = tmp_path / "owner.py"
+    script.write_text(_CHILD)
+    owner = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE,
+                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert owner.stdout.readline().strip() == b"ready"
+    decoders = [p for p in psutil.Process(owner.pid).children(recursive=True)
+                if p.ppid() != owner.pid]
+    assert len(decoders) >= 1
+    if how == "sigkill":
+        owner.kill()
+    else:  # Ctrl-C reaches the whole foreground process group
+        os.killpg(owner.pid, signal.SIGINT)
+    owner.wait(10)
+    gone, alive = psutil.wait_procs(decoders, timeout=5)
+    assert not alive, f"orphans after {how}: {[p.pid for p in alive]}"
+
+
+def test_decoded_tier_is_exactly_once_deterministic_and_augments_on_device():
+    tier = decoded_tier.DecodedTier(20, 16, "host", torch.device("cpu"))
+    pixels = np.random.default_rng(1).integers(0, 255, (20, 16, 16, 3), dtype=np.uint8)
+    tier.put(0, [(f"k{i}", i % 2) for i in range(12)], pixels[:12])
+    assert not tier.ready
+    tier.put(12, [(f"k{i}", i % 2) for i in range(12, 20)], pixels[12:])
+    assert tier.ready
+    augment = {"scale_min": 0.3, "random_resized_crop": True, "flip": True}
+
+    def epoch(e, start=0):
+        return [([r[0] for r in f.rows], f.images.clone()) for f in tier.feed(5, e, 0, 8, start, 3, augment)]
+
+    one, again, other = epoch(2), epoch(2), epoch(3)
+    assert sorted(k for ks, _ in one for k in ks) == sorted(f"k{i}" for i in range(20)), "not exactly once"
+    assert all(ka == kb and torch.equal(xa, xb) for (ka, xa), (kb, xb) in zip(one, again))
+    assert [k for ks, _ in one for k in ks] != [k for ks, _ in other for k in ks], "epochs reshuffle"
+    assert epoch(2, start=1)[0][0] == one[1][0] and torch.equal(epoch(2, start=1)[0][1], one[1][1])
+    assert one[0][1].dtype == torch.uint8 and one[0][1].shape == (8, 16, 16, 3)
+    # identity parameters give the stored pixels back: the affine grid is exact
+    ident = decoded_tier.augment_batch(torch.from_numpy(pixels), torch.Generator().manual_seed(0), 1.0, False, False)
+    assert torch.equal(ident, torch.from_numpy(pixels))
+
+
+def _run(feed, step_s: float) -> meters.EpochTimes:
+    """An emulated device: each step sleeps `step_s` (no GIL held), timed like train_loop."""
+    meter, images, started = meters.StepMeter(torch.device("cpu")), 0, time.perf_counter()
+    for fed in feed:
+        meter.start()
+        time.sleep(step_s)
+        meter.stop()
+        images += len(fed.rows)
+    return meters.EpochTimes(images, feed.wait_s, meter.busy_s(), time.perf_counter() - started)
+
+
+def test_verdict_names_slowed_decode_and_a_slow_step_with_true_numbers(shards):
+    rng = np.random.default_rng(2)
+    # Slowed on purpose: 700x700 PNGs (no JPEG draft shortcut) decoded to 32 px, in 1 process.
+    slow = [(f"{i:032x}", 0, _jpeg(rng, (700, 700), "PNG")) for i in range(32)]
+    with DecodePool(1, 8, 32, 3) as pool:
+        feed = PoolFeed(pool, iter([slow[i:i + 8] for i in range(0, 32, 8)]), SPEC)
+        t = _run(feed, step_s=0.002)
+        capacity = feed.capacity()
+        said = meters.verdict(t, "CPU", "stream", capacity)
+        truth = 1 - (t.images / t.wall_s) / (8 / 0.002)  # 1 - fed / the step's own rate
+        assert said.startswith(f"input-bound: decode 1 procs ≈ {capacity['images_per_s']:,.0f} img/s < CPU"), said
+        assert abs(t.stall - truth) < 0.05 and capacity["images_per_s"] < t.device_images_per_s
+        feed = PoolFeed(pool, _epoch(shards), SPEC)
+        t = _run(feed, step_s=0.05)
+        said = meters.verdict(t, "CPU", "stream", feed.capacity())
+        truth = 1 - (t.images / t.wall_s) / (t.images / (0.05 * 12))
+        assert said.startswith("compute-bound: the CPU is the weakest link"), said
+        assert abs(t.stall - truth) < 0.05
