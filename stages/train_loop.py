@@ -327,15 +327,15 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             ray.train.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val})
             return
         w.val = w.evaluate("val")
-        # cache counters after validation, so each epoch's row covers all of its reads
-        row = {"epoch": epoch + 1, **metrics, **w.val, "cache_hits": w.cache.hits,
-               "cache_misses": w.cache.misses, "worker_nodes": w.nodes}
+        row = {"epoch": epoch + 1, **metrics, **w.val}
         # The test split is scored here, in the workers on their device, whenever this epoch's
         # checkpoint may be the one published (the best val_acc so far, ties included): publish
         # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.
         if w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0):
             started = time.perf_counter()
             row.update(w.evaluate("test"), test_seconds=time.perf_counter() - started)
+        # cache counters after evaluation, so each epoch's row covers all of its reads
+        row.update(cache_hits=w.cache.hits, cache_misses=w.cache.misses, worker_nodes=w.nodes)
         if w.cfg.ledger:  # counted, not hidden: ray_data repeats rows of an interrupted epoch
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))

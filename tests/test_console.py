@@ -65,3 +65,27 @@ def test_config_error_reaches_the_terminal_with_the_fix(tmp_path):
                 timeout=120)
     assert done.returncode == 2
     assert "unknown config key 'tracking.enabld'" in done.stderr and "enabled" in done.stderr
+
+
+def test_ray_trains_coordinator_timeout_is_one_line_in_every_worker(ray_session):
+    """The hook runs in Ray's worker processes (Train's controller among them): a real Ray task
+    logs the controller's warning with its traceback, and one line without it comes out."""
+    import ray
+
+    @ray.remote
+    def warn_like_the_controller() -> list[str]:
+        import logging
+
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        logger = logging.getLogger("ray.train.v2.autoscaling_client")  # Train's module logger, by prefix
+        logger.addHandler(handler)
+        try:
+            raise TimeoutError("GetTimeoutError")
+        except TimeoutError:
+            logger.warning("Failed to send resource request for %s.", "abc", exc_info=True)
+        return [logging.Formatter().format(r) for r in records]
+
+    lines = ray.get(warn_like_the_controller.remote())
+    assert len(lines) == 1 and "\n" not in lines[0] and "goes on" in lines[0]

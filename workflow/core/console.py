@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 __all__ = ["setup", "verbose", "quiet_ray", "train_logging_config", "quiet_train_worker", "epoch",
-           "VERBOSE_ENV"]
+           "VERBOSE_ENV", "WORKER_SETUP_HOOK", "worker_setup", "quiet_torch_cpp"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
 _OURS = ("raymill", "workflow", "stages", "benchmarks")  # loggers that speak at INFO by default
@@ -47,6 +47,56 @@ def quiet_ray() -> None:
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(logging.WARNING)
+
+
+# Ray's documented per-process hook (runtime_env "worker_process_setup_hook"): runs in every worker
+# process of the job, Train's controller actor included, whose console raymill cannot reach otherwise.
+WORKER_SETUP_HOOK = "workflow.core.console.worker_setup"
+# Ray Train 2.60's controller logs this warning, with a 20-line traceback, when its autoscaling
+# coordinator does not answer within a fixed 5 s (no setting changes it); training goes on. Seen
+# in 4 of 8 trainer starts on a 16-core GPU node.
+_COORDINATOR = ("ray.train.", "Failed to send resource request")
+_COORDINATOR_LINE = ("Ray Train's autoscaling coordinator did not answer within its fixed 5 s; the "
+                     "resource request is retried and training goes on (harmless; --verbose shows why)")
+
+
+def worker_setup() -> None:
+    """Rewrite that one record (matched by logger-name prefix and message) into one line without
+    its traceback. A record factory, because the logger is created by Ray after this hook runs
+    and its handlers are Train's own."""
+    if verbose():
+        return
+    make = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if record.name.startswith(_COORDINATOR[0]) and str(record.msg).startswith(_COORDINATOR[1]):
+            record.msg, record.args, record.exc_info = _COORDINATOR_LINE, (), None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def quiet_torch_cpp() -> dict[str, str]:
+    """Env for Ray workers when this host's name does not resolve (said once, here).
+
+    torch's c10d store then warns "The hostname of the client socket cannot be retrieved" in every
+    GPU worker. The fix at the source is a resolvable hostname (/etc/hosts); without it, torch's
+    documented TORCH_CPP_LOG_LEVEL=ERROR silences its C++ warnings in the workers.
+    """
+    import socket
+
+    if verbose() or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return {}
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+        return {}
+    except OSError:
+        logging.getLogger("raymill.session").warning(
+            "this host's name (%s) does not resolve: torch's C++ warnings are silenced in Ray workers "
+            "(TORCH_CPP_LOG_LEVEL=ERROR) instead of a c10d warning per worker; add it to /etc/hosts to "
+            "fix it at the source", socket.gethostname())
+        return {"TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 def train_logging_config():

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 # workers inherit this process's environment; cluster nodes get credentials from their instance
 # profile / node-level env (README, "Credentials on a cluster").
 _FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                  "RAYMILL_VERBOSE")  # workflow.core.console: --verbose reaches workers
+                  "RAYMILL_VERBOSE",  # workflow.core.console: --verbose reaches workers
+                  "TORCH_CPP_LOG_LEVEL")  # console.quiet_torch_cpp
 _DASHBOARD: dict[str, str] = {}
 
 
@@ -43,10 +44,13 @@ def start(cfg: RayConfig) -> dict[str, float]:
     if first:
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}
+        os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
+        runtime_env: dict = {"worker_process_setup_hook": console.WORKER_SETUP_HOOK}
         if cfg.address:
             env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-            kwargs.update(address=cfg.address, runtime_env={"env_vars": env} if env else None)
+            kwargs.update(address=cfg.address, runtime_env={**runtime_env, **({"env_vars": env} if env else {})})
         else:
+            kwargs["runtime_env"] = runtime_env
             # The dashboard agent's Prometheus endpoint listens on every interface without the
             # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
             os.environ.setdefault("RAY_enable_metrics_collection", "0")
