@@ -120,7 +120,7 @@ class TierFeed:
         self.tier = f"decoded-{tier.where}"
         self.seed, self.epoch, self.rank = seed, epoch, rank
         self.batch_size, self.start_step, self.steps = batch_size, start_step, steps
-        self.wait_s = 0.0
+        self.wait_s, self._stop = 0.0, threading.Event()
         order = torch.Generator().manual_seed(_mix(seed, epoch, rank, -1))
         self.order = torch.randperm(len(tier.meta), generator=order)
 
@@ -137,7 +137,8 @@ class TierFeed:
         """On a GPU the ops are queued on the device in the loop's thread (launching them takes
         microseconds); on a CPU they are the work itself, so a thread runs them 2 batches ahead
         (torch releases the GIL inside them) and the loop waits only when it catches up."""
-        source = self.batches() if self.tier_store.device.type == "cuda" else _ahead(self.batches(), 2)
+        cuda = self.tier_store.device.type == "cuda"
+        source = self.batches() if cuda else _ahead(self.batches(), 2, self._stop)
         while True:
             started = time.perf_counter()
             fed = next(source, None)
@@ -147,23 +148,34 @@ class TierFeed:
             yield fed
 
     def close(self) -> None:
-        pass
+        self._stop.set()
 
     def capacity(self) -> None:
         return None
 
 
-def _ahead(items: Iterator[Any], depth: int) -> Iterator[Any]:
-    """`items`, produced by a background thread up to `depth` ahead; its errors re-raised here."""
+def _ahead(items: Iterator[Any], depth: int, stop: threading.Event) -> Iterator[Any]:
+    """`items`, produced by a background thread up to `depth` ahead; its errors re-raised here.
+    Setting `stop` ends the thread (an epoch abandoned part-way leaves nothing running)."""
     out: queue.Queue = queue.Queue(maxsize=depth)
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def fill() -> None:
         try:
             for item in items:
-                out.put(item)
+                if not put(item):
+                    return
         except BaseException as e:
-            out.put(e)
-        out.put(StopIteration())
+            put(e)
+        put(StopIteration())
 
     threading.Thread(target=fill, daemon=True, name="raymill-tier").start()
     while not isinstance(item := out.get(), StopIteration):

@@ -208,3 +208,27 @@ def kill_one_train_worker(killed: list) -> bool:
         except psutil.NoSuchProcess:
             continue
     return False
+
+
+def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
+    """Decode-pool processes (stages.decode_pool: a forkserver and its children, which carry its
+    command line) still alive on this machine after `timeout_s`, except this test process's own
+    forkserver family. Ray's dashboard modules also use a forkserver: theirs name `ray.dashboard`."""
+    import time
+
+    import psutil
+
+    def stray() -> list[str]:
+        me = psutil.Process()
+        own = {p.pid for c in me.children() for p in [c, *c.children(recursive=True)]}
+        out = []
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            line = " ".join(p.info["cmdline"] or [])
+            if "multiprocessing.forkserver" in line and "ray.dashboard" not in line and p.pid not in own:
+                out.append(f"{p.pid}: {line[:120]}")
+        return out
+
+    deadline = time.time() + timeout_s
+    while (left := stray()) and time.time() < deadline:
+        time.sleep(0.2)
+    return left

@@ -64,6 +64,7 @@ def test_a_bad_sample_raises_in_the_loop_and_the_pool_ends_clean(shards):
     broken = {**data, refs[1].uri: [(k, y, b"not a jpeg") for k, y, _ in data[refs[1].uri]]}
     me = psutil.Process()
     with DecodePool(2, 8, 32, 2) as pool:
+        assert len(_decoders(me)) == 2, "the test must see the pool's processes to see them go"
         feed = PoolFeed(pool, streaming.epoch_batches(refs, lambda r: broken[r.uri], 3, 1, 0, 1, 8, 4), SPEC)
         with pytest.raises(Exception, match="not_an_image|cannot identify|decode"):
             _collect(feed)
@@ -72,12 +73,13 @@ def test_a_bad_sample_raises_in_the_loop_and_the_pool_ends_clean(shards):
 
 
 def _decoders(root: psutil.Process) -> list[psutil.Process]:
-    """Decode-pool children of `root`'s forkserver (its own process stays: one per process)."""
+    """Decode processes of `root`: the children of its own forkserver (a direct child of it; Ray's
+    dashboard has one too, further down). The forkserver stays, one per process, and exits with it."""
     out = []
-    for p in root.children(recursive=True):
+    for server in root.children():
         try:
-            if "stages.decode_pool" in " ".join(p.cmdline()) and p.ppid() != root.pid:
-                out.append(p)
+            if "multiprocessing.forkserver" in " ".join(server.cmdline()):
+                out += server.children()
         except psutil.NoSuchProcess:
             pass
     return out

@@ -22,7 +22,7 @@ from stages.train_loop import precision_plan
 from workflow.core import session
 from workflow import demo_data
 from workflow.core.config import ConfigError, S3Config, load_config
-from tests.conftest import REPO, demo_dataset, kill_one_train_worker
+from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
         "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40"]
@@ -87,6 +87,8 @@ def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_p
     artifact = train.run(cfg.train, dataset, str(tmp_path / "train"), seed=0, ray_cfg=cfg.ray)
     watcher.join()
     assert killed, "no worker was killed: the test did not exercise recovery"
+    # the killed worker's decode processes, and the finished run's, are all gone
+    assert not stray_decode_processes(), "decode processes outlived their training workers"
     assert "resumed from" in capfd.readouterr().out + capfd.readouterr().err or True
     _ledger_ok(artifact, dataset)
     got = torch.load(Path(artifact.path) / "model.pt", weights_only=True)
@@ -107,13 +109,15 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
 
     remote = load_artifact(f"s3://{bucket}/ds", "etl", s3)
     cfg = _cfg("train.data_format=tar", "train.checkpoint_every_steps=0", "train.ledger=false",
-               f"train.cache_dir={tmp_path / 'cache'}")
+               f"train.cache_dir={tmp_path / 'cache'}", "train.decoded_tier=auto")
     artifact = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
     history = [json.loads(line) for line in fs.cat_file(f"{bucket}/run/metrics.jsonl").decode().splitlines()]
     # rank 0's counters: epoch 1 fills the cache, epoch 2 only hits it
     assert history[0]["cache_misses"] > 0
     assert history[1]["cache_misses"] == history[0]["cache_misses"]
     assert history[1]["cache_hits"] > history[0]["cache_hits"]
+    # epoch 2 trains from the decoded tier the first epoch filled (on the CPU: host memory)
+    assert [h["tier"] for h in history] == ["stream", "decoded-host"]
     cached = list((tmp_path / "cache").glob("*.tar"))
     assert cached and all(p.stat().st_size > 0 for p in cached)
     assert fs.find(f"{bucket}/run/ray/train"), "no checkpoint was written to S3"

@@ -219,4 +219,6 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     used = 2 * (plan.workers.cpus_per_worker + session.TRIAL_DRIVER_CPUS)
     assert used <= 2.0 - cfg.ray.data_reserved_cpus + 1e-9
     big = session.plan_trials(cfg.tune, cfg.train, {"CPU": 16.0, "GPU": 0.0}, 0.5)
-    assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 1.0
+    # stream trials share what is left: 2 trials x 7.74 CPUs, each decoding in 8 processes
+    assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 7.74
+    assert big.workers.decode_processes == 8
