@@ -7,7 +7,8 @@ What a 2-core machine can and cannot show: the GIL problem is a many-core effect
 each path delivers what the spare CPUs can decode, and that the verdict's stall is the true one.
 
 The emulated accelerator (honest, and said so in RESULTS.md): a step that makes the loop's host
-copy of the batch, holds the GIL for `--gil-ms` of Python work (the kernel launches), then sleeps
+copy of the uint8 batch (what `to_batch` does on a GPU host: the pinned copy; normalising runs on
+the device), holds the GIL for `--gil-ms` of Python work (the kernel launches), then sleeps
 for the device time (a GPU step holds no GIL). Its own rate, measured alone on a ready batch, is
 the consumer's limit. The decode capacity of N processes on the CPUs the loop leaves is
 min(N x r1, cores / (1/r1 + the loop's CPU seconds per image)), with r1 the 1-process rate
@@ -31,7 +32,6 @@ from benchmarks import feed_cpu
 from stages import decoded_tier, meters, streaming
 from stages.decode_pool import DecodePool, DecodeSpec
 from stages.feed import PoolFeed, ThreadFeed
-from stages.predict import to_batch
 
 CORES = os.cpu_count() or 1
 CPU = torch.device("cpu")
@@ -96,15 +96,15 @@ def scaling(data: Data) -> dict[str, list[dict]]:
 class Accelerator:
     """Holds the GIL for `gil_s` (Python launch work), then sleeps `device_s` (device time).
 
-    A step includes the loop's host copy of the batch (stages.predict.to_batch), as the
-    training loop's step does, so the consumer's own rate and the fed runs time the same work.
+    A step includes the loop's host copy of the uint8 batch (on a GPU host, to_batch's pinned
+    copy), so the consumer's own rate and the fed runs time the same work.
     """
 
     def __init__(self, gil_s: float, device_s: float, batch: int):
         self.gil_s, self.device_s, self.batch = gil_s, device_s, batch
 
     def step(self, images) -> None:
-        to_batch(images, (0.5,) * 3, (0.25,) * 3, CPU, False, False)
+        torch.from_numpy(np.asarray(images)).clone()  # the loop's host work on a GPU: the pinned uint8 copy
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < self.gil_s:
             pass
@@ -121,13 +121,13 @@ class Accelerator:
 
 
 def consume(feed, acc: Accelerator) -> dict[str, Any]:
-    """Train-loop timing (stages.meters) of `feed` into the emulated accelerator, from the first
-    batch's arrival on (the time to it is reported beside: Ray Data's start-up is seconds)."""
+    """Train-loop timing (stages.meters) of `feed` into the emulated accelerator, the whole epoch
+    as the product times it: the time to the first batch (Ray Data's start-up is seconds) is
+    inside the rate, and reported beside it."""
     meter, images, started, first = meters.StepMeter(CPU), 0, time.perf_counter(), None
     try:
         for fed in feed:
-            if first is None:
-                first, first_wait, started = time.perf_counter() - started, feed.wait_s, time.perf_counter()
+            first = time.perf_counter() - started if first is None else first
             meter.start()
             acc.step(fed.images)
             meter.stop()
@@ -135,7 +135,7 @@ def consume(feed, acc: Accelerator) -> dict[str, Any]:
     finally:
         feed.close()
     wall = time.perf_counter() - started
-    times = meters.EpochTimes(images, feed.wait_s - first_wait, meter.busy_s(), wall)
+    times = meters.EpochTimes(images, feed.wait_s, meter.busy_s(), wall)
     return {"images": images, "wall_s": round(wall, 3), "fed_images_per_s": round(images / wall, 1),
             "first_batch_s": round(first, 3), "stall": round(times.stall, 4), "times": times,
             "verdict": meters.verdict(times, "GPU (emulated)", "stream", feed.capacity())}
@@ -207,9 +207,10 @@ def targets(settings: dict, cpu: dict) -> list[dict[str, Any]]:
                     "measured": round(abs(ours["stall"] - truth) * 100, 1), "pass": abs(ours["stall"] - truth) <= 0.05})
         out.append({"target": f"{name}: verdict names the limit ({word}-bound)", "measured": ours["verdict"][:60],
                     "pass": ours["verdict"].startswith(f"{word}-bound")})
-    if cpu.get("ours_vs_bound") is not None:
-        out.append({"target": "CPU-only run fed ≥ 0.8 x cores ÷ (decode + step CPU s per image)",
-                    "measured": cpu["ours_vs_bound"], "pass": cpu["ours_vs_bound"] >= 0.8})
+    for workers, run_ in cpu.get("train_runs", {}).items():
+        out.append({"target": f"CPU-only `raymill train` ({workers} worker(s)) fed ≥ 0.8 x cores ÷ "
+                              "(decode + step CPU s per image)",
+                    "measured": run_["vs_bound"], "pass": (run_["vs_bound"] or 0) >= 0.8})
     return out
 
 

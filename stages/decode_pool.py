@@ -70,11 +70,20 @@ def _child_init(buffer, slot_shape: tuple[int, ...], parent_pid: int) -> None:
     # The parent owns shutdown: Ctrl-C reaches the whole process group, and a child that died of
     # it would turn a clean stop into a BrokenProcessPool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # Below the loop that launches kernels: when cores are short, the loop is never queued
-    # behind a decoder (a GPU idles while its launcher waits); decoders take what is left.
-    os.nice(NICE)
+    _yield_to_the_loop()
     _CHILD["slots"] = np.frombuffer(buffer, dtype=np.uint8).reshape(slot_shape)
     threading.Thread(target=_watch_parent, args=(parent_pid, os.getppid()), daemon=True).start()
+
+
+def _yield_to_the_loop() -> None:
+    """Below the training loop: when cores are short, the loop (launching kernels, or computing
+    on a CPU) is never queued behind a decoder, and decoders take every cycle it leaves. Linux's
+    SCHED_IDLE does exactly that (a nice level only weights the share: a decoder beside the loop
+    still took a quarter of its core); elsewhere, nice."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(NICE)
 
 
 def _watch_parent(parent_pid: int, first_ppid: int) -> None:

@@ -53,7 +53,8 @@ def place(mode: str, rows: int, size: int, device: torch.device, gpu_share: floa
 def augment_batch(pixels: torch.Tensor, generator: torch.Generator, scale_min: float, crop: bool,
                   flip: bool) -> torch.Tensor:
     """Random resized crop (area in [scale_min, 1], aspect in [3/4, 4/3]) and horizontal flip of
-    a uint8 NHWC batch, as one affine `grid_sample` on the batch's device; returns uint8 NHWC."""
+    a uint8 NHWC batch; returns uint8 NHWC. On a GPU, one affine `grid_sample` for the batch; on
+    a CPU, the same boxes in whole pixels, resized in uint8 (5x cheaper there)."""
     n = pixels.shape[0]
     if n == 0 or not (crop or flip):
         return pixels
@@ -69,12 +70,29 @@ def augment_batch(pixels: torch.Tensor, generator: torch.Generator, scale_min: f
     cx, cy = (1 - w) * (2 * u[:, 2] - 1), (1 - h) * (2 * u[:, 3] - 1)
     sign = torch.where(torch.rand(n, generator=generator, dtype=torch.float64) < 0.5, -1.0, 1.0) if flip \
         else torch.ones(n, dtype=torch.float64)
+    if pixels.device.type == "cpu":
+        return _crops_on_cpu(pixels, w, h, cx, cy, sign)
     theta = torch.zeros((n, 2, 3), dtype=torch.float64)
     theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = w * sign, cx, h, cy
     x = pixels.permute(0, 3, 1, 2).float()
     grid = F.affine_grid(theta.to(x.device, torch.float32), list(x.shape), align_corners=False)
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def _crops_on_cpu(pixels: torch.Tensor, w, h, cx, cy, sign) -> torch.Tensor:
+    """The same boxes, cut in whole pixels and resized in uint8 one image at a time: on a CPU,
+    uint8 bilinear `interpolate` took 0.24 ms an image at 224 px, `grid_sample` in float 1.17."""
+    size = pixels.shape[1]
+    out = torch.empty_like(pixels)
+    for i in range(pixels.shape[0]):
+        bw, bh = max(1, round(float(w[i]) * size)), max(1, round(float(h[i]) * size))
+        x0 = min(size - bw, max(0, round((float(cx[i]) + 1) / 2 * size - bw / 2)))
+        y0 = min(size - bh, max(0, round((float(cy[i]) + 1) / 2 * size - bh / 2)))
+        box = pixels[i, y0:y0 + bh, x0:x0 + bw].permute(2, 0, 1).unsqueeze(0)
+        resized = F.interpolate(box, size=(size, size), mode="bilinear", align_corners=False, antialias=False)
+        out[i] = (resized.flip(-1) if sign[i] < 0 else resized)[0].permute(1, 2, 0)
+    return out
 
 
 class DecodedTier:

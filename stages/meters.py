@@ -98,6 +98,11 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None)
                     f"that does ≈ {rate}; add CPU nodes or raise ray.data_reserved_cpus, "
                     "train.object_store_cache=true, or store decoded (etl.parquet_encoding=raw)")
         more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
+        if decode and device == "CPU" and decode["images_per_s"] >= t.device_images_per_s:
+            both = 1 / (1 / decode["images_per_s"] + 1 / t.device_images_per_s)
+            return (f"CPU-bound: decode ({decode['processes']} procs ≈ {_rate(decode['images_per_s'])}) and "
+                    f"the step (≈ {rate}) share the same cores, together ≈ {_rate(both)}; add cores, "
+                    "train.decoded_tier=auto when the data fits, or store decoded (etl.parquet_encoding=raw)")
         if decode and decode["images_per_s"] >= t.device_images_per_s:
             return (f"input-bound: stall {t.stall:.0%} although decode {decode['processes']} procs ≈ "
                     f"{_rate(decode['images_per_s'])} ≥ {device} ≈ {rate}: the wait is shard reads or "
