@@ -162,10 +162,14 @@ class DecodePool:
         self._free.put(slot)
 
     def submit(self, slot: int, samples: list[tuple], spec: DecodeSpec) -> list[Future]:
-        """Decode `samples` into `slot`, split into contiguous chunks, one per process."""
+        """Decode `samples` into `slot`, in as few contiguous chunks as keep every process busy
+        when all slots are in flight. Few, large tasks: the executor queues only a few tasks ahead
+        and refills from a thread of this process, which waits for the GIL while the loop holds it;
+        with small tasks the decoders ran dry (measured: 0.87 -> see benchmarks feed)."""
         if len(samples) > self.batch_size:
             raise ValueError(f"batch of {len(samples)} exceeds the pool's slot of {self.batch_size}")
-        chunk = max(1, -(-len(samples) // self.processes))
+        chunks = -(-self.processes // self.depth)
+        chunk = max(1, -(-len(samples) // chunks))
         return [self._executor.submit(_decode_chunk, slot, start, samples[start:start + chunk], spec)
                 for start in range(0, len(samples), chunk)]
 
