@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=None)
     _common(p)
 
+    p = sub.add_parser("doctor", help="what the Ray sessions on this machine expose: every listening port, classified")
+    p.add_argument("--pid", type=int, default=None, help="only this process and its descendants (a raymill command)")
+
     p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer")
     p.add_argument("--serve", action="store_true", help="then serve the model and send test requests")
     p.add_argument("--force", action="store_true", help="recompute stages even if unchanged")
@@ -87,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console.setup(args.verbose)
+    _loopback_if_local(args)
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:  # includes bad inputs/outputs named on the command line
@@ -229,8 +233,42 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    """Every listening port of this user's Ray processes, classified as tests/test_exposure.py
+    does (workflow.core.exposure); exit 1 when one is exposed."""
+    from workflow.core import exposure
+
+    rows = exposure.rows(exposure.process_tree(args.pid) if args.pid else exposure.ray_processes())
+    if not rows:
+        print("doctor: no Ray process of yours is listening on this machine")
+        return 0
+    print("| process | pid | address | port | kind | why |\n|---|---:|---|---:|---|---|")
+    for r in rows:
+        print(f"| {r['process']} | {r['pid']} | {r['address']} | {r['port']} | {r['kind']} | {r['why']} |")
+    kinds = [r["kind"] for r in rows]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("loopback", "ray-grpc-token", "named", "exposed"))
+    print(f"doctor: {len(rows)} listeners: {counts}")
+    return 1 if "exposed" in kinds else 0
+
+
+def _loopback_if_local(args) -> None:
+    """Before anything imports Ray: a run that starts its own local Ray keeps it on loopback
+    (workflow.core.session.keep_local_on_loopback), read by Ray when it is imported."""
+    if not hasattr(args, "overrides") or os.environ.get("RAY_ADDRESS"):
+        return
+    try:
+        cfg = load_config(args.config, list(args.overrides))
+    except ConfigError:
+        return  # the command itself reports it, with the fix
+    if cfg.ray.address is None:
+        from workflow.core import session  # imports no Ray
+
+        session.keep_local_on_loopback()
+
+
 COMMANDS = {"demo-data": cmd_demo_data, "etl": cmd_etl, "verify": cmd_verify, "train": cmd_train,
-            "tune": cmd_tune, "infer": cmd_infer, "serve": cmd_serve, "run": cmd_run}
+            "tune": cmd_tune, "infer": cmd_infer, "serve": cmd_serve, "run": cmd_run,
+            "doctor": cmd_doctor}
 
 if __name__ == "__main__":
     sys.exit(main())

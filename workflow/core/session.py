@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 from workflow.core.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
-__all__ = ["start", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
+__all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
            "TrialPlan", "TRIAL_DRIVER_CPUS",
            "ServeTrainPlan", "plan_serve_and_train"]
 
@@ -34,8 +35,11 @@ def start(cfg: RayConfig) -> dict[str, float]:
     Embedded local Ray by default; `ray.address` joins a running cluster. Token authentication
     is Ray 2.60's default and is left on. The dashboard (on unless `ray.include_dashboard=false`)
     binds to `ray.dashboard_host`, 127.0.0.1 by default: it also hosts the State API that Ray
-    Train uses to free the placement groups of stopped runs.
+    Train uses to free the placement groups of stopped runs. A local run keeps every Ray server
+    on loopback (`keep_local_on_loopback`).
     """
+    if cfg.address is None:
+        keep_local_on_loopback()
     import ray
 
     from workflow.core import console
@@ -61,6 +65,8 @@ def start(cfg: RayConfig) -> dict[str, float]:
             kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
                           object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
         context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        if not cfg.address:
+            check_loopback()
         if getattr(context, "dashboard_url", None):
             _DASHBOARD["url"] = f"http://{context.dashboard_url}"
             log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
@@ -69,6 +75,33 @@ def start(cfg: RayConfig) -> dict[str, float]:
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
+
+
+# Ray's documented switch for single-machine Ray (macOS and Windows default to it): with it off,
+# Ray takes 127.0.0.1 as the node's address, and GCS, raylet, workers, the agents and the
+# Prometheus exporters all listen on loopback. Read when Ray is imported.
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_local_on_loopback() -> None:
+    """Before Ray starts locally: nothing it opens listens beyond this machine.
+
+    Without it a local run had 20 of 24 listeners off loopback, two of them (the Prometheus
+    exporters) answering without the token. A user who set the variable keeps their value;
+    if Ray was imported before raymill could set it, the run says so (`check_loopback`).
+    """
+    if LOCAL_ONLY_ENV not in os.environ and "ray" not in sys.modules:
+        os.environ[LOCAL_ONLY_ENV] = "0"
+
+
+def check_loopback() -> None:
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    if not address.startswith("127."):
+        log.warning("this local Ray listens on %s, not only on loopback: Ray was imported before "
+                    "raymill started it (import raymill's session first, or set %s=0 before "
+                    "importing ray); `raymill doctor` lists what is open", address, LOCAL_ONLY_ENV)
 
 
 def _point_state_api_at_own_dashboard(host: str) -> int:

@@ -1,0 +1,105 @@
+"""Every open port accounted for: a real 2-worker `raymill train` and `raymill serve`, run as a
+user runs them, with every listening socket of their process trees classified while they run
+(workflow.core.exposure: the same classification as `raymill doctor`)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, free_port
+from workflow import demo_data
+from workflow.core import exposure
+
+
+def _cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the product decides, as for a user
+    return subprocess.Popen([sys.executable, "-m", "workflow", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def _sample_while(proc: subprocess.Popen, until, timeout_s: float) -> dict[tuple, dict]:
+    """Classified listeners of `proc`'s tree, sampled every 0.3 s until `until()` or it exits."""
+    seen: dict[tuple, dict] = {}
+    deadline = time.time() + timeout_s
+    while proc.poll() is None and time.time() < deadline and not until():
+        for row in exposure.rows(exposure.process_tree(proc.pid)):
+            seen.setdefault((row["process"], row["address"], row["port"]), row)
+        time.sleep(0.3)
+    return seen
+
+
+def _off_loopback(seen: dict) -> list[dict]:
+    return [r for r in seen.values() if r["kind"] not in ("loopback", "ray-grpc-token", "named")]
+
+
+def test_a_planted_listener_is_caught(tmp_path):
+    """The classifier can fail: a plain socket on every interface is `exposed`."""
+    with socket.socket() as planted:
+        planted.bind(("0.0.0.0", 0))
+        planted.listen()
+        port = planted.getsockname()[1]
+        rows = exposure.rows({os.getpid()})
+    mine = [r for r in rows if r["port"] == port]
+    assert mine and mine[0]["kind"] == "exposed", rows
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-worker DDP `raymill train` (the smoke config): its listeners, sampled during training."""
+    root = tmp_path_factory.mktemp("exposure")
+    demo_data.generate(root / "src", images=160, seed=4)
+    etl = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(root / "src"), "--output",
+                          str(root / "etl"), "--config", "configs/smoke.yaml"], cwd=REPO, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert etl.returncode == 0, etl.stdout[-2000:] + etl.stderr[-2000:]
+    proc = _cli("train", "--data", str(root / "etl"), "--output", str(root / "train"), "--config",
+                "configs/smoke.yaml", "--set", "train.epochs=3", "--set", "tracking.enabled=false")
+    seen = _sample_while(proc, lambda: False, 600)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, output[-4000:]
+    return root, seen
+
+
+def test_a_local_train_exposes_nothing_beyond_loopback(trained):
+    _, seen = trained
+    processes = {r["process"] for r in seen.values()}
+    assert any(p.startswith("gcs_server") for p in processes) and any("RayTrainWorker" in p or p == "python"
+                                                                       for p in processes), processes
+    assert not _off_loopback(seen), _off_loopback(seen)
+
+
+def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(trained):
+    root, _ = trained
+    port = free_port()
+    proc = _cli("serve", "--model", str(root / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
+    ready = []
+
+    def up() -> bool:
+        if not ready:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    ready.append(time.time())
+            except OSError:
+                return False
+        return time.time() - ready[0] > 3  # a few more samples once it answers
+
+    try:
+        seen = _sample_while(proc, up, 300)
+        # `raymill doctor` says the same of the running endpoint
+        doctor = subprocess.run([sys.executable, "-m", "workflow", "doctor", "--pid", str(proc.pid)], cwd=REPO,
+                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    assert ready, output[-4000:]
+    assert any(r["port"] == port and r["kind"] == "loopback" for r in seen.values()), seen
+    assert not _off_loopback(seen), _off_loopback(seen)
+    assert doctor.returncode == 0 and " 0 exposed" in doctor.stdout, doctor.stdout + doctor.stderr
