@@ -11,14 +11,14 @@ RUN_DIR ?= runs/demo
 
 install: $(STAMP)
 
-# `make run` installs the product only (mlflow-skinny); `make test` adds the test extra (full
-# mlflow for `mlflow server`, moto, nbclient, ...), so the demo run does not pay for the test stack.
+# `make run` installs the product and the `ui` extra (full mlflow: the `mlflow ui` a run prints needs
+# flask and the web app); `make test` adds the test extra (moto, nbclient, ...).
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# No GPU driver here: take the CPU torch build so pip does not pull CUDA wheels.
 	command -v nvidia-smi >/dev/null 2>&1 || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[ui]"
 	touch $(RUN_STAMP)
 
 $(STAMP): $(RUN_STAMP)

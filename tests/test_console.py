@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,36 @@ def test_run_console_is_short_and_tracked(tmp_path):
     assert "model/model.pt" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
     assert 0 <= run.data.metrics["infer_accuracy"] <= 1
     assert client.get_model_version(found["model_name"], found["model_version"]).run_id == run.info.run_id
+    _printed_ui_command_serves_on_loopback(stdout[-1].split("browse with: ", 1)[1])
+
+
+def _printed_ui_command_serves_on_loopback(command: str) -> None:
+    """The `mlflow ui` line the run printed, run as printed (on a free port): 200, loopback only."""
+    import shlex
+    import time
+    import urllib.request
+
+    from tests.conftest import free_port
+    from workflow.core import exposure
+
+    argv, port = shlex.split(command), free_port()
+    assert argv[0] == "mlflow" and argv[argv.index("--host") + 1] == "127.0.0.1", command
+    argv[argv.index("--port") + 1] = str(port)
+    ui = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), *argv[1:]], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, status = time.time() + 120, None
+        while time.time() < deadline and ui.poll() is None and status != 200:
+            try:
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).status
+            except OSError:
+                time.sleep(0.5)
+        assert status == 200, ui.stderr.read() if ui.poll() is not None else "no answer in 120 s"
+        rows = exposure.rows(exposure.process_tree(ui.pid))
+        assert rows and all(r["kind"] == "loopback" for r in rows), rows
+    finally:
+        ui.terminate()
+        ui.wait(30)
 
 
 def test_config_error_reaches_the_terminal_with_the_fix(tmp_path):

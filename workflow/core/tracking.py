@@ -49,7 +49,11 @@ def store_uri(cfg: TrackingConfig, folder: str) -> str | None:
 
 
 def ui_command(uri: str) -> str:
-    return f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else f"open {uri}"
+    """The command that browses `uri`: MLflow's UI on loopback for a local store (`make run`
+    installs the `ui` extra, full mlflow, which the skinny client lacks: flask and the web app)."""
+    if uri.startswith("sqlite:"):
+        return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    return f"open {uri}"
 
 
 def _warn_once(uri: str, message: str) -> None:
