@@ -289,3 +289,13 @@ def test_no_secret_objects_with_literal_data_are_shipped():
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") == "Secret":
                 pytest.fail(f"{path.name} ships a Secret; create it with kubectl instead")
+
+
+def test_cluster_yaml_opens_no_ray_port_to_the_outside():
+    """README, Security: Ray's ports stay inside the cluster's security group."""
+    provider = load_cluster_yaml()["provider"]
+    rules = provider.get("security_group", {}).get("IpPermissions", [])
+    ray_ports = {6379, 8265, 10001, 8000, 44217, 44227}
+    for rule in rules:
+        opened = set(range(rule.get("FromPort", 0), rule.get("ToPort", 0) + 1))
+        assert not opened & ray_ports, f"security group opens {sorted(opened & ray_ports)}"

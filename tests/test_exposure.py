@@ -74,6 +74,18 @@ def test_a_local_train_exposes_nothing_beyond_loopback(trained):
     assert any(p.startswith("gcs_server") for p in processes) and any("RayTrainWorker" in p or p == "python"
                                                                        for p in processes), processes
     assert not _off_loopback(seen), _off_loopback(seen)
+    # as the README's table says: the only listener off loopback is the DDP store, named
+    assert {r["process"] for r in seen.values() if r["kind"] != "loopback"} <= {"ray::RayTrainWorker"}
+
+
+def test_readme_port_table_matches_what_the_runs_expose():
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("| port | what | authenticated | local run | cluster |"):].split("\n\n")[0]
+    local = {cells[1]: cells[4] for line in table.splitlines()[2:] if (cells := [c.strip() for c in line.split("|")])}
+    off = {what: where for what, where in local.items() if not where.startswith("127.0.0.1")}
+    assert set(off) == {"Serve replicas' inter-deployment gRPC", "DDP rendezvous (torch TCPStore, rank 0, while training)"}, off
+    assert "token" in off["Serve replicas' inter-deployment gRPC"] and "named exception" in off[
+        "DDP rendezvous (torch TCPStore, rank 0, while training)"]
 
 
 def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(trained):
@@ -103,3 +115,5 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(trained):
     assert any(r["port"] == port and r["kind"] == "loopback" for r in seen.values()), seen
     assert not _off_loopback(seen), _off_loopback(seen)
     assert doctor.returncode == 0 and " 0 exposed" in doctor.stdout, doctor.stdout + doctor.stderr
+    # off loopback: only Serve's replica-to-replica gRPC, and it refused a call without the token
+    assert {r["kind"] for r in seen.values() if "ServeReplica" not in r["process"]} == {"loopback"}
