@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -54,8 +53,8 @@ class Step:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
 
     def __call__(self, images, labels: torch.Tensor) -> None:
-        x = images if images.dtype != torch.uint8 else to_batch(
-            images, (0.5,) * 3, (0.25,) * 3, self.device, True, True)
+        ready = isinstance(images, torch.Tensor) and images.is_floating_point()  # the limit's tensors
+        x = images if ready else to_batch(images, (0.5,) * 3, (0.25,) * 3, self.device, True, True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = F.cross_entropy(self.model(x).float(), labels)
         self.optimizer.zero_grad(set_to_none=True)
@@ -68,8 +67,12 @@ class Smi:
 
     def __enter__(self) -> "Smi":
         self.samples: list[float] = []
-        self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                       "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        try:
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                           "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        except FileNotFoundError:  # no nvidia-smi: the CUDA-event figure stands alone
+            self._proc = None
+            return self
         threading.Thread(target=self._read, daemon=True).start()
         return self
 
@@ -81,7 +84,8 @@ class Smi:
                 pass
 
     def __exit__(self, *exc) -> None:
-        self._proc.terminate()
+        if self._proc:
+            self._proc.terminate()
 
     def mean(self) -> float | None:
         return sum(self.samples) / len(self.samples) if self.samples else None

@@ -232,3 +232,37 @@ def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
     while (left := stray()) and time.time() < deadline:
         time.sleep(0.2)
     return left
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """`raymill run` on the smoke config, as `make run` runs it (a subprocess, the user's env),
+    with every listening socket of its process tree sampled every 0.3 s while it runs
+    (workflow.core.exposure). Shared by the console test and the exposure test: one run, ~45 s."""
+    import subprocess
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    from workflow import demo_data
+    from workflow.core import exposure
+
+    root = tmp_path_factory.mktemp("smoke-run")
+    demo_data.generate(root / "src", images=160, seed=2)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name in ("RAY_DATA_DISABLE_PROGRESS_BARS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(name, None)  # the user's defaults, not the test suite's: the product decides
+    out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "workflow", "run", "--config", "configs/smoke.yaml", "--set",
+                             f"run.source={root / 'src'}", "--set", f"run.dir={root / 'run'}"], cwd=REPO, env=env,
+                            stdout=out, stderr=err, text=True)
+    seen: dict[tuple, dict] = {}
+    deadline = time.time() + 900
+    while proc.poll() is None and time.time() < deadline:
+        for row in exposure.rows(exposure.process_tree(proc.pid)):
+            seen.setdefault((row["process"], row["address"], row["port"]), row)
+        time.sleep(0.3)
+    proc.wait(60)
+    out.seek(0), err.seek(0)
+    return SimpleNamespace(returncode=proc.returncode, stdout=out.read(), stderr=err.read(), run_dir=root / "run",
+                           listeners=seen)

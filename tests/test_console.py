@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import REPO
 from workflow.core import tracking
-from workflow import demo_data
 
 MAX_LINES = 60  # the target for `make run` after pip's own output
 REPRS = re.compile(r"\b(TrainingReport|Checkpoint|Result|ObjectRef|ActorHandle|Dataset)\(")
@@ -30,11 +29,8 @@ def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_run_console_is_short_and_tracked(tmp_path):
-    demo_data.generate(tmp_path / "src", images=160, seed=2)
-    run_dir = tmp_path / "run"
-    done = _cli("run", "--config", "configs/smoke.yaml", "--set", f"run.source={tmp_path / 'src'}",
-                "--set", f"run.dir={run_dir}")
+def test_run_console_is_short_and_tracked(smoke_run):
+    done, run_dir = smoke_run, smoke_run.run_dir
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     # stdout carries only the summary; stderr the progress lines (the order within each is kept)

@@ -1,6 +1,6 @@
-"""Every open port accounted for: a real 2-worker `raymill train` and `raymill serve`, run as a
-user runs them, with every listening socket of their process trees classified while they run
-(workflow.core.exposure: the same classification as `raymill doctor`)."""
+"""Every open port accounted for: a real `raymill run` (ETL, 2-worker DDP train, batch inference)
+and `raymill serve`, run as a user runs them, with every listening socket of their process trees
+classified while they run (workflow.core.exposure: the same classification as `raymill doctor`)."""
 from __future__ import annotations
 
 import os
@@ -9,12 +9,8 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from tests.conftest import REPO, free_port
-from workflow import demo_data
 from workflow.core import exposure
 
 
@@ -51,31 +47,16 @@ def test_a_planted_listener_is_caught(tmp_path):
     assert mine and mine[0]["kind"] == "exposed", rows
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A 2-worker DDP `raymill train` (the smoke config): its listeners, sampled during training."""
-    root = tmp_path_factory.mktemp("exposure")
-    demo_data.generate(root / "src", images=160, seed=4)
-    etl = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(root / "src"), "--output",
-                          str(root / "etl"), "--config", "configs/smoke.yaml"], cwd=REPO, capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
-    assert etl.returncode == 0, etl.stdout[-2000:] + etl.stderr[-2000:]
-    proc = _cli("train", "--data", str(root / "etl"), "--output", str(root / "train"), "--config",
-                "configs/smoke.yaml", "--set", "train.epochs=3", "--set", "tracking.enabled=false")
-    seen = _sample_while(proc, lambda: False, 600)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, output[-4000:]
-    return root, seen
-
-
-def test_a_local_train_exposes_nothing_beyond_loopback(trained):
-    _, seen = trained
+def test_a_local_run_exposes_nothing_beyond_loopback(smoke_run):
+    """`raymill run` (ETL, a 2-worker DDP train, batch inference), sampled while it ran."""
+    seen = smoke_run.listeners
+    assert smoke_run.returncode == 0, smoke_run.stderr[-4000:]
     processes = {r["process"] for r in seen.values()}
-    assert any(p.startswith("gcs_server") for p in processes) and any("RayTrainWorker" in p or p == "python"
-                                                                       for p in processes), processes
+    assert any(p.startswith("gcs_server") for p in processes), processes
+    assert any(p.startswith("ray::RayTrainWorker") for p in processes), processes
     assert not _off_loopback(seen), _off_loopback(seen)
     # as the README's table says: the only listener off loopback is the DDP store, named
-    assert {r["process"] for r in seen.values() if r["kind"] != "loopback"} <= {"ray::RayTrainWorker"}
+    assert all(r["process"].startswith("ray::RayTrainWorker") for r in seen.values() if r["kind"] != "loopback")
 
 
 def test_readme_port_table_matches_what_the_runs_expose():
@@ -88,10 +69,9 @@ def test_readme_port_table_matches_what_the_runs_expose():
         "DDP rendezvous (torch TCPStore, rank 0, while training)"]
 
 
-def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(trained):
-    root, _ = trained
+def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
     port = free_port()
-    proc = _cli("serve", "--model", str(root / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
+    proc = _cli("serve", "--model", str(smoke_run.run_dir / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
     ready = []
 
     def up() -> bool:
