@@ -89,7 +89,7 @@ def decode_rate(data: Data, procs: int, threads: int) -> float:
 
 def scaling(data: Data, ray_data: bool) -> dict[str, Any]:
     counts = sorted({1, *range(2, CORES + 1)})
-    out: dict[str, Any] = {
+    out: dict[str, Any] = {} if ray_data else {
         "threads": [{"n": n, "images_per_s": round(decode_rate(data, 0, n), 1)} for n in counts],
         "processes": [{"n": n, "images_per_s": round(decode_rate(data, n, 0), 1)} for n in counts]}
     if ray_data:  # Ray Data on every core with nothing consuming: its own ceiling here
@@ -151,7 +151,7 @@ def consume(feed, acc: Accelerator) -> dict[str, Any]:
             "verdict": meters.verdict(times, "GPU (emulated)", "stream", feed.capacity())}
 
 
-def run_paths(data: Data, acc: Accelerator, procs: int, ray_data: Callable | None) -> dict[str, dict]:
+def run_paths(data: Data, acc: Accelerator, procs: int) -> dict[str, dict]:
     out = {}
     with DecodePool(procs, data.batch, data.size, 5, keep_plain=True) as pool:
         out["stream, processes (ours)"] = consume(PoolFeed(pool, data.batches(1), data.spec(1)), acc)
@@ -162,8 +162,6 @@ def run_paths(data: Data, acc: Accelerator, procs: int, ray_data: Callable | Non
     steps = -(-data.images // data.batch)
     out["decoded tier (host)"] = consume(tier.feed(0, 1, 0, data.batch, 0, steps, augment), acc)
     out["stream, 2 threads (before)"] = consume(ThreadFeed(data.batches(1), data.spec(1), 2, 4), acc)
-    if ray_data:
-        out["ray_data"] = consume(ray_data(), acc)
     for r in out.values():
         r.pop("times")
     return out
@@ -173,25 +171,35 @@ def run(args) -> dict[str, Any]:
     quiet = wait_for_quiet(args.wait_for_quiet, CORES)
     with tempfile.TemporaryDirectory() as tmp:
         data = Data(args, Path(tmp))
-        scale = scaling(data, not args.skip_ray_data)
+        scale = scaling(data, ray_data=False)
         r1 = scale["processes"][0]["images_per_s"]
-        gil_s = args.gil_ms / 1e3
-        settings = {}
+        settings, accelerators = {}, {}
         # input-bound: the device could take 3x what the cores decode; compute-bound: 0.4x
         for name, share in (("input-bound", 3.0), ("compute-bound", 0.4)):
-            target_rate = share * CORES * r1
-            acc = Accelerator(gil_s, max(0.0, data.batch / target_rate - gil_s), data.batch)
-            consumer, loop_cpu = acc.alone(data.size)
-            # N processes deliver N x r1 at most; sharing the cores with the loop, CORES / (1/r1 + loop CPU)
-            capacity = min(CORES * r1, CORES / (1 / r1 + loop_cpu))
-            spare = capacity / r1
-            paths = run_paths(data, acc, CORES, None if args.skip_ray_data else _ray_data_feed(data))
-            settings[name] = {"device_ms": round(acc.device_s * 1e3, 2), "consumer_images_per_s": round(consumer, 1),
-                              "spare_cpus": round(spare, 2), "capacity_images_per_s": round(capacity, 1),
-                              "limit_images_per_s": round(min(consumer, capacity), 1), "paths": paths}
+            settings[name], accelerators[name] = setting(data, args.gil_ms / 1e3, share * CORES * r1, r1)
+        if not args.skip_ray_data:  # last: Ray's own processes would share the cores with the others
+            scale.update(scaling(data, ray_data=True))
+            for name, acc in accelerators.items():
+                settings[name]["paths"]["ray_data"] = consume(_ray_data_feed(data)(), acc)
+                settings[name]["paths"]["ray_data"].pop("times")
+            import ray
+
+            ray.shutdown()  # the CPU-only part starts quiet; its `raymill train` runs start their own
         cpu = feed_cpu.run(data, skip_train_run=args.skip_train_run)
     return {"args": vars(args), "cores": CORES, "quiet": quiet, "images": data.images, "scaling": scale,
             "settings": settings, "cpu_run": cpu, "targets": targets(settings, cpu)}
+
+
+def setting(data: Data, gil_s: float, target_rate: float, r1: float) -> tuple[dict, Accelerator]:
+    """One emulated accelerator of about `target_rate`, its limit, and what each path feeds it."""
+    acc = Accelerator(gil_s, max(0.0, data.batch / target_rate - gil_s), data.batch)
+    consumer, loop_cpu = acc.alone(data.size)
+    # N processes deliver N x r1 at most; sharing the cores with the loop, CORES / (1/r1 + loop CPU)
+    capacity = min(CORES * r1, CORES / (1 / r1 + loop_cpu))
+    result = {"device_ms": round(acc.device_s * 1e3, 2), "consumer_images_per_s": round(consumer, 1),
+              "spare_cpus": round(capacity / r1, 2), "capacity_images_per_s": round(capacity, 1),
+              "limit_images_per_s": round(min(consumer, capacity), 1), "paths": run_paths(data, acc, CORES)}
+    return result, acc
 
 
 def _ray_data_feed(data: Data) -> Callable:
