@@ -109,8 +109,8 @@ def run(data, skip_train_run: bool = False) -> dict[str, Any]:
         decode_s = feed.decode_cpu_s / feed.images
     step_s = step_cpu_s_per_image(data)
     bound = CORES / (decode_s + step_s)
-    with DecodePool(CORES, data.batch, data.size, CORES + 2) as pool:  # the planner's CPU-only rule
-        ours = fed_rate(PoolFeed(pool, data.batches(3), data.spec(3)), CORES)
+    with DecodePool(CORES, data.batch, data.size, CORES + 2) as pool:  # the planner's CPU-only rule:
+        ours = fed_rate(PoolFeed(pool, data.batches(3), data.spec(3)), max(1, CORES // 2))  # half for torch
     before = fed_rate(ThreadFeed(data.batches(3), data.spec(3), 2, 4), 1)
     out = {"model": MODEL, "decode_cpu_ms": round(decode_s * 1e3, 3), "step_cpu_ms": round(step_s * 1e3, 3),
            "bound_images_per_s": round(bound, 1), "ours_images_per_s": round(ours, 1),

@@ -130,9 +130,9 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
 def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts():
     cfg = _cfg()
     one = cfg.train.model_copy(update={"num_workers": 1})
-    # stream on a 2-core box: one worker takes both cores, decoding in 2 processes and 2 torch threads
+    # stream on a 2-core box: one worker takes both cores, decoding in 2 processes beside 1 torch thread
     plan = session.plan_workers(one, {"CPU": 2.0, "GPU": 0.0}, 0.5)
-    assert (plan.cpus_per_worker, plan.decode_processes, plan.torch_threads, plan.data_reserved_cpus) == (2.0, 2, 2, 0)
+    assert (plan.cpus_per_worker, plan.decode_processes, plan.torch_threads, plan.data_reserved_cpus) == (2.0, 2, 1, 0)
     # ray_data keeps the reserve, and the trainer only what its loop needs
     rd = session.plan_workers(cfg.train.model_copy(update={"ingest": "ray_data"}), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert rd.cpus_per_worker * rd.num_workers <= 1.5 and rd.decode_processes == 0
