@@ -130,7 +130,7 @@ class Accelerator:
         return steps * self.batch / (time.perf_counter() - t0), (time.process_time() - cpu0) / (steps * self.batch)
 
 
-def consume(feed, acc: Accelerator) -> dict[str, Any]:
+def consume(feed, acc: Accelerator, ingest: str = "stream") -> dict[str, Any]:
     """Train-loop timing (stages.meters) of `feed` into the emulated accelerator, the whole epoch
     as the product times it: the time to the first batch (Ray Data's start-up is seconds) is
     inside the rate, and reported beside it."""
@@ -148,7 +148,7 @@ def consume(feed, acc: Accelerator) -> dict[str, Any]:
     times = meters.EpochTimes(images, feed.wait_s, meter.busy_s(), wall)
     return {"images": images, "wall_s": round(wall, 3), "fed_images_per_s": round(images / wall, 1),
             "first_batch_s": round(first, 3), "stall": round(times.stall, 4), "times": times,
-            "verdict": meters.verdict(times, "GPU (emulated)", "stream", feed.capacity())}
+            "verdict": meters.verdict(times, "GPU (emulated)", ingest, feed.capacity(), getattr(feed, "tier", None))}
 
 
 def run_paths(data: Data, acc: Accelerator, procs: int) -> dict[str, dict]:
@@ -180,7 +180,7 @@ def run(args) -> dict[str, Any]:
         if not args.skip_ray_data:  # last: Ray's own processes would share the cores with the others
             scale.update(scaling(data, ray_data=True))
             for name, acc in accelerators.items():
-                settings[name]["paths"]["ray_data"] = consume(_ray_data_feed(data)(), acc)
+                settings[name]["paths"]["ray_data"] = consume(_ray_data_feed(data)(), acc, "ray_data")
                 settings[name]["paths"]["ray_data"].pop("times")
             import ray
 
@@ -246,8 +246,8 @@ def render(r: dict[str, Any]) -> str:
         alone = r["scaling"]["ray_data_alone"]
         lines += [f"`train.ingest=ray_data`'s dataset alone (0.5 CPU per decode task, every core, nothing "
                   f"consuming): {fmt(alone['images_per_s'])} img/s over the epoch, first batch after "
-                  f"{alone['first_batch_s']} s. That is its ceiling here, below the decode processes' "
-                  f"{fmt(r['scaling']['processes'][-1]['images_per_s'])} of the decode processes: every decoded "
+                  f"{alone['first_batch_s']} s. That is its ceiling here, below the "
+                  f"{fmt(r['scaling']['processes'][-1]['images_per_s'])} img/s of the decode processes: every decoded "
                   "image (150 KB at 224 px) crosses the object store, and each epoch re-plans the read. "
                   "It is the path for CPU nodes beside a GPU node, where those costs run on other machines.", ""]
     for name, s in r["settings"].items():

@@ -84,11 +84,12 @@ def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
 
-def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None) -> str:
+def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
-    knows it: r is n / (decode CPU seconds per image), what its processes can deliver.
+    knows it: r is n / (decode CPU seconds per image), what its processes can deliver. `tier` is
+    the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch).
     """
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
@@ -98,6 +99,10 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None)
                     f"that does ≈ {rate}; add CPU nodes or raise ray.data_reserved_cpus, "
                     "train.object_store_cache=true, or store decoded (etl.parquet_encoding=raw)")
         more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
+        if tier and tier.startswith("decoded"):
+            return (f"input-bound: the decoded tier's augmentation ({tier}) < {device} ≈ {rate}, stall "
+                    f"{t.stall:.0%}; keep the tier on the GPU (train.decoded_tier=gpu, "
+                    "train.decoded_tier_gpu_share) or give the worker more CPUs")
         if decode and device == "CPU" and decode["images_per_s"] >= t.device_images_per_s:
             both = 1 / (1 / decode["images_per_s"] + 1 / t.device_images_per_s)
             return (f"CPU-bound: decode ({decode['processes']} procs ≈ {_rate(decode['images_per_s'])}) and "
