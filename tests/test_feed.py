@@ -173,3 +173,36 @@ def test_verdict_names_slowed_decode_and_a_slow_step_with_true_numbers(shards):
         truth = 1 - (t.images / t.wall_s) / (t.images / (0.05 * 12))
         assert said.startswith("compute-bound: the CPU is the weakest link"), said
         assert abs(t.stall - truth) < 0.05
+
+
+def test_a_restarted_worker_refills_its_tier_and_sees_the_same_epoch(shards):
+    """The worker's input side (stages.worker_feeds) without Ray: epoch 1 fills the tier as it
+    trains; a restarted worker (a fresh object) refills it with one decode pass, and its epoch 2
+    is the same batches, pixel for pixel."""
+    from stages.worker_feeds import WorkerFeeds
+    from workflow.core.config import TrainConfig
+
+    refs, data = shards
+    cfg = TrainConfig(batch_size=8, decoded_tier="host", shuffle_buffer_rows=16, prefetch_batches=2,
+                      augment={"random_resized_crop": True, "flip": True, "scale_min": 0.3})
+    config = {"seed": 3, "image_size": 32, "raw": False, "decode_processes": 2}
+
+    def worker() -> WorkerFeeds:
+        return WorkerFeeds(cfg, config, 0, 1, torch.device("cpu"), {"train": refs}, 90, 12, lambda r: data[r.uri])
+
+    first = worker()
+    try:
+        for step, fed in enumerate(first.train_feed(0, 0)):
+            first.keep(0, step, fed)
+        assert first.tier.ready
+        trained = [([r[0] for r in f.rows], f.images.clone()) for f in first.train_feed(1, 0)]
+    finally:
+        first.close()
+    again = worker()
+    try:
+        assert not again.tier.ready
+        resumed = [([r[0] for r in f.rows], f.images.clone()) for f in again.train_feed(1, 0)]
+    finally:
+        again.close()
+    assert again.tier.ready and len(trained) == len(resumed) == 12
+    assert all(ka == kb and torch.equal(xa, xb) for (ka, xa), (kb, xb) in zip(trained, resumed))
