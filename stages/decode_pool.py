@@ -56,10 +56,16 @@ class DecodeSpec:
     keep_plain: bool = False
 
     def decoder(self) -> Callable[[tuple], np.ndarray]:
+        """One sample -> its pixels under this spec (threads use it; the processes, `pixels`)."""
+        return lambda sample: self.pixels(sample)[0]
+
+    def pixels(self, sample: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """(transformed, pre-augmentation) pixels of one (key, label, image) sample."""
+        plain = streaming.decode_sample(sample[2], self.size, self.raw)
         if not self.augment:
-            return lambda sample: streaming.decode_sample(sample[2], self.size, self.raw)
-        return streaming.train_decoder(self.seed, self.epoch, self.size, self.raw, self.scale_min,
-                                       self.crop, self.flip)
+            return plain, plain
+        rng = streaming.sample_rng(self.seed, self.epoch, sample[0])
+        return streaming.augment(plain, rng, self.scale_min, self.crop, self.flip), plain
 
 
 # ---- child side ------------------------------------------------------------------------------
@@ -102,22 +108,12 @@ def _watch_parent(parent_pid: int, first_ppid: int) -> None:
 def _decode_chunk(slot: int, offset: int, samples: Sequence[tuple], spec: DecodeSpec) -> float:
     """Decode `samples` into rows offset.. of `slot`; returns the CPU seconds it took."""
     started = time.process_time()
-    decode, slots = spec.decoder(), _CHILD["slots"]
+    slots = _CHILD["slots"]
     for i, sample in enumerate(samples):
+        slots[slot, 0, offset + i], plain = spec.pixels(sample)
         if spec.keep_plain:
-            plain = streaming.decode_sample(sample[2], spec.size, spec.raw)
             slots[slot, 1, offset + i] = plain
-            slots[slot, 0, offset + i] = _augment_plain(plain, sample, spec)
-        else:
-            slots[slot, 0, offset + i] = decode(sample)
     return time.process_time() - started
-
-
-def _augment_plain(plain: np.ndarray, sample: tuple, spec: DecodeSpec) -> np.ndarray:
-    if not spec.augment:
-        return plain
-    rng = streaming.sample_rng(spec.seed, spec.epoch, sample[0])
-    return streaming.augment(plain, rng, spec.scale_min, spec.crop, spec.flip)
 
 
 def _ready() -> int:
