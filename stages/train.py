@@ -81,7 +81,9 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
     `TuneReportCallback`). Checkpoints are ranked by `metric`, best kept.
     """
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
+
+    from stages.ddp_rendezvous import LoopbackTorchConfig
 
     fs, path = storage.pyarrow_filesystem(storage_uri, s3)
     workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
@@ -91,7 +93,7 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
         _entry, train_loop_config=loop, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
                                                resources_per_worker=resources),
-        torch_config=TorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
+        torch_config=LoopbackTorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=name, storage_path=path, storage_filesystem=fs, callbacks=list(callbacks),
             logging_config=console.train_logging_config(),

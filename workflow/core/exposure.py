@@ -37,9 +37,10 @@ def _is_tcp_store(port: int) -> bool:
 # -> the reason. Everything else of a local run is on loopback (keep_local_on_loopback).
 EXCEPTIONS: dict[tuple[str, Callable[[int], bool]], str] = {
     ("ray::RayTrainWorker", _is_tcp_store): (
-        "torch's DDP rendezvous store (TCPStore, on rank 0, while training runs) binds every "
-        "interface with no authentication: neither torch (TCPStore has no bind address) nor Ray "
-        "Train (TorchConfig has no listen socket option) offers a switch; see README, Security"),
+        "torch's DDP rendezvous store (TCPStore, on rank 0, while a training run that spans nodes "
+        "runs) binds every interface with no authentication: torch's TCPStore has no bind address "
+        "and Ray Train's TorchConfig no listen option. One-node runs use a file store instead "
+        "(stages/ddp_rendezvous.py); clusters keep it inside the security group (README, Security)"),
 }
 
 @dataclass(frozen=True)
