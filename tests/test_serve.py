@@ -21,6 +21,8 @@ from PIL import Image
 from stages import serve as serve_stage
 from stages import serve_http
 from tests.conftest import bomb_png, free_port, image_bytes
+# The /v2 (Open Inference Protocol) tests run here, against this module's served app: no second Serve start.
+from tests.serve_v2_cases import *  # noqa: F401,F403
 from workflow.core.config import ServeConfig
 
 CLASSES = ["bird", "cat", "dog"]
