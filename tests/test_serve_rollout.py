@@ -92,12 +92,22 @@ def test_replica_kill_under_load_loses_nothing(proxy, model_dir):
     print(f"replica kill: {codes[200]} requests, 0 failed, new replica {new} serving within {seconds:.1f} s")
 
 
-def test_rolling_model_update_loses_nothing(proxy, model_dir, tmp_path):
-    """`update` to a new model under c=8 load: 0 failed, /metadata shows the new version, and the
-    old replica process is gone."""
+# The session's Ray declares one GPU (tests/conftest.py): a replica holding a GPU share runs on
+# the CPU here, and Serve schedules it exactly as on a one-GPU node.
+ROLLOUTS = {"half-gpu-surge": {"use_gpu": True, "gpus_per_replica": 0.5},  # old + new share the GPU
+            "whole-gpu-in-place": {"use_gpu": True, "gpus_per_replica": 1.0}}  # no room: replaced in place
+
+
+@pytest.mark.parametrize("rollout", list(ROLLOUTS))
+def test_rolling_model_update_on_one_gpu_loses_nothing(proxy, model_dir, tmp_path, rollout, caplog):
+    """`update` to a new model under c=8 load on a one-GPU Ray: 0 failed, /metadata shows the new
+    version, and the old replica process is gone. A whole-GPU replica cannot surge: it is replaced
+    in place, and the plan's warning names the gap."""
     new_model = _save_model(tmp_path / "v2", "test-2")
-    cfg = proxy.model_copy(update={"app_name": "test-rollout"})
+    cfg = proxy.model_copy(update={"app_name": "test-rollout", **ROLLOUTS[rollout]})
     url = serve_stage.start(cfg, model_dir, route_prefix="/rollout")
+    assert ("Updates replace replicas in place" in caplog.text) == (rollout == "whole-gpu-in-place")
+    assert httpx.get(f"{url}/metadata", timeout=30).json()["device"] == "cpu"
     images = [image_bytes(300 + i) for i in range(16)]
 
     async def scenario() -> Counter:

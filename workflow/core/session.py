@@ -11,11 +11,12 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from workflow.core.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
+from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
            "TrialPlan", "TRIAL_DRIVER_CPUS",
-           "ServeTrainPlan", "plan_serve_and_train", "ServePlan", "plan_serve", "node_resources"]
+           "ServeTrainPlan", "plan_serve_and_train", "ServePlan", "plan_serve", "node_resources",
+           "plan_infer"]
 
 log = logging.getLogger(__name__)
 
@@ -364,6 +365,8 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
                      for n in nodes)
     if fit < replicas:
         fix = "lower serve.gpus_per_replica (a fraction shares a GPU) or " if gpus else ""
+        if gpus and not any(n.get("GPU", 0) > 0 for n in nodes):
+            fix = "the cluster has no GPU: set serve.use_gpu=false, add GPU nodes, or "
         raise ConfigError(
             f"{key}={replicas} replica(s) of serve.cpus_per_replica={serve.cpus_per_replica:g} CPU, "
             f"{gpus:g} GPU (serve.use_gpu, serve.gpus_per_replica) and serve.replica_memory_mb="
@@ -384,3 +387,12 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
     log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, %d fit, max_surge_percent=%d",
              replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
     return plan
+
+
+def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict[str, float]:
+    """Each batch-inference actor's {num_cpus, num_gpus}; a pool Ray could never place is refused."""
+    gpus = 1.0 if infer.use_gpu else 0.0
+    if infer.num_actors * gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"infer.use_gpu with infer.num_actors={infer.num_actors} needs {infer.num_actors:g} GPUs "
+                          f"but the cluster has {resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
+    return {"num_cpus": infer.cpus_per_actor, "num_gpus": gpus}
