@@ -15,8 +15,8 @@ Everything runs on loopback with one model and one set of request bodies:
   batch    images/s through the Open Inference Protocol (/v2, binary tensors) with N images a
            request, against `raymill infer` on the same model (benchmarks/serve_batch.py).
 
-The three Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
-cores as logical CPUs so that the idle variants can sit beside the measured one; the measured
+The Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
+cores (+ 1) as logical CPUs so that the idle variants can sit beside the measured one; the measured
 one still has its default 0.5 CPU (torch 1 thread) per replica. Each --ingress mode restarts Ray
 with that mode's environment (stages.serve.ingress_env) and measures FastAPI again beside it.
 
@@ -228,7 +228,7 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
     base = ServeConfig(port=_free_port(), ingress=mode)
     env = serve_stage.ingress_env(base)
     os.environ.update(env)
-    session.start(RayConfig(num_cpus=2 * (os.cpu_count() or 1)))
+    session.start(RayConfig(num_cpus=2 * (os.cpu_count() or 1) + 1))  # + 1: the floor app's 0.75 CPU
     try:
         urls = {"fastapi": fastapi_url}
         for i, (name, change) in enumerate(VARIANTS.items()):

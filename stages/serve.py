@@ -1,4 +1,5 @@
-"""Online serving: a Ray Serve app that classifies one image per HTTP request.
+"""Online serving: a Ray Serve app that classifies one image per /predict request, or N per
+Open Inference Protocol request (/v2/models/<serve.model_name>/infer, stages/serve_v2.py).
 
 Two deployments in one app: `Ingress` (stages/serve_http.py: FastAPI, limits, JSON errors, retry
 on a lost model replica) and `Classifier` here (decode, dynamic batching, forward pass). Decode
