@@ -53,7 +53,7 @@ BATCH_TARGET = 1.3  # c=32 req/s, ours (batching on) / nobatch
 FLOOR_P50, FLOOR_RPS, V2_INFER = 1.2, 0.8, 0.7  # issue 22's targets against Ray's floor and `raymill infer`
 # --quick: a smoke run of every row in a few minutes (numbers are not for RESULTS.md)
 QUICK = {"bodies": 16, "requests": 60, "time_cap": 5.0, "rounds": 1, "ingress": "proxy", "levels": "1,32",
-         "batch_images": 256, "infer_images": 256}
+         "batch_images": 256, "infer_images": 1024}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
