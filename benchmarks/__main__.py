@@ -99,10 +99,12 @@ def run_one(name: str, args: argparse.Namespace, command: str) -> dict[str, Any]
               "finished": now_iso(), "seconds": round(time.perf_counter() - t0, 1),
               "machine": machine, "versions": versions(*PACKAGES), "result": result}
     text = json.dumps(record, indent=2, sort_keys=False) + "\n"
-    for folder in (OUT_DIR, RESULTS_DIR):
+    # A --quick smoke run stays in the scratch folder: its numbers never reach RESULTS.md.
+    folders = (OUT_DIR,) if opts.get("quick") else (OUT_DIR, RESULTS_DIR)
+    for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.json").write_text(text)
-    print(f"== {name}: wrote {OUT_DIR / (name + '.json')} and {RESULTS_DIR / (name + '.json')}", flush=True)
+    print(f"== {name}: wrote " + " and ".join(str(f / (name + ".json")) for f in folders), flush=True)
     return record
 
 

@@ -9,10 +9,14 @@ Everything runs on loopback with one model and one set of request bodies:
   ours     stages.serve.start with ServeConfig defaults (what `raymill serve` runs);
   nobatch  the same with serve.batching=false;
   2 replicas  the same with serve.num_replicas=2;
-  one hop  the same with serve.model_deployment=false (model inside the ingress replica).
+  one hop  the same with serve.model_deployment=false (model inside the ingress replica);
+  ray floor  Ray Serve's floor: a no-op app with the same hops, limits and CPUs that returns a
+           constant (benchmarks/serve_apps.floor_app).
+  batch    images/s through the Open Inference Protocol (/v2, binary tensors) with N images a
+           request, against `raymill infer` on the same model (benchmarks/serve_batch.py).
 
-The three Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
-cores as logical CPUs so that the idle variants can sit beside the measured one; the measured
+The Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
+cores (+ 1) as logical CPUs so that the idle variants can sit beside the measured one; the measured
 one still has its default 0.5 CPU (torch 1 thread) per replica. Each --ingress mode restarts Ray
 with that mode's environment (stages.serve.ingress_env) and measures FastAPI again beside it.
 
@@ -46,6 +50,10 @@ VARIANTS = {"ours": {}, "nobatch": {"batching": False}, "2 replicas": {"num_repl
 TARGETS = [("c=1 p50 ours / fastapi <= 1.5", "p50_ms", "1", 1.5, "max"),
            ("c=32 req/s ours / fastapi >= 1.0", "rps", "32", 1.0, "min")]
 BATCH_TARGET = 1.3  # c=32 req/s, ours (batching on) / nobatch
+FLOOR_P50, FLOOR_RPS, V2_INFER = 1.2, 0.8, 0.7  # issue 22's targets against Ray's floor and `raymill infer`
+# --quick: a smoke run of every row in a few minutes (numbers are not for RESULTS.md)
+QUICK = {"bodies": 16, "requests": 60, "time_cap": 5.0, "rounds": 1, "ingress": "proxy", "levels": "1,32",
+         "batch_images": 256, "infer_images": 1024}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     p.add_argument("--ingress", default="proxy,throughput_optimized",
                    help="serve.ingress modes, each on a fresh Ray (default proxy,throughput_optimized)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="images per /v2 request (default 1,8,32)")
+    p.add_argument("--batch-clients", type=int, default=8, help="concurrent /v2 clients (default 8)")
+    p.add_argument("--batch-images", type=int, default=2048, help="images per /v2 batch size (default 2048)")
+    p.add_argument("--infer-images", type=int, default=2000, help="images for `raymill infer` (default 2000)")
+    p.add_argument("--quick", action="store_true", help="smoke run with small counts (not for RESULTS.md)")
 
 
 def _free_port() -> int:
@@ -93,11 +106,14 @@ def _jpegs(n: int, size: str) -> list[bytes]:
     return out
 
 
-def _wait_healthy(url: str, timeout_s: float = 120) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Wait for `url`/healthz; fail at once when the child serving it has exited."""
     import httpx
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the FastAPI baseline exited with code {proc.returncode} before {url} was healthy")
         try:
             if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
                 return
@@ -204,15 +220,22 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
     from workflow.core import session
     from workflow.core.config import RayConfig, ServeConfig
 
+    from ray import serve
+
+    from benchmarks.serve_apps import floor_app
+    from benchmarks.serve_batch import v2_images_per_s
+
     base = ServeConfig(port=_free_port(), ingress=mode)
     env = serve_stage.ingress_env(base)
     os.environ.update(env)
-    session.start(RayConfig(num_cpus=2 * (os.cpu_count() or 1)))
+    session.start(RayConfig(num_cpus=2 * (os.cpu_count() or 1) + 1))  # + 1: the floor app's 0.75 CPU
     try:
         urls = {"fastapi": fastapi_url}
         for i, (name, change) in enumerate(VARIANTS.items()):
             cfg = base.model_copy(update={**change, "app_name": f"bench{i}"})
             urls[name] = serve_stage.start(cfg, model_dir, route_prefix=f"/v{i}")
+        serve.run(floor_app(base), name="floor", route_prefix="/floor")
+        urls["ray floor"] = serve_stage.base_url(base) + "/floor"
         levels = [int(x) for x in args.levels.split(",")]
         best: dict[str, dict[str, Any]] = {name: {} for name in urls}
         for _ in range(args.rounds):
@@ -223,10 +246,13 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
                         best[name][str(k)] = m
                     print(f"[serve bench] {mode:>20} {name:>10} c={k:<3} p50 {m['p50_ms']:7.2f} ms "
                           f"{m['rps']:7.1f} req/s errors {m['errors']}", flush=True)
-        return best
+        sizes = [int(n) for n in args.batch_sizes.split(",")]
+        batch = v2_images_per_s(urls["ours"], base.model_name, bodies, sizes, args.batch_clients,
+                                args.batch_images, 4 * args.time_cap)
+        print(f"[serve bench] {mode:>20} /v2 images/s by images a request: "
+              f"{ {n: m['images_per_s'] for n, m in batch.items()} }", flush=True)
+        return best, batch
     finally:
-        from ray import serve
-
         serve.shutdown()
         ray.shutdown()
         for key in env:
@@ -234,28 +260,69 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        vars(args).update(QUICK)
     with tempfile.TemporaryDirectory(prefix="raymill-serve-bench-") as tmp:
         model_dir = str(Path(tmp) / "model")
         _make_model(Path(model_dir))
         bodies = _jpegs(args.bodies, args.size)
         forward = _forward_costs(model_dir, bodies)
         port = _free_port()
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # Extend the child's PYTHONPATH: an install that relies on it (a carried site folder) keeps uvicorn.
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serve_apps", "--model", model_dir,
-                                 "--port", str(port)], env=env, cwd=REPO)
+                                 "--port", str(port)], env={**os.environ, "PYTHONPATH": path}, cwd=REPO)
         try:
-            _wait_healthy(f"http://127.0.0.1:{port}")
-            modes = {mode: _measure_mode(args, mode, model_dir, f"http://127.0.0.1:{port}", bodies)
-                     for mode in args.ingress.split(",")}
+            _wait_healthy(f"http://127.0.0.1:{port}", proc)
+            measured = {mode: _measure_mode(args, mode, model_dir, f"http://127.0.0.1:{port}", bodies)
+                        for mode in args.ingress.split(",")}
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+        infer = _infer_rate(model_dir, bodies, args.infer_images)
+    modes, batch = {m: v[0] for m, v in measured.items()}, {m: v[1] for m, v in measured.items()}
     return {"bodies": args.bodies, "size": args.size, "mean_kib": round(sum(map(len, bodies)) / len(bodies) / 1024, 1),
-            "levels": args.levels.split(","), "requests": args.requests, "rounds": args.rounds,
-            "modes": modes, "targets": {m: _targets(v) for m, v in modes.items()}, "forward": forward}
+            "levels": args.levels.split(","), "requests": args.requests, "rounds": args.rounds, "quick": args.quick,
+            "modes": modes, "forward": forward, "batch": batch, "infer": infer,
+            "targets": {m: _targets(v, forward, batch[m], infer) for m, v in modes.items()}}
 
 
-def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def _infer_rate(model_dir: str, bodies: list[bytes], images: int) -> dict[str, Any]:
+    """`raymill infer` on the same model and JPEGs, on a Ray of this machine's cores."""
+    import ray
+
+    from benchmarks.serve_batch import infer_images_per_s
+    from workflow.core import session
+    from workflow.core.config import RayConfig
+
+    session.start(RayConfig())
+    try:
+        return infer_images_per_s(model_dir, bodies, images)
+    finally:
+        ray.shutdown()
+
+
+def _floor_targets(best: dict[str, dict[str, Any]], forward: dict[str, Any], batch: dict[str, Any],
+                   infer: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 22's rows: raymill against Ray's floor app, and /v2 at N=32 against `raymill infer`."""
+    def row(what: str, ours: float | None, ref: float | None, bound: float, kind: str) -> dict[str, Any]:
+        ratio = round(ours / ref, 2) if ours and ref else None
+        return {"what": what, "ratio": ratio,
+                "pass": ratio is not None and (ratio <= bound if kind == "max" else ratio >= bound)}
+
+    floor = best.get("ray floor", {})
+    model_ms = forward["decode_ms"] + forward["forward_b1_ms"]
+    p50_floor = floor.get("1", {}).get("p50_ms")
+    return [row(f"c=1 p50 ours / (floor + model's own {model_ms:.1f} ms) <= {FLOOR_P50}",
+                best["ours"].get("1", {}).get("p50_ms"), p50_floor and p50_floor + model_ms, FLOOR_P50, "max"),
+            row(f"c=32 req/s ours / floor >= {FLOOR_RPS}", best["ours"].get("32", {}).get("rps"),
+                floor.get("32", {}).get("rps"), FLOOR_RPS, "min"),
+            row(f"/v2 images/s at N=32 / `raymill infer` marginal >= {V2_INFER}",
+                batch.get("32", {}).get("images_per_s"), infer.get("marginal_images_per_s"), V2_INFER, "min")]
+
+
+def _targets(best: dict[str, dict[str, Any]], forward: dict[str, Any] | None = None,
+             batch: dict[str, Any] | None = None, infer: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     rows = []
     for what, key, level, bound, kind in TARGETS:
         ours, ref = best["ours"].get(level, {}).get(key), best["fastapi"].get(level, {}).get(key)
@@ -266,7 +333,7 @@ def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     ratio = round(on / off, 2) if on and off else None
     rows.append({"what": f"c=32 req/s batching on / off >= {BATCH_TARGET}", "ratio": ratio,
                  "pass": ratio is not None and ratio >= BATCH_TARGET})
-    return rows
+    return rows + (_floor_targets(best, forward, batch, infer) if forward and batch and infer else [])
 
 
 def render(result: dict[str, Any]) -> str:
@@ -285,6 +352,7 @@ def render(result: dict[str, Any]) -> str:
                                                               else "") + (f" ({m['errors']} err)" if m["errors"] else "")
                      for m in (per_level.get(k) for k in levels) if m]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += _batch_table(result.get("batch", {}).get(mode), result.get("infer"))
         lines += ["", "| target | ratio | result |", "|---|---:|---|"]
         lines += [f"| {t['what']} | {t['ratio']} | {'PASS' if t['pass'] else 'FAIL'} |"
                   for t in result["targets"][mode]] + [""]
@@ -314,3 +382,14 @@ def _cpu_table(best: dict[str, dict[str, Any]], forward: dict[str, Any] | None) 
                   f"per image in batches of {b}. Batching can save at most {saving:.2f} ms of the {total:.2f} CPU "
                   f"ms a request costs without batching: at most {bound:.2f}x the requests/s when CPU-bound."]
     return lines + [""]
+
+
+def _batch_table(batch: dict[str, Any] | None, infer: dict[str, Any] | None) -> list[str]:
+    if not batch or not infer:
+        return []
+    lines = ["", "Images/s through `/v2/models/raymill/infer` (binary tensors, 8 clients) by images a request, "
+             f"against `raymill infer` (InferConfig defaults) on {infer['images']} of the same JPEGs "
+             f"({infer['images_per_s']} images/s end to end in {infer['seconds']} s, "
+             f"{infer['marginal_images_per_s']} images/s marginal, start-up excluded):", "",
+             "| images a request | images/s | request p50 ms | non-200 |", "|---:|---:|---:|---:|"]
+    return lines + [f"| {n} | {m['images_per_s']} | {m['p50_ms']} | {m['errors']} |" for n, m in batch.items()]

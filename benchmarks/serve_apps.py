@@ -1,4 +1,5 @@
-"""The baseline of the serving benchmark (benchmarks/serve.py): a bare FastAPI + uvicorn app.
+"""The baselines of the serving benchmark (benchmarks/serve.py): a bare FastAPI + uvicorn app, and
+Ray Serve's own floor (`floor_app`: a no-op Serve app with raymill's hops, limits and CPUs).
 
 The same model and preprocessing as the Serve app (stages.predict.preprocess + predict_arrays),
 in one uvicorn process bound to 127.0.0.1, run as a subprocess:
@@ -17,7 +18,40 @@ import os
 import time
 from typing import Optional
 
-__all__ = ["create_app", "main"]
+__all__ = ["create_app", "main", "floor_app"]
+
+
+def floor_app(cfg):
+    """Ray Serve's floor for `raymill serve` with ServeConfig `cfg`: the same two hops (a FastAPI
+    ingress deployment -> a model deployment), the same queue limits and CPU requests, and the
+    body read and passed on, but the model deployment returns a constant: no decode, no model."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+    from ray import serve
+
+    app = FastAPI()
+    limits = {"max_ongoing_requests": cfg.max_ongoing_requests, "max_queued_requests": cfg.max_queued_requests}
+
+    @serve.deployment(ray_actor_options={"num_cpus": cfg.cpus_per_replica}, **limits)
+    class Constant:
+        async def classify(self, data: bytes) -> dict:
+            return {"class_name": "c0", "class_index": 0, "bytes": len(data)}
+
+    @serve.deployment(ray_actor_options={"num_cpus": cfg.ingress_cpus}, **limits)
+    @serve.ingress(app)
+    class FloorIngress:
+        def __init__(self, model):
+            self.classify = model.classify
+
+        @app.post("/predict")
+        async def predict(self, request: Request) -> JSONResponse:
+            return JSONResponse(await self.classify.remote(await request.body()))
+
+        @app.get("/healthz")
+        async def healthz(self) -> dict:
+            return {"status": "ok"}
+
+    return FloorIngress.bind(Constant.bind())
 
 
 def create_app(model_dir: str, threads: int = 1):

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from workflow.core import storage
+from workflow.core import session, storage
 from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
 from workflow.core.config import InferConfig, section_dict
 from workflow.core.locks import output_lock
@@ -33,7 +33,7 @@ from stages import predict, sources, streaming
 from stages.etl import InputNotFoundError, root_cause, sample_key
 from stages.images import BadImage
 
-__all__ = ["run", "InferError", "Predictor", "SCHEMA"]
+__all__ = ["run", "InferError", "Predictor", "SCHEMA", "map_batches_kwargs"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,19 @@ def _plan_files(cfg: InferConfig, fs, root: str, source: str) -> Plan:
                 {"files": len(items), "hidden_skipped": hidden})
 
 
+def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]) -> dict[str, Any]:
+    """Ray Data's map_batches arguments for the Predictor actors (no Predictor, no data).
+
+    batch_size is explicit: one call per block's worth of work items, as batch_size=None would
+    give, because Ray Data refuses batch_size=None when the actors ask for GPUs (infer.use_gpu).
+    The actors are a fixed pool, each holding its GPU (session.plan_infer) for the whole run.
+    """
+    import ray.data
+
+    return {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow",
+            "compute": ray.data.ActorPoolStrategy(size=cfg.num_actors), **session.plan_infer(cfg, resources)}
+
+
 def _execute(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> pa.Table:
     import ray.data
 
@@ -160,12 +173,8 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> p
               "batch_size": cfg.batch_size, "use_gpu": cfg.use_gpu,
               "threads": max(1, int(cfg.cpus_per_actor)), **plan.reader}
     ds = ray.data.from_items(plan.items, override_num_blocks=plan.blocks)
-    # One call per block's worth of work items, as batch_size=None would give; explicit, because
-    # Ray Data refuses batch_size=None when the actors ask for GPUs (infer.use_gpu).
-    per_call = max(1, math.ceil(len(plan.items) / plan.blocks))
-    ds = ds.map_batches(Predictor, fn_constructor_kwargs=kwargs, batch_size=per_call, batch_format="pyarrow",
-                        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
-                        num_cpus=cfg.cpus_per_actor, num_gpus=1 if cfg.use_gpu else 0)
+    ds = ds.map_batches(Predictor, fn_constructor_kwargs=kwargs,
+                        **map_batches_kwargs(cfg, plan, session.cluster_resources()))
     try:
         tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     except Exception as e:

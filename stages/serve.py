@@ -1,4 +1,5 @@
-"""Online serving: a Ray Serve app that classifies one image per HTTP request.
+"""Online serving: a Ray Serve app that classifies one image per /predict request, or N per
+Open Inference Protocol request (/v2/models/<serve.model_name>/infer, stages/serve_v2.py).
 
 Two deployments in one app: `Ingress` (stages/serve_http.py: FastAPI, limits, JSON errors, retry
 on a lost model replica) and `Classifier` here (decode, dynamic batching, forward pass). Decode
@@ -57,7 +58,11 @@ class Classifier:
         import torch
 
         self.cfg = cfg
-        self.device = torch.device("cuda" if cfg.use_gpu else "cpu")
+        self.device = torch.device("cuda" if cfg.use_gpu and torch.cuda.is_available() else "cpu")
+        if cfg.use_gpu and self.device.type == "cpu":  # Ray declared a GPU that torch cannot see
+            log.warning("serve.use_gpu: this replica holds %g GPU but torch sees no CUDA device "
+                        "(CUDA_VISIBLE_DEVICES=%s); it runs on the CPU", cfg.gpus_per_replica,
+                        os.environ.get("CUDA_VISIBLE_DEVICES"))
         model, self.info = load_model(model_path, s3)
         self.model = model.to(self.device)
         self.formats = tuple(f.upper() for f in cfg.allowed_formats)
@@ -70,17 +75,24 @@ class Classifier:
 
     async def classify(self, data: bytes) -> dict[str, Any]:
         """{class_name, class_index, top_k, model_version}, or {error, detail} for unusable bytes."""
-        try:
-            array = await self._preprocess(data)
-        except BadImage as e:
-            return {"error": e.reason, "detail": e.detail}
-        except Exception as e:  # hostile bytes can trip any decoder path; still the request's fault
-            return {"error": "bad_image", "detail": f"the decoder failed ({type(e).__name__})"}
+        array, error = await self._decode(data)
+        if error:
+            return error
         if self.cfg.batching:
             result = await self._predict_batch(array)
         else:
             result = (await asyncio.to_thread(self._predict, [array]))[0]
         return {**result, "model_version": self.info.get("version")}
+
+    async def classify_many(self, images: list[bytes]) -> dict[str, Any]:
+        """One request's images, answered in one forward pass: {results, model_version}, or
+        {error, detail, index} naming the first unusable image (the request's fault, no answers)."""
+        decoded = await asyncio.gather(*(self._decode(data) for data in images))
+        for index, (_, error) in enumerate(decoded):
+            if error:
+                return {**error, "index": index}
+        results = await asyncio.to_thread(self._predict, [array for array, _ in decoded])
+        return {"results": results, "model_version": self.info.get("version")}
 
     async def health(self) -> dict[str, Any]:
         """This replica's pid (a restart is visible to clients and tests) and model version."""
@@ -93,7 +105,18 @@ class Classifier:
                 "architecture": info["architecture"], "version": info.get("version"),
                 "batching": cfg.batching, "max_batch_size": cfg.max_batch_size,
                 "allowed_formats": list(self.formats), "max_body_bytes": cfg.max_body_bytes,
-                "max_image_pixels": cfg.max_image_pixels, "decode_slots": decode_slots(cfg)}
+                "max_image_pixels": cfg.max_image_pixels, "decode_slots": decode_slots(cfg),
+                "top_k": min(cfg.top_k, len(info["classes"])), "max_images": cfg.max_images_per_request,
+                "device": self.device.type}
+
+    async def _decode(self, data: bytes) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+        """(pixels, None), or (None, {error, detail}) for bytes that are not a usable image."""
+        try:
+            return await self._preprocess(data), None
+        except BadImage as e:
+            return None, {"error": e.reason, "detail": e.detail}
+        except Exception as e:  # hostile bytes can trip any decoder path; still the request's fault
+            return None, {"error": "bad_image", "detail": f"the decoder failed ({type(e).__name__})"}
 
     async def _preprocess(self, data: bytes) -> np.ndarray:
         """Decode off the event loop, at most decode_slots at once (memory, not CPU, is the bound)."""
@@ -110,17 +133,22 @@ class Classifier:
         return predict_arrays(self.model, self.info, arrays, self.cfg.top_k, self.device)
 
 
-def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
-    """The model deployment's options: replicas or autoscaling, overload limits, resources."""
+def deployment_options(cfg: ServeConfig, plan: session.ServePlan | None = None) -> dict[str, Any]:
+    """The model deployment's options: replicas or autoscaling, overload limits, resources.
+
+    `plan` (session.plan_serve) may turn the rollout surge off where it can never be scheduled.
+    """
+    gpus = cfg.gpus_per_replica if cfg.use_gpu else 0
     options: dict[str, Any] = {
         "max_ongoing_requests": cfg.max_ongoing_requests,
         "max_queued_requests": cfg.max_queued_requests,  # past it callers get 503
-        "max_surge_percent": cfg.max_surge_percent,  # old replicas serve until replacements are up
+        # old replicas serve until replacements are up (0: replaced in place, see session.plan_serve)
+        "max_surge_percent": cfg.max_surge_percent if plan is None else plan.max_surge_percent,
         # A killed replica is noticed at the next health check (default every 10 s): check often,
         # so the replacement starts within seconds (the ingress retries calls meanwhile).
         "health_check_period_s": 2.0,
         "logging_config": {"enable_access_log": cfg.access_log},
-        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": 1 if cfg.use_gpu else 0,
+        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": gpus,
                               "memory": cfg.replica_memory_mb * 2**20},
     }
     if cfg.autoscaling:
@@ -133,14 +161,14 @@ def deployment_options(cfg: ServeConfig) -> dict[str, Any]:
     return options
 
 
-def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None):
+def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None, plan: session.ServePlan | None = None):
     """The bound Serve application (not yet running): ingress -> model deployment, or one
     deployment holding both when serve.model_deployment is false."""
     from stages.serve_http import Ingress  # serve_http imports Classifier from here: not at the top
 
     if not cfg.model_deployment:
-        return Ingress.options(**deployment_options(cfg)).bind(None, cfg, model_path, s3)
-    model = serve.deployment(Classifier).options(**deployment_options(cfg)).bind(cfg, model_path, s3)
+        return Ingress.options(**deployment_options(cfg, plan)).bind(None, cfg, model_path, s3)
+    model = serve.deployment(Classifier).options(**deployment_options(cfg, plan)).bind(cfg, model_path, s3)
     ingress = Ingress.options(num_replicas=cfg.ingress_replicas, max_queued_requests=cfg.max_queued_requests,
                               max_ongoing_requests=cfg.max_ongoing_requests,
                               max_surge_percent=cfg.max_surge_percent,
@@ -185,10 +213,14 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     if not ray.is_initialized():
         apply_ingress_env(cfg)
         session.start(RayConfig())
+    plan = session.plan_serve(cfg, session.node_resources())  # refuses what Ray could never place
+    if plan.warning:
+        log.warning("serve: %s", plan.warning)
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
-    serve.run(build_app(cfg, model_path, s3), name=cfg.app_name, route_prefix=route_prefix)
+    serve.run(build_app(cfg, model_path, s3, plan), name=cfg.app_name, route_prefix=route_prefix)
     url = base_url(cfg) + route_prefix.rstrip("/")
-    log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs)", cfg.app_name, url)
+    log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs; Open Inference "
+             "Protocol: POST /v2/models/%s/infer)", cfg.app_name, url, cfg.model_name)
     return url
 
 
@@ -197,7 +229,8 @@ def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pr
 
     With serve.max_surge_percent (default 100) Serve starts the replacement replicas first, then
     drains the old ones (each finishes its in-flight requests), so the app never has fewer
-    replicas than configured; the surge needs that much spare CPU and memory for the rollout.
+    replicas than configured; the surge needs that much spare CPU, GPU and memory for the rollout.
+    Where it can never fit (session.plan_serve), replicas are replaced in place, with a warning.
     """
     return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
 

@@ -5,6 +5,7 @@ Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
                   file field -> {class_name, class_index, top_k, model_version, latency_ms}
   GET  /healthz   {"status": "ok", "pid": a model replica's pid, "ingress_pid", "version"}
   GET  /metadata  {classes, image_size, architecture, version, ...}
+  /v2/...         the Open Inference Protocol (KServe v2), N images a request: stages/serve_v2.py
 
 Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
 503 when the model side fails (the detail never echoes exception text; the replica log has it).
@@ -28,11 +29,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
+from stages import serve_v2
+from stages.serve_v2 import V2Error
 from workflow.core.config import ServeConfig
 
-__all__ = ["Ingress", "HTTPError", "read_body", "first_file", "guarded", "IMAGE_STATUS", "MEDIA_TYPES"]
+__all__ = ["Ingress", "HTTPError", "read_body", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
+           "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large
 # A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
 _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+_MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
 
 
 class HTTPError(Exception):
@@ -66,6 +71,19 @@ async def guarded(work: Awaitable[JSONResponse]) -> JSONResponse:
     except Exception:  # a bug or a sick model: the client gets no internals, the log gets all
         log.exception("request failed inside the app")
         return HTTPError(503, "internal_error", "the server failed on this request; retry later").response()
+
+
+async def guarded_v2(work: Awaitable[Response]) -> Response:
+    """`guarded` for the /v2 routes: failures become the protocol's `{"error": "..."}` body."""
+    try:
+        return await work
+    except V2Error as e:
+        return JSONResponse({"error": e.message}, e.status)
+    except HTTPError as e:  # the shared checks (body size, model failure) in the protocol's shape
+        return JSONResponse({"error": f"{e.error}: {e.detail}"}, e.status, e.headers)
+    except Exception:
+        log.exception("v2 request failed inside the app")
+        return JSONResponse({"error": "the server failed on this request; retry later"}, 503)
 
 
 app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')")
@@ -151,9 +169,9 @@ class Ingress:
             from stages.serve import Classifier  # stages.serve imports this module
 
             local = Classifier(cfg, model_path, s3)
-            self.model = {name: _Local(getattr(local, name)) for name in ("classify", "health", "metadata")}
+            self.model = {name: _Local(getattr(local, name)) for name in _MODEL_METHODS}
         else:  # one handle per model method, made once (each attribute access builds a new handle)
-            self.model = {name: getattr(model, name) for name in ("classify", "health", "metadata")}
+            self.model = {name: getattr(model, name) for name in _MODEL_METHODS}
         formats = tuple(f.upper() for f in cfg.allowed_formats)
         self.media_types = {MEDIA_TYPES[f] for f in formats if f in MEDIA_TYPES}
 
@@ -173,6 +191,55 @@ class Ingress:
         async def work() -> JSONResponse:
             return JSONResponse(await self._call("metadata"))
         return await guarded(work())
+
+    @app.get("/v2", summary="Open Inference Protocol: server metadata")
+    async def v2_server(self) -> JSONResponse:
+        from importlib.metadata import version  # cheap, and only this route needs it
+
+        return JSONResponse(serve_v2.server_metadata(version("raymill")))
+
+    @app.get("/v2/health/live", summary="Open Inference Protocol: the server is live")
+    async def v2_live(self) -> JSONResponse:
+        return JSONResponse({"live": True})
+
+    @app.get("/v2/health/ready", summary="Open Inference Protocol: a model replica answers")
+    async def v2_ready(self) -> Response:
+        return await guarded_v2(self._v2_ready(self.cfg.model_name))
+
+    @app.get("/v2/models/{name}/ready", summary="Open Inference Protocol: the model is ready")
+    async def v2_model_ready(self, name: str) -> Response:
+        return await guarded_v2(self._v2_ready(name))
+
+    @app.get("/v2/models/{name}", summary="Open Inference Protocol: model metadata")
+    async def v2_model(self, name: str) -> Response:
+        async def work() -> JSONResponse:
+            self._v2_model(name)
+            return JSONResponse(serve_v2.model_metadata(name, await self._call("metadata")))
+        return await guarded_v2(work())
+
+    @app.post("/v2/models/{name}/infer", summary="Open Inference Protocol: classify N images")
+    async def v2_infer(self, name: str, request: Request) -> Response:
+        return await guarded_v2(self._v2_infer(name, request))
+
+    def _v2_model(self, name: str) -> None:
+        if name != self.cfg.model_name:
+            raise V2Error(404, f"unknown model '{name}'; this server serves '{self.cfg.model_name}'")
+
+    async def _v2_ready(self, name: str) -> JSONResponse:
+        self._v2_model(name)
+        await self._call("health")
+        return JSONResponse({"name": name, "ready": True})
+
+    async def _v2_infer(self, name: str, request: Request) -> Response:
+        self._v2_model(name)  # before reading the body: a wrong name costs no upload
+        body = await read_body(request, self.cfg.max_body_bytes)
+        parsed = serve_v2.parse_infer(body, request.headers.get(serve_v2.HEADER), self.cfg.max_images_per_request)
+        answer = await self._call("classify_many", parsed.images)
+        if "error" in answer:  # the model replica judged one image's bytes
+            raise V2Error(IMAGE_STATUS.get(answer["error"], 400),
+                          f"input '{serve_v2.INPUT}' element {answer['index']}: {answer['error']}: {answer['detail']}")
+        content, headers = serve_v2.encode_infer(answer["results"], parsed, name, str(answer["model_version"] or ""))
+        return Response(content, 200, headers)
 
     async def _predict(self, request: Request) -> JSONResponse:
         started = time.perf_counter()

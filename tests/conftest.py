@@ -29,13 +29,15 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session (start-up costs ~6 s). 2 logical CPUs, started
-    the way the CLI starts it (dashboard on 127.0.0.1, token auth)."""
+    the way the CLI starts it (dashboard on 127.0.0.1, token auth). One declared GPU with no
+    device behind it: Serve's GPU plans and one-GPU rollouts run here on the CPU (a replica that
+    holds a GPU share but sees no CUDA device runs on the CPU); nothing else asks for a GPU."""
     import ray
 
     from workflow.core import session
     from workflow.core.config import RayConfig
 
-    yield session.start(RayConfig(num_cpus=2))
+    yield session.start(RayConfig(num_cpus=2, num_gpus=1))
     ray.shutdown()
 
 

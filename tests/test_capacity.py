@@ -95,3 +95,52 @@ def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session
     assert rc == 2
     assert "serve.num_replicas=1 x serve.cpus_per_replica=1.5 CPU" in capsys.readouterr().err
     assert not (tmp_path / "etl").exists()
+
+
+ONE_GPU_NODE = [{"CPU": 16.0, "GPU": 1.0, "memory": 64 * 2**30}]
+
+
+def test_serve_plan_fits_gpu_replicas_or_replaces_in_place_with_a_warning():
+    whole = _cfg("serve.use_gpu=true").serve  # 1 GPU a replica, max_surge_percent 100
+    plan = session.plan_serve(whole, ONE_GPU_NODE)
+    assert (plan.replicas, plan.gpus_per_replica, plan.fit, plan.max_surge_percent) == (1, 1.0, 1, 0)
+    assert "serve.gpus_per_replica=0.5" in plan.warning and "requests wait" in plan.warning
+    half = session.plan_serve(_cfg("serve.use_gpu=true", "serve.gpus_per_replica=0.5").serve, ONE_GPU_NODE)
+    assert (half.fit, half.max_surge_percent, half.warning) == (2, 100, None)  # old + new share the GPU
+    cpu = session.plan_serve(_cfg().serve, [{"CPU": 2.0, "memory": 8 * 2**30}])
+    assert cpu.gpus_per_replica == 0 and cpu.max_surge_percent == 100  # (2 - 0.25 ingress) / 0.5 = 3 fit
+    # the plan reaches the deployment: fractional GPUs, surge off only where it can never fit
+    from stages import serve as serve_stage
+
+    options = serve_stage.deployment_options(whole, plan)
+    assert options["ray_actor_options"]["num_gpus"] == 1.0 and options["max_surge_percent"] == 0
+    assert serve_stage.deployment_options(half_cfg := _cfg("serve.use_gpu=true", "serve.gpus_per_replica=0.25").serve,
+                                          session.plan_serve(half_cfg, ONE_GPU_NODE))["ray_actor_options"]["num_gpus"] == 0.25
+
+
+def test_serve_plan_that_can_never_be_scheduled_is_a_config_error_with_the_fix():
+    with pytest.raises(ConfigError, match=r"serve.num_replicas=2 .* hold 1; lower serve.gpus_per_replica"):
+        session.plan_serve(_cfg("serve.use_gpu=true", "serve.num_replicas=2").serve, ONE_GPU_NODE)
+    with pytest.raises(ConfigError, match=r"0 GPU/.* hold 0; the cluster has no GPU: set serve.use_gpu=false"):  # use_gpu on a CPU-only cluster
+        session.plan_serve(_cfg("serve.use_gpu=true").serve, [{"CPU": 8.0, "memory": 8 * 2**30}])
+    with pytest.raises(ConfigError, match=r"serve.min_replicas=3"):  # autoscaling: its floor must fit
+        session.plan_serve(_cfg("serve.autoscaling=true", "serve.min_replicas=3", "serve.max_replicas=4",
+                                "serve.cpus_per_replica=1").serve, [{"CPU": 2.0, "memory": 8 * 2**30}])
+    with pytest.raises(ConfigError, match=r"serve.gpus_per_replica': Input should be less than or equal to 1"):
+        _cfg("serve.gpus_per_replica=1.5")
+    with pytest.raises(ConfigError, match=r"serve.gpus_per_replica"):
+        _cfg("serve.gpus_per_replica=0")
+    # beside training: the replicas' GPU shares, not whole GPUs
+    cfg = _cfg("serve.use_gpu=true", "serve.gpus_per_replica=0.5", "serve.num_replicas=2")
+    assert session.plan_serve_and_train(cfg.train, cfg.serve, {"CPU": 8.0, "GPU": 1.0}, 0.5).serve_replicas == 2
+
+
+def test_raymill_serve_refuses_a_plan_ray_could_never_place_with_exit_2(ray_session, tmp_path, capsys):
+    """The session's Ray declares 1 GPU: two whole-GPU replicas are refused before Serve starts."""
+    from tests.conftest import free_port
+    from workflow.__main__ import main
+
+    rc = main(["serve", "--model", str(tmp_path), "--port", str(free_port()), "--set", "serve.use_gpu=true",
+               "--set", "serve.num_replicas=2"])
+    assert rc == 2
+    assert "can never be scheduled" in capsys.readouterr().err

@@ -163,3 +163,25 @@ def test_raw_folder_with_fifo_outside_link_and_non_utf8_name(setup, tmp_path):
     assert {r["path"]: r["error"] for r in rows} == {
         "circle/a.jpg": None, "circle/caf\\xe9.jpg": None, "circle/pipe.jpg": "not_a_regular_file",
         "circle/link.jpg": "symlink_outside_source"}
+
+
+class _Echo:
+    def __call__(self, batch):
+        return batch
+
+
+def test_gpu_plan_gives_ray_data_a_batch_size_and_a_gpu_actor_pool(ray_session):
+    """infer.use_gpu on a CPU machine: the arguments the GPU plan hands map_batches, which Ray Data
+    checks when the stage is declared (a missing batch_size with GPUs raised ValueError there)."""
+    import ray.data
+
+    plan = infer.Plan("images", [{"path": str(i)} for i in range(10)], 3, 10, {}, {})
+    kwargs = infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 2.0})
+    assert kwargs["batch_size"] == 4 and kwargs["num_gpus"] == 1.0 and kwargs["num_cpus"] == 1.0
+    assert isinstance(kwargs["compute"], ray.data.ActorPoolStrategy) and kwargs["compute"].max_size == 2
+    ray.data.from_items(plan.items).map_batches(_Echo, **kwargs)  # declared, not run: no GPU needed
+    with pytest.raises(ValueError, match="batch_size"):  # what the plan prevents
+        ray.data.from_items(plan.items).map_batches(_Echo, **{**kwargs, "batch_size": None})
+    assert infer.map_batches_kwargs(InferConfig(), plan, {"CPU": 2.0, "GPU": 0.0})["num_gpus"] == 0
+    with pytest.raises(ConfigError, match="infer.num_actors=2 needs 2 GPUs but the cluster has 1"):
+        infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 1.0})

@@ -7,6 +7,7 @@ is used for the overload burst. No training: the model is an untrained small_cnn
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import json
 import os
@@ -21,6 +22,8 @@ from PIL import Image
 from stages import serve as serve_stage
 from stages import serve_http
 from tests.conftest import bomb_png, free_port, image_bytes
+# The /v2 (Open Inference Protocol) tests run here, against this module's served app: no second Serve start.
+from tests.serve_v2_cases import *  # noqa: F401,F403
 from workflow.core.config import ServeConfig
 
 CLASSES = ["bird", "cat", "dog"]
@@ -335,9 +338,13 @@ def test_model_inside_the_ingress_replica(app, model_dir):
         r = httpx.post(f"{url}/predict", content=image_bytes(7), headers=JPEG, timeout=30)
         health = httpx.get(f"{url}/healthz", timeout=30).json()
         bad = httpx.post(f"{url}/predict", content=b"nope", headers=JPEG, timeout=30)
+        tensor = {"name": "images", "datatype": "BYTES", "shape": [2],
+                  "data": [base64.b64encode(image_bytes(i)).decode() for i in (7, 8)]}
+        v2 = httpx.post(f"{url}/v2/models/raymill/infer", json={"inputs": [tensor]}, timeout=30)
     finally:
         serve_stage.shutdown(cfg)
     assert r.status_code == 200, r.text
     _check_prediction(r.json())
+    assert v2.status_code == 200 and v2.json()["outputs"][1]["data"][0] == r.json()["class_index"], v2.text
     assert health["pid"] == health["ingress_pid"]
     assert bad.status_code == 400 and bad.json()["error"] == "not_an_image"

@@ -207,8 +207,8 @@ def cmd_serve(args) -> int:
     session.start(cfg.ray)
     url = serve.start(cfg.serve, args.model, s3=cfg.s3)
     record = endpoint.record_endpoint(cfg.serve)
-    print(f"serve: POST images to {url}/predict (Ctrl-C stops; `raymill serve --model NEW` with the "
-          f"same --port rolls this endpoint to NEW)", flush=True)
+    print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
+          f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)
     # SIGTERM (systemd, Kubernetes, kill) ends the serve loop like Ctrl-C: the app is deleted and
     # the endpoint record removed, so the next start on this port begins clean.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -91,3 +91,57 @@ def test_step_meter_reads_the_device_share_we_set():
         time.sleep(busy)
     times = meters.EpochTimes(5, 0.0, meter.busy_s(), time.perf_counter() - started)
     assert 0.35 < times.utilisation < 0.65, (times, t0)
+
+
+def test_raymill_infer_cli_with_use_gpu(trained, tmp_path):
+    """`raymill infer --set infer.use_gpu=true`: the command a user runs (it failed on a GPU with
+    "You must provide batch_size to map_batches when requesting GPUs")."""
+    from workflow.__main__ import main
+
+    _, data, artifact = trained
+    out = tmp_path / "infer-cli"
+    rc = main(["infer", "--model", artifact.path, "--data", data.path, "--output", str(out), "--config",
+               str(REPO / "configs/smoke.yaml"), "--set", "infer.use_gpu=true", "--set", "tracking.enabled=false"])
+    assert rc == 0
+    metrics = json.loads((out / "manifest.json").read_text())["metrics"]
+    assert metrics["rows"] > 0 and metrics["errors"] == 0
+
+
+def test_serve_on_the_gpu_answers_v2_batches_and_rolls_on_one_gpu(gpu_ray, tmp_path):
+    """Replicas of half a GPU: the model runs on CUDA, a v2 request of 8 images gets 8 answers, and a
+    rolling update under c=8 load finishes on one GPU with 0 failed requests."""
+    import asyncio
+    import base64
+
+    import httpx
+    from ray import serve
+
+    from stages import serve as serve_stage
+    from tests.conftest import free_port, image_bytes
+    from tests.test_serve import _save_model
+    from tests.test_serve_rollout import _load
+    from workflow.core.config import ServeConfig
+
+    cfg = ServeConfig(port=free_port(), use_gpu=True, gpus_per_replica=0.5, request_timeout_s=60.0)
+    url = serve_stage.start(cfg, _save_model(tmp_path / "v1", "gpu-1"))
+    images = [image_bytes(500 + i) for i in range(8)]
+
+    async def rollout():
+        stop = asyncio.Event()
+        load = asyncio.create_task(_load(url, images, 8, stop, min_requests=16))
+        await asyncio.sleep(0.5)
+        await asyncio.to_thread(serve_stage.update, cfg, _save_model(tmp_path / "v2", "gpu-2"))
+        stop.set()
+        return await load
+
+    try:
+        assert httpx.get(f"{url}/metadata", timeout=60).json()["device"] == "cuda"
+        tensor = {"name": "images", "datatype": "BYTES", "shape": [8],
+                  "data": [base64.b64encode(i).decode() for i in images]}
+        r = httpx.post(f"{url}/v2/models/raymill/infer", json={"inputs": [tensor]}, timeout=60)
+        assert r.status_code == 200 and r.json()["outputs"][0]["shape"] == [8], r.text
+        codes = asyncio.run(rollout())
+        assert set(codes) == {200}, codes
+        assert httpx.get(f"{url}/metadata", timeout=60).json()["version"] == "gpu-2"
+    finally:
+        serve.shutdown()

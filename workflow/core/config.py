@@ -257,6 +257,9 @@ class ServeConfig(Section):
     max_replicas: int = Field(2, ge=1)
     cpus_per_replica: float = Field(0.5, gt=0)
     use_gpu: bool = False
+    # GPUs each model replica holds with use_gpu. A fraction lets replicas share one device, and
+    # lets a rollout's new replica start beside the old one on a one-GPU node (session.plan_serve).
+    gpus_per_replica: float = Field(1.0, gt=0, le=1)
     batching: bool = True
     max_batch_size: int = Field(16, ge=1)
     # 0: batch whatever is queued, never hold a lone request (5 ms cost 23-28% of p50, RESULTS.md P5)
@@ -269,6 +272,10 @@ class ServeConfig(Section):
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
     top_k: int = Field(3, ge=1)
     app_name: str = "raymill"
+    # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve_v2.py).
+    model_name: str = Field("raymill", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    # Images one /v2 infer request may carry; they go through one forward pass together.
+    max_images_per_request: int = Field(64, ge=1)
     # Memory Ray reserves per model replica; concurrent decodes are capped to fit in it
     # (stages.serve.decode_slots: 2 at the defaults, each up to max_image_pixels x 16 B).
     replica_memory_mb: int = Field(2048, ge=256)

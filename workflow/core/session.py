@@ -11,11 +11,12 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
-from workflow.core.config import ConfigError, RayConfig, ServeConfig, TrainConfig, TuneConfig
+from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
            "TrialPlan", "TRIAL_DRIVER_CPUS",
-           "ServeTrainPlan", "plan_serve_and_train"]
+           "ServeTrainPlan", "plan_serve_and_train", "ServePlan", "plan_serve", "node_resources",
+           "plan_infer"]
 
 log = logging.getLogger(__name__)
 
@@ -299,7 +300,7 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
     """
     replicas = serve.max_replicas if serve.autoscaling else serve.num_replicas
     serve_cpus = replicas * serve.cpus_per_replica
-    serve_gpus = float(replicas) if serve.use_gpu else 0.0
+    serve_gpus = replicas * serve.gpus_per_replica if serve.use_gpu else 0.0
     key = "serve.max_replicas" if serve.autoscaling else "serve.num_replicas"
     left = resources["CPU"] - data_reserved_cpus - serve_cpus
     if left <= 1e-9:
@@ -308,8 +309,9 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
             f"ray.data_reserved_cpus={data_reserved_cpus:g} leave {max(left, 0):g} of {resources['CPU']:g} "
             f"CPUs for training; lower serve.cpus_per_replica or {key}, or add CPUs")
     if serve_gpus > resources["GPU"] + 1e-9:
-        raise ConfigError(f"serve.use_gpu with {key}={replicas} needs {serve_gpus:g} GPUs but the cluster "
-                          f"has {resources['GPU']:g}; set serve.use_gpu=false or add GPUs")
+        raise ConfigError(f"serve.use_gpu with {key}={replicas} x serve.gpus_per_replica="
+                          f"{serve.gpus_per_replica:g} needs {serve_gpus:g} GPUs but the cluster has "
+                          f"{resources['GPU']:g}; lower serve.gpus_per_replica, set serve.use_gpu=false or add GPUs")
     rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
     try:
         workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True)
@@ -317,3 +319,80 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
         raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
                           f"training: lower {key} or serve.cpus_per_replica)") from None
     return ServeTrainPlan(replicas, serve_cpus, workers)
+
+
+def node_resources() -> list[dict[str, float]]:
+    """Each alive node's total resources (CPU, GPU, memory in bytes, custom ones)."""
+    import ray
+
+    return [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in ray.nodes() if n.get("Alive")]
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What each model replica asks Ray for, and how a rollout replaces replicas."""
+    replicas: int  # started now (serve.min_replicas with autoscaling)
+    cpus_per_replica: float
+    gpus_per_replica: float
+    fit: int  # model replicas the cluster's nodes hold beside the ingress, when nothing else runs
+    max_surge_percent: int  # serve.max_surge_percent, or 0 when the surge can never be scheduled
+    warning: str | None = None
+
+
+def _replicas_fit(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
+    """How many replicas needing `need` fit, node by node (a replica never spans nodes)."""
+    return sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items() if amount > 0)
+               for node in nodes)
+
+
+def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
+    """Fit the model replicas onto the cluster's nodes, or refuse with the keys to change.
+
+    Serve waits forever for a replica Ray cannot place, so a plan that can never be scheduled is
+    a config error. A rolling update first starts ceil(max_surge_percent x replicas / 100) new
+    replicas beside the old ones; when they can never fit (one GPU, a whole-GPU replica), the
+    update replaces replicas in place (max_surge_percent 0) and warns of the gap.
+    """
+    replicas = serve.min_replicas if serve.autoscaling else serve.num_replicas
+    gpus = serve.gpus_per_replica if serve.use_gpu else 0.0
+    need = {"CPU": serve.cpus_per_replica, "GPU": gpus, "memory": serve.replica_memory_mb * 2**20}
+    nodes = sorted((dict(n) for n in nodes), key=lambda n: -n.get("CPU", 0.0))
+    if serve.model_deployment and nodes:  # the ingress replicas' CPUs, taken where most are
+        nodes[0]["CPU"] = nodes[0].get("CPU", 0.0) - serve.ingress_replicas * serve.ingress_cpus
+    fit = _replicas_fit(need, nodes)
+    key = "serve.min_replicas" if serve.autoscaling else "serve.num_replicas"
+    have = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU/{n.get('memory', 0) / 2**20:.0f} MB"
+                     for n in nodes)
+    if fit < replicas:
+        fix = "lower serve.gpus_per_replica (a fraction shares a GPU) or " if gpus else ""
+        if gpus and not any(n.get("GPU", 0) > 0 for n in nodes):
+            fix = "the cluster has no GPU: set serve.use_gpu=false, add GPU nodes, or "
+        raise ConfigError(
+            f"{key}={replicas} replica(s) of serve.cpus_per_replica={serve.cpus_per_replica:g} CPU, "
+            f"{gpus:g} GPU (serve.use_gpu, serve.gpus_per_replica) and serve.replica_memory_mb="
+            f"{serve.replica_memory_mb} can never be scheduled: the nodes ({have}) hold {fit}; "
+            f"{fix}lower {key} or serve.cpus_per_replica, or add nodes")
+    surge = (serve.max_surge_percent * replicas + 99) // 100
+    surge_pct, warning = serve.max_surge_percent, None
+    if surge and fit < replicas + surge:
+        surge_pct = 0
+        fix = (f"set serve.gpus_per_replica={gpus / 2:g} (or less) so that old and new share the GPUs, or add "
+               f"GPUs" if gpus else "lower serve.cpus_per_replica or serve.replica_memory_mb, or add nodes")
+        warning = (f"a rollout's {surge} new replica(s) ({gpus:g} GPU, {serve.cpus_per_replica:g} CPU each) "
+                   f"cannot start beside the {replicas} old one(s): the nodes ({have}) hold {fit}. Updates "
+                   f"replace replicas in place: while one restarts, {replicas - 1} of {replicas} serve "
+                   f"(with 1, requests wait out the new replica's start-up). To keep serving at full "
+                   f"capacity, {fix}")
+    plan = ServePlan(replicas, serve.cpus_per_replica, gpus, fit, surge_pct, warning)
+    log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, %d fit, max_surge_percent=%d",
+             replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
+    return plan
+
+
+def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict[str, float]:
+    """Each batch-inference actor's {num_cpus, num_gpus}; a pool Ray could never place is refused."""
+    gpus = 1.0 if infer.use_gpu else 0.0
+    if infer.num_actors * gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"infer.use_gpu with infer.num_actors={infer.num_actors} needs {infer.num_actors:g} GPUs "
+                          f"but the cluster has {resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
+    return {"num_cpus": infer.cpus_per_actor, "num_gpus": gpus}
