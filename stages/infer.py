@@ -1,8 +1,13 @@
 """Batch inference stage: an exported model over ETL shards or a raw image folder (local or s3://).
 
 Layout of the work (the ETL lesson, PLATFORM.md): the driver plans small work items (one per shard,
-or one per raw file, a few hundred to a block); each Ray Data actor loads the model once, then opens
-and decodes its own files. Image bytes never cross the object store; only prediction rows do.
+or one per raw file, a few hundred to a block). Two plans (`infer.decode`, session.plan_infer):
+- `actor` (the CPU default): each Ray Data actor loads the model once, then opens and decodes its
+  own files. Image bytes never cross the object store; only prediction rows do.
+- `tasks` (the GPU default): Ray Data CPU tasks read and decode (stages.infer_decode), and a pool
+  of actors holding the devices only predicts, infer.batch_size images a call. Decoded pixels
+  cross the object store, and the GPU no longer waits for JPEG decoding on its actor's few CPUs.
+Both report the device's busy time (CUDA events around the forward pass, stages.meters).
 
 Preprocessing is the project's one eval transform: `predict.preprocess` for raw files (what ETL
 stores for training) and `data.decode_sample` for shards, so batch inference, serving and the
@@ -20,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -29,21 +34,22 @@ from workflow.core import session, storage
 from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
 from workflow.core.config import InferConfig, section_dict
 from workflow.core.locks import output_lock
-from stages import predict, sources, streaming
-from stages.etl import InputNotFoundError, root_cause, sample_key
-from stages.images import BadImage
+from stages import infer_decode, meters, predict, sources, streaming
+from stages.etl import InputNotFoundError, root_cause
 
-__all__ = ["run", "InferError", "Predictor", "SCHEMA", "map_batches_kwargs"]
+__all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
 
 log = logging.getLogger(__name__)
 
 FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
-MAX_FILE_BYTES = 64 * 10**6  # same limit as etl.max_file_mb's default: larger files are not read
 
 SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
                     ("class_name", pa.string()), ("class_index", pa.int32()),
                     ("top_k_classes", pa.list_(pa.string())), ("top_k_probs", pa.list_(pa.float64())),
                     ("error", pa.string()), ("error_detail", pa.string())])
+# What the actors return: SCHEMA plus each row's share of its batch's device busy seconds, summed
+# by the driver (over every actor) and dropped before publishing.
+BUSY = pa.field("busy_s", pa.float64())
 
 
 class InferError(RuntimeError):
@@ -74,21 +80,28 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
     _, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
-    plan = _plan(cfg, source, info, s3)
+    resources = session.cluster_resources()
+    decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
+    plan = _plan(cfg, source, info, s3, max(cfg.num_actors, decode["decode_tasks"]))
     out_fs, out_root = storage.filesystem(out, s3)
     if out_fs.exists(storage.join(out_root, MANIFEST)):
         out_fs.rm_file(storage.join(out_root, MANIFEST))  # unpublish: never old manifest + new files
-    log.info("infer: %d %s item(s) in %d block(s), %d actor(s)", len(plan.items), plan.kind, plan.blocks,
-             cfg.num_actors)
-    table = _execute(cfg, model_path, plan, s3).sort_by([("path", "ascending"), ("key", "ascending")])
+    log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
+             plan.blocks, cfg.num_actors, decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
+                                                               if decode["decode_tasks"] else ""))
+    table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
+    table = table.sort_by([("path", "ascending"), ("key", "ascending")])
     if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
         raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
     metrics = _metrics(table, info["classes"], time.perf_counter() - started)
+    metrics.update(_device_metrics(cfg, decode["decode"], metrics["rows"] - metrics["errors"], busy_s, wall_s))
     inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
               "model_version": info.get("version"), **plan.inputs}
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
-    log.info("infer: rows=%d errors=%d accuracy=%s images/s=%.1f seconds=%.1f", metrics["rows"],
-             metrics["errors"], metrics.get("accuracy"), metrics["images_per_s"], metrics["seconds"])
+    log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
+             "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
+             metrics["device_busy_s"], 100 * metrics["device_utilisation"], metrics["decode"], metrics["errors"],
+             metrics.get("accuracy"))
     return Artifact("infer", str(out).rstrip("/"), manifest)
 
 
@@ -109,13 +122,15 @@ def _publish(cfg: InferConfig, out: str, s3: Any | None, table: pa.Table, metric
     return manifest
 
 
-def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
+def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None, parallel: int) -> Plan:
+    """`parallel`: how many workers read at once (actors, or decode tasks): raw files get at least
+    that many blocks."""
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root):
         raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
     if fs.exists(storage.join(root, MANIFEST)):
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
-    return _plan_files(cfg, fs, root, source)
+    return _plan_files(fs, root, source, parallel)
 
 
 def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
@@ -136,7 +151,7 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
                 {"format": fmt, "split": cfg.split, "data_run_id": m.get("run_id")})
 
 
-def _plan_files(cfg: InferConfig, fs, root: str, source: str) -> Plan:
+def _plan_files(fs, root: str, source: str, parallel: int) -> Plan:
     """Every non-hidden entry is an item: links out of the folder, FIFOs and unreadable files come
     back as error rows (never read, never dropped); a non-UTF-8 name travels as hex bytes."""
     entries, hidden = sources.list_tree(fs, root, "inside_source")
@@ -148,97 +163,114 @@ def _plan_files(cfg: InferConfig, fs, root: str, source: str) -> Plan:
                       "size": e.size, "reason": reason, "detail": detail})
     if not items:
         raise InferError(f"no files under '{source}'; pass an image folder or an ETL output")
-    blocks = max(min(len(items), cfg.num_actors), math.ceil(len(items) / FILES_PER_BLOCK))
+    blocks = max(min(len(items), parallel), math.ceil(len(items) / FILES_PER_BLOCK))
     return Plan("images", items, blocks, len(items), {"mode": "images", "source": source},
                 {"files": len(items), "hidden_skipped": hidden})
 
 
-def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]) -> dict[str, Any]:
-    """Ray Data's map_batches arguments for the Predictor actors (no Predictor, no data).
+def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Ray Data's map_batches arguments for each stage, in order (no model, no data): `decode`
+    (infer.decode=tasks only: CPU tasks) and `predict` (the actor pool).
 
-    batch_size is explicit: one call per block's worth of work items, as batch_size=None would
-    give, because Ray Data refuses batch_size=None when the actors ask for GPUs (infer.use_gpu).
-    The actors are a fixed pool, each holding its GPU (session.plan_infer) for the whole run.
+    Every batch_size is explicit: Ray Data refuses batch_size=None when the actors ask for GPUs
+    (infer.use_gpu). Work items go one block's worth to a call (to the decode tasks, or to actors
+    that decode); decoded images reach the predicting actors infer.batch_size at a time. The actors
+    are a fixed pool, each holding its GPU for the whole run; the decode tasks get the CPUs the
+    pool leaves (session.plan_infer). Ray Data fuses a task stage into the next actor stage when
+    both ask for the same resources, so on a CPU with equal CPU requests the actors decode after all.
     """
     import ray.data
 
-    return {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow",
-            "compute": ray.data.ActorPoolStrategy(size=cfg.num_actors), **session.plan_infer(cfg, resources)}
+    res = session.plan_infer(cfg, resources)
+    items = {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow"}
+    pool = {"compute": ray.data.ActorPoolStrategy(size=cfg.num_actors), "num_cpus": res["num_cpus"],
+            "num_gpus": res["num_gpus"]}
+    if res["decode"] == "actor":
+        return {"predict": {**items, **pool}}
+    return {"decode": {**items, "num_cpus": res["decode_cpus"],
+                       "compute": ray.data.TaskPoolStrategy(size=res["decode_tasks"])},
+            "predict": {"batch_size": cfg.batch_size, "batch_format": "pyarrow", **pool}}
 
 
-def _execute(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> pa.Table:
+def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resources: dict[str, float],
+             s3: Any | None) -> tuple[pa.Table, float, float]:
+    """Run the plan: (prediction rows, device busy seconds summed over the actors, wall seconds)."""
     import ray.data
 
-    kwargs = {"model_path": model_path, "s3": storage.s3_options(s3), "top_k": cfg.top_k,
-              "batch_size": cfg.batch_size, "use_gpu": cfg.use_gpu,
-              "threads": max(1, int(cfg.cpus_per_actor)), **plan.reader}
+    stages = map_batches_kwargs(cfg, plan, resources)
+    actor = {"model_path": model_path, "s3": storage.s3_options(s3), "top_k": cfg.top_k, "use_gpu": cfg.use_gpu,
+             "threads": max(1, int(cfg.cpus_per_actor))}
     ds = ray.data.from_items(plan.items, override_num_blocks=plan.blocks)
-    ds = ds.map_batches(Predictor, fn_constructor_kwargs=kwargs,
-                        **map_batches_kwargs(cfg, plan, session.cluster_resources()))
+    if "decode" in stages:
+        ds = ds.map_batches(infer_decode.decode_batch, **stages["decode"], fn_kwargs={
+            "info": info, "s3": actor["s3"], "reader": plan.reader, "rows_per_batch": cfg.batch_size})
+        ds = ds.map_batches(BatchPredictor, fn_constructor_kwargs=actor, **stages["predict"])
+    else:
+        ds = ds.map_batches(Predictor, fn_constructor_kwargs={**actor, "batch_size": cfg.batch_size, **plan.reader},
+                            **stages["predict"])
+    started = time.perf_counter()
     try:
         tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     except Exception as e:
         raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
-    return pa.concat_tables(tables).cast(SCHEMA) if tables else SCHEMA.empty_table()
+    wall_s = time.perf_counter() - started
+    table = pa.concat_tables(tables) if tables else SCHEMA.append(BUSY).empty_table()
+    busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
+    return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
 
 
-class Predictor:
-    """Ray Data actor: loads the model once, then reads, decodes and predicts its work items."""
+class BatchPredictor:
+    """Ray Data actor (infer.decode=tasks): loads the model once, then predicts decoded images."""
 
-    def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
-                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
+    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
         torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
         self.model, self.info = predict.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model.to(self.device)
-        self.mode, self.top_k, self.batch_size, self.raw = mode, top_k, batch_size, raw
-        self.etl_classes, self.known = list(etl_classes or []), set(self.info["classes"])
-        self.fs, self.root = storage.filesystem(source, s3) if source else (None, None)
-        self.cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
-        self.pool = ThreadPoolExecutor(max_workers=threads)  # Pillow releases the GIL while decoding
+        self.top_k, self.meter = top_k, meters.StepMeter(self.device)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
-        samples = [s for item in batch.to_pylist() for s in self._samples(item)]
+        samples = batch.select(["key", "path", "true_class"]).to_pylist()
+        errors, details = batch["error"].to_pylist(), batch["error_detail"].to_pylist()
+        good = [i for i, e in enumerate(errors) if e is None]
+        images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
+        busy = self.meter.busy_s()
+        preds = dict(zip(good, predict.predict_arrays(self.model, self.info, images, self.top_k, self.device,
+                                                      self.meter)))
+        rows = [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+
+class Predictor(BatchPredictor):
+    """Ray Data actor (infer.decode=actor): loads the model once, then reads, decodes and predicts
+    its work items (stages.infer_decode.Reader), decoding in threads: Pillow releases the GIL."""
+
+    def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
+                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
+        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
+        self.batch_size = batch_size
+        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes)
+        self.pool = ThreadPoolExecutor(max_workers=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        samples = [s for item in batch.to_pylist() for s in self.reader.samples(item)]
         rows: list[dict[str, Any]] = []
+        busy = self.meter.busy_s()
         for start in range(0, len(samples), self.batch_size):
             chunk = samples[start:start + self.batch_size]  # read lazily: one batch of bytes at a time
-            rows += self._predict(chunk, list(self.pool.map(self._decode, chunk)))
-        return pa.Table.from_pylist(rows, schema=SCHEMA)
+            decoded = list(self.pool.map(self.reader.decode, chunk))
+            good = [i for i, d in enumerate(decoded) if d[0] is not None]
+            preds = predict.predict_arrays(self.model, self.info, [decoded[i][0] for i in good], self.top_k,
+                                           self.device, self.meter)
+            by_index = dict(zip(good, preds))
+            rows += [_row(s, by_index.get(i), *decoded[i][1:]) for i, s in enumerate(chunk)]
+        return _with_busy(rows, self.meter.busy_s() - busy)
 
-    def _samples(self, item: dict[str, Any]) -> list[dict[str, Any]]:
-        if self.mode == "images":
-            rel = bytes.fromhex(item["name_hex"]).decode("utf-8", "surrogateescape") if item["name_hex"] \
-                else item["path"]
-            parent = item["path"].split("/")[-2] if "/" in item["path"] else None
-            return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
-                     "reason": item["reason"], "detail": item["detail"],
-                     "true_class": parent if parent in self.known else None}]
-        ref = streaming.ShardRef(**item)
-        return [{"key": key, "path": path, "image": image, "true_class": self.etl_classes[label]}
-                for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format, with_path=True)]
 
-    def _decode(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, str | None, str | None]:
-        """(pixels, None, None), or (None, reason, detail) for an unusable image."""
-        try:
-            if "image" in sample:
-                return streaming.decode_sample(sample["image"], self.info["image_size"], self.raw), None, None
-            if sample["reason"]:  # a link out of the folder, a FIFO, a device: never read
-                return None, sample["reason"], sample["detail"]
-            if sample["size"] > MAX_FILE_BYTES:  # not even read: one huge file must not sink the actor
-                return None, "too_large", f"{sample['size']} bytes > {MAX_FILE_BYTES}"
-            data = sources.read_capped(self.fs, self.root, sample["rel"], MAX_FILE_BYTES, "inside_source")
-            return predict.preprocess(data, self.info), None, None
-        except BadImage as e:
-            return None, e.reason, e.detail
-        except OSError as e:  # decoding turns its own errors into BadImage; this is the read
-            return None, "read_error", f"{type(e).__name__}: {e}"
-
-    def _predict(self, chunk: list[dict], decoded: list[tuple]) -> list[dict[str, Any]]:
-        good = [i for i, d in enumerate(decoded) if d[0] is not None]
-        preds = predict.predict_arrays(self.model, self.info, [decoded[i][0] for i in good], self.top_k,
-                                      self.device)
-        by_index = dict(zip(good, preds))
-        return [_row(s, by_index.get(i), *decoded[i][1:]) for i, s in enumerate(chunk)]
+def _with_busy(rows: list[dict[str, Any]], busy_s: float) -> pa.Table:
+    """Prediction rows, each with an equal share of the device busy seconds it took to make them."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    return table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
 
 
 def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None) -> dict[str, Any]:
@@ -270,6 +302,17 @@ def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, A
                     "images_per_s": round(table.num_rows / max(seconds, 1e-9), 1),
                     "confusion": {"classes": order, "matrix": matrix}})
     return metrics
+
+
+def _device_metrics(cfg: InferConfig, decode: str, predicted: int, busy_s: float, wall_s: float) -> dict[str, Any]:
+    """The device's share of the run, as training reports it (stages.meters): busy seconds summed
+    over the actors (CUDA events around each forward pass; on a CPU, the forward pass's wall time)
+    against the actors' wall (`predict_wall_s` x infer.num_actors, from the plan's start to its
+    last row: model loads and waits for decoded images count as idle)."""
+    return {"decode": decode, "device": "cuda" if cfg.use_gpu else "cpu", "predict_wall_s": round(wall_s, 3),
+            "device_busy_s": round(busy_s, 4),
+            "device_utilisation": round(min(1.0, busy_s / max(wall_s * cfg.num_actors, 1e-9)), 4),
+            "device_images_per_s": round(predicted / max(busy_s, 1e-9), 1)}
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:

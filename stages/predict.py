@@ -78,14 +78,22 @@ def preprocess(data: bytes, info: dict, allowed_formats: tuple[str, ...] = ("JPE
 
 
 @torch.no_grad()
-def predict_arrays(model: torch.nn.Module, info: dict, arrays: list[np.ndarray], top_k: int = 3,
-                   device: torch.device | None = None) -> list[dict[str, Any]]:
-    """Class predictions for uint8 RGB arrays of the model's input size (one dict per array)."""
-    if not arrays:
+def predict_arrays(model: torch.nn.Module, info: dict, arrays: list[np.ndarray] | np.ndarray, top_k: int = 3,
+                   device: torch.device | None = None, meter: Any = None) -> list[dict[str, Any]]:
+    """Class predictions for uint8 RGB arrays of the model's input size (one dict per array).
+
+    `meter` (a stages.meters.StepMeter) times the forward pass alone, when given.
+    """
+    if len(arrays) == 0:
         return []
     device = device or torch.device("cpu")
     x = to_batch(arrays, info["mean"], info["std"], device, False, False)
-    probs = torch.softmax(model(x).float(), dim=1).cpu()
+    if meter is not None:
+        meter.start()
+    logits = model(x)
+    if meter is not None:
+        meter.stop()
+    probs = torch.softmax(logits.float(), dim=1).cpu()
     k = min(top_k, probs.shape[1])
     values, indices = probs.topk(k, dim=1)
     classes = info["classes"]

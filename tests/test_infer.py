@@ -170,18 +170,58 @@ class _Echo:
         return batch
 
 
-def test_gpu_plan_gives_ray_data_a_batch_size_and_a_gpu_actor_pool(ray_session):
-    """infer.use_gpu on a CPU machine: the arguments the GPU plan hands map_batches, which Ray Data
-    checks when the stage is declared (a missing batch_size with GPUs raised ValueError there)."""
+def _echo(batch):
+    return batch
+
+
+def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_session):
+    """infer.use_gpu on a CPU machine: the arguments each stage of the GPU plan hands map_batches,
+    which Ray Data checks when the stage is declared (a missing batch_size with GPUs raised
+    ValueError there)."""
     import ray.data
 
     plan = infer.Plan("images", [{"path": str(i)} for i in range(10)], 3, 10, {}, {})
-    kwargs = infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 2.0})
-    assert kwargs["batch_size"] == 4 and kwargs["num_gpus"] == 1.0 and kwargs["num_cpus"] == 1.0
-    assert isinstance(kwargs["compute"], ray.data.ActorPoolStrategy) and kwargs["compute"].max_size == 2
-    ray.data.from_items(plan.items).map_batches(_Echo, **kwargs)  # declared, not run: no GPU needed
+    stages = infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2, batch_size=64), plan,
+                                      {"CPU": 16.0, "GPU": 2.0})
+    assert list(stages) == ["decode", "predict"]  # auto: CPU tasks decode beside a GPU pool
+    decode, pool = stages["decode"], stages["predict"]
+    assert decode["batch_size"] == 4 and decode["num_cpus"] == 1.0 and "num_gpus" not in decode
+    assert isinstance(decode["compute"], ray.data.TaskPoolStrategy) and decode["compute"].size == 14  # 16 - 2 x 1
+    assert pool["batch_size"] == 64 and pool["num_gpus"] == 1.0 and pool["num_cpus"] == 1.0
+    assert isinstance(pool["compute"], ray.data.ActorPoolStrategy) and pool["compute"].max_size == 2
+    ray.data.from_items(plan.items).map_batches(_echo, **decode).map_batches(_Echo, **pool)  # declared, not run
     with pytest.raises(ValueError, match="batch_size"):  # what the plan prevents
-        ray.data.from_items(plan.items).map_batches(_Echo, **{**kwargs, "batch_size": None})
-    assert infer.map_batches_kwargs(InferConfig(), plan, {"CPU": 2.0, "GPU": 0.0})["num_gpus"] == 0
+        ray.data.from_items(plan.items).map_batches(_Echo, **{**pool, "batch_size": None})
+    actor = infer.map_batches_kwargs(InferConfig(use_gpu=True, decode="actor"), plan, {"CPU": 16.0, "GPU": 2.0})
+    assert list(actor) == ["predict"] and actor["predict"]["batch_size"] == 4 and actor["predict"]["num_gpus"] == 1
+    cpu = infer.map_batches_kwargs(InferConfig(), plan, {"CPU": 2.0, "GPU": 0.0})  # the CPU default: actors decode
+    assert list(cpu) == ["predict"] and cpu["predict"]["num_gpus"] == 0
     with pytest.raises(ConfigError, match="infer.num_actors=2 needs 2 GPUs but the cluster has 1"):
         infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 1.0})
+    with pytest.raises(ConfigError, match=r"infer.decode=tasks: .* leave 0 of 2 CPUs, less than one decode task"):
+        infer.map_batches_kwargs(InferConfig(decode="tasks", num_actors=2), plan, {"CPU": 2.0, "GPU": 0.0})
+
+
+def test_decode_in_tasks_predicts_as_the_actors_do_with_the_same_error_rows(setup, tmp_path):
+    """infer.decode=tasks on the CPU: Ray Data tasks decode (half a CPU each, so Ray does not fuse
+    them into the actor), the pool predicts; rows, predictions and error rows equal the actor plan's."""
+    _, model_path = setup
+    src = tmp_path / "raw"
+    written = make_tree(src, per_class=2, classes=("circle", "square", "triangle"))
+    got = {}
+    for decode in ("actor", "tasks"):
+        cfg = InferConfig(batch_size=4, decode=decode, decode_cpus_per_task=0.5)
+        art = infer.run(cfg, model_path, str(src), str(tmp_path / decode))
+        got[decode] = _outputs(art)
+        m = art.manifest["metrics"]
+        assert m["decode"] == decode and m["device"] == "cpu" and m["device_busy_s"] > 0
+        assert 0 < m["device_utilisation"] <= 1 and m["predict_wall_s"] > 0
+    (actor_rows, actor_m), (task_rows, task_m) = got["actor"], got["tasks"]
+    assert sorted(r["path"] for r in task_rows) == sorted(written)
+    assert {r["path"]: r["error"] for r in task_rows if r["error"]} == {
+        k: v for k, v in written.items() if v != "ok"} and task_m["errors"] == len(BAD_FILES)
+    assert [{k: v for k, v in r.items() if k != "top_k_probs"} for r in task_rows] == \
+        [{k: v for k, v in r.items() if k != "top_k_probs"} for r in actor_rows]
+    for a, t in zip(actor_rows, task_rows):
+        assert t["top_k_probs"] == (pytest.approx(a["top_k_probs"], abs=1e-6) if a["top_k_probs"] else None)
+    assert task_m["error_reasons"] == actor_m["error_reasons"] and task_m["accuracy"] == actor_m["accuracy"]

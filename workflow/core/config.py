@@ -246,6 +246,10 @@ class InferConfig(Section):
     cpus_per_actor: float = Field(1.0, gt=0)
     use_gpu: bool = False
     top_k: int = Field(3, ge=1)
+    # Where images are decoded: `tasks` (Ray Data CPU tasks, then an actor pool that only predicts),
+    # `actor` (each actor decodes its own items), `auto` (tasks with use_gpu, actor on a CPU).
+    decode: Literal["auto", "tasks", "actor"] = "auto"
+    decode_cpus_per_task: float = Field(1.0, gt=0)
 
 
 class ServeConfig(Section):

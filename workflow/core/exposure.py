@@ -1,4 +1,5 @@
-"""What a raymill session exposes: every listening TCP socket of its processes, classified.
+"""What a raymill session exposes: every listening TCP socket of its processes, classified, and
+the switch that keeps a local Ray on loopback (`keep_local_on_loopback`, used by session.start).
 
 Used by `raymill doctor` and by tests/test_exposure.py, so the command and the test agree:
 - `loopback`: reachable from this machine only;
@@ -10,14 +11,44 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
 import psutil
 
-__all__ = ["Listener", "listeners", "process_tree", "ray_processes", "classify", "rows", "EXCEPTIONS"]
+__all__ = ["keep_local_on_loopback", "check_loopback", "LOCAL_ONLY_ENV", "Listener", "listeners", "process_tree",
+           "ray_processes", "classify", "rows", "EXCEPTIONS"]
 
 log = logging.getLogger(__name__)
+
+# Ray's documented switch for single-machine Ray (macOS and Windows default to it): with it off,
+# Ray takes 127.0.0.1 as the node's address, and GCS, raylet, workers, the agents and the
+# Prometheus exporters all listen on loopback. Read when Ray is imported.
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def keep_local_on_loopback() -> None:
+    """Before Ray starts locally: nothing it opens listens beyond this machine.
+
+    Without it a local run had 20 of 24 listeners off loopback, two of them (the Prometheus
+    exporters) answering without the token. A user who set the variable keeps their value;
+    if Ray was imported before raymill could set it, the run says so (`check_loopback`).
+    """
+    if LOCAL_ONLY_ENV not in os.environ and "ray" not in sys.modules:
+        os.environ[LOCAL_ONLY_ENV] = "0"
+
+
+def check_loopback() -> None:
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    if not address.startswith("127."):
+        log.warning("this local Ray listens on %s, not only on loopback: Ray was imported before "
+                    "raymill started it (import raymill's session first, or set %s=0 before "
+                    "importing ray); `raymill doctor` lists what is open", address, LOCAL_ONLY_ENV)
+
 
 def _is_tcp_store(port: int) -> bool:
     """True when a torch TCPStore answers on `port` (the client handshake validates the server;

@@ -8,15 +8,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass
 
 from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
+from workflow.core.exposure import LOCAL_ONLY_ENV, check_loopback, keep_local_on_loopback  # noqa: F401 (re-exported)
 
-__all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan", "plan_workers", "plan_trials",
-           "TrialPlan", "TRIAL_DRIVER_CPUS",
-           "ServeTrainPlan", "plan_serve_and_train", "ServePlan", "plan_serve", "node_resources",
-           "plan_infer"]
+__all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
+           "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
+           "ServePlan", "plan_serve", "node_resources", "plan_infer"]
 
 log = logging.getLogger(__name__)
 
@@ -76,33 +75,6 @@ def start(cfg: RayConfig) -> dict[str, float]:
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
-
-
-# Ray's documented switch for single-machine Ray (macOS and Windows default to it): with it off,
-# Ray takes 127.0.0.1 as the node's address, and GCS, raylet, workers, the agents and the
-# Prometheus exporters all listen on loopback. Read when Ray is imported.
-LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def keep_local_on_loopback() -> None:
-    """Before Ray starts locally: nothing it opens listens beyond this machine.
-
-    Without it a local run had 20 of 24 listeners off loopback, two of them (the Prometheus
-    exporters) answering without the token. A user who set the variable keeps their value;
-    if Ray was imported before raymill could set it, the run says so (`check_loopback`).
-    """
-    if LOCAL_ONLY_ENV not in os.environ and "ray" not in sys.modules:
-        os.environ[LOCAL_ONLY_ENV] = "0"
-
-
-def check_loopback() -> None:
-    import ray
-
-    address = ray.util.get_node_ip_address()
-    if not address.startswith("127."):
-        log.warning("this local Ray listens on %s, not only on loopback: Ray was imported before "
-                    "raymill started it (import raymill's session first, or set %s=0 before "
-                    "importing ray); `raymill doctor` lists what is open", address, LOCAL_ONLY_ENV)
 
 
 def _point_state_api_at_own_dashboard(host: str) -> int:
@@ -389,10 +361,20 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
     return plan
 
 
-def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict[str, float]:
-    """Each batch-inference actor's {num_cpus, num_gpus}; a pool Ray could never place is refused."""
-    gpus = 1.0 if infer.use_gpu else 0.0
+def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
+    """Batch inference's plan: `decode` (tasks|actor), each actor's num_cpus/num_gpus, and with
+    decode=tasks each decode task's CPUs and how many run at once. Decode tasks get only the CPUs
+    the actor pool leaves, and a pool that leaves none is refused: it would starve Ray Data."""
+    gpus, total, per_task = (1.0 if infer.use_gpu else 0.0), resources["CPU"], infer.decode_cpus_per_task
     if infer.num_actors * gpus > resources["GPU"] + 1e-9:
         raise ConfigError(f"infer.use_gpu with infer.num_actors={infer.num_actors} needs {infer.num_actors:g} GPUs "
                           f"but the cluster has {resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
-    return {"num_cpus": infer.cpus_per_actor, "num_gpus": gpus}
+    decode = infer.decode if infer.decode != "auto" else "tasks" if infer.use_gpu else "actor"
+    left = total - infer.num_actors * infer.cpus_per_actor
+    if decode == "tasks" and left < per_task - 1e-9:
+        raise ConfigError(f"infer.decode=tasks: infer.num_actors={infer.num_actors} x infer.cpus_per_actor="
+                          f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
+                          f"task (infer.decode_cpus_per_task={per_task:g}); lower them, or set infer.decode=actor")
+    tasks = int(left / per_task + 1e-9) if decode == "tasks" else 0
+    return {"decode": decode, "num_cpus": infer.cpus_per_actor, "num_gpus": gpus,
+            "decode_cpus": per_task if tasks else 0.0, "decode_tasks": tasks}
