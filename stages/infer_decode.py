@@ -92,6 +92,7 @@ def pixels(column: pa.ChunkedArray, rows: list[int], size: int) -> np.ndarray:
     if not rows:
         return np.zeros((0, size, size, 3), dtype=np.uint8)
     values = column.take(rows).combine_chunks()
-    start = values.offsets[0].as_py()
-    return np.frombuffer(values.buffers()[2], np.uint8, count=len(rows) * size * size * 3,
+    _, offsets, data = values.buffers()  # validity, int32 offsets, the bytes
+    start = int(np.frombuffer(offsets, np.int32, count=1, offset=4 * values.offset)[0])
+    return np.frombuffer(data, np.uint8, count=len(rows) * size * size * 3,
                          offset=start).reshape(-1, size, size, 3)
