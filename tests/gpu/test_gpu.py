@@ -49,9 +49,14 @@ def test_raymill_train_runs_on_the_gpu_with_a_true_utilisation(trained):
 
 
 def test_raymill_infer_with_use_gpu(trained, tmp_path):
+    """infer.decode=auto with use_gpu: Ray Data tasks decode, the GPU pool predicts, and the
+    manifest says how busy the device was (CUDA events, summed over the actors)."""
     cfg, data, artifact = trained
     out = infer.run(cfg.infer, artifact.path, data.path, str(tmp_path / "infer"))
-    assert out.manifest["metrics"]["rows"] > 0
+    m = out.manifest["metrics"]
+    assert m["rows"] > 0 and m["errors"] == 0 and m["decode"] == "tasks" and m["device"] == "cuda"
+    assert 0 < m["device_utilisation"] <= 1 and m["device_images_per_s"] > 0
+    assert 0 < m["device_busy_s"] <= m["predict_wall_s"] * cfg.infer.num_actors + 1e-6
 
 
 def test_decoded_tier_on_the_gpu_matches_itself_and_stays_there():
@@ -105,6 +110,7 @@ def test_raymill_infer_cli_with_use_gpu(trained, tmp_path):
     assert rc == 0
     metrics = json.loads((out / "manifest.json").read_text())["metrics"]
     assert metrics["rows"] > 0 and metrics["errors"] == 0
+    assert metrics["decode"] == "tasks" and metrics["device"] == "cuda" and 0 < metrics["device_utilisation"] <= 1
 
 
 def test_serve_on_the_gpu_answers_v2_batches_and_rolls_on_one_gpu(gpu_ray, tmp_path):
