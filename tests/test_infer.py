@@ -67,8 +67,12 @@ def _accuracy(rows: list[dict]) -> float:
 
 
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
+    """Shards through the two-stage plan (decode tasks, then the pool); the actor plan reads the tar
+    shards below, and raw folders in the tests that follow."""
     data, model_path = setup
-    art = infer.run(InferConfig(batch_size=5), model_path, data.path, str(tmp_path / "out"))
+    cfg = InferConfig(batch_size=5, decode="tasks", decode_cpus_per_task=0.5)
+    art = infer.run(cfg, model_path, data.path, str(tmp_path / "out"))
+    assert art.manifest["metrics"]["decode"] == "tasks"
     rows, metrics = _outputs(art)
     assert len(rows) == metrics["rows"] == sum(data.manifest["counts"]["test"].values())
     assert metrics["errors"] == 0 and metrics["accuracy"] == pytest.approx(_accuracy(rows))
