@@ -196,8 +196,7 @@ def test_config_errors_name_the_key(dataset, tmp_path):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "d"), ray_cfg=cfg.ray)
 
 
-@pytest.mark.parametrize("override, fix", [("tune.scheduler=pbt", "use tune.scheduler=asha"),
-                                           ("tune.handoff=retrain", "raymill train")])
+@pytest.mark.parametrize("override, fix", [("tune.handoff=retrain", "raymill train")])
 def test_removed_modes_are_config_errors_that_name_the_fix(override, fix):
     with pytest.raises(ConfigError, match=rf"{override.replace('.', '[.]')} was removed.*{fix}"):
         load_config(REPO / "configs/smoke.yaml", [override])
