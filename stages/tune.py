@@ -1,23 +1,29 @@
-"""Tune stage: a hyperparameter search in which every trial is one Ray Train (DDP) run.
+"""Tune stage: a hyperparameter search (ASHA, PBT or FIFO) over the training loop.
 
-The pattern of Ray's "Hyperparameter Tuning with Ray Tune" guide for Train V2: `Tuner(driver,
-param_space=..., tune_config=TuneConfig(scheduler=...))`. `driver` is a small Tune function
-(0.01 CPU) that builds the train stage's TorchTrainer (`stages.train.build_trainer`) with
-`RunConfig(callbacks=[TuneReportCallback()])`, which forwards every `ray.train.report` (metrics
-plus `checkpoint_path`) to Tune, so ASHA sees each epoch. When ASHA stops a trial, Tune ends its
-driver; the TorchTrainer's controller dies with it and Ray Train's own placement-group cleaner
-frees the workers' resources (it asks the State API, which the dashboard serves: keep
-`ray.include_dashboard` on). `session.plan_trials` decides how many trials run at once so the
-Ray Data reserve stays free (no 2-CPU deadlock).
+`Tuner(raymill_trial, param_space=..., tune_config=TuneConfig(scheduler=...))`, where each trial is
+one Tune function (`_run_trial`), hosted one of two ways (`session.TrialPlan.in_function`):
+- one worker (the default): the function runs `stages.train_loop.train_loop` itself with
+  `run_hooks.TuneHooks`, reporting each epoch (metrics + checkpoint) through `ray.tune.report`. No
+  TorchTrainer, controller or second placement group: a trial starts in about a second, and
+  `reuse_actors` runs the next trial in the same actor (process, imports, decode pool, model kept);
+- several workers (or `train.ingest=ray_data`): the Train V2 driver pattern of Ray's guide. The
+  function (0.01 CPU) builds the train stage's TorchTrainer (`stages.train.build_trainer`) with
+  `RunConfig(callbacks=[TuneReportCallback()])`, which forwards every `ray.train.report` to Tune.
+  When a scheduler stops such a trial its controller dies with the driver and Ray Train's own
+  placement-group cleaner frees the workers (it asks the State API: keep the dashboard on).
+PBT's exploit is Tune's own: the trial restarts with the donor's checkpoint as its
+`ray.tune.get_checkpoint()`, and the loop applies the explored lr/momentum/weight decay.
+`session.plan_trials` decides how many trials run at once so the Ray Data reserve stays free.
 
 Outputs in `out/` (written by stages.tune_results): trials.csv, trials.md, best.json, search.png,
 the best model as model.pt + model.json, curves.png + metrics.jsonl of that model, and
-manifest.json last. Ray state lives under `out/ray/`: the Tune experiment in `out/ray/tune`,
-each trial's Train run in `out/ray/trial-<trial id>`.
+manifest.json last. Ray state lives under `out/ray/`: the Tune experiment in `out/ray/tune` (with
+one-worker trials' checkpoints), a TorchTrainer trial's Train run in `out/ray/trial-<trial id>`.
 
 Resume: running again with the same output folder and config restores the search
 (`Tuner.restore`): finished and failed trials are kept as they are, unfinished ones continue from
-their last Train checkpoint. A different config, seed or data for the same folder is a ConfigError.
+their last checkpoint. A different config, seed or data for the same folder is a ConfigError.
+Tune does not save a scheduler's state, so a resumed ASHA or PBT starts with empty rungs/scores.
 """
 from __future__ import annotations
 
