@@ -6,8 +6,7 @@
 - `TuneHooks`: a one-worker Tune trial that runs the loop directly in its Tune function actor:
   no TorchTrainer, no controller, no second placement group, `ray.tune.report`/`get_checkpoint`.
   With `reuse_actors`, one actor runs many trials (the process, imports and torch start once)
-  and keeps its decode pool (starting one took 0.4-1.3 s a trial on the 2-core box: each child
-  imports numpy and Pillow) and the model of each shape. The decoded tier is not carried between trials: a trial
+  and keeps the model of each shape. The decoded tier is not carried between trials: a trial
   fills it during its first epoch at no extra decode cost, and reading a kept one in epoch 1
   would make a trial's sample order depend on which actor ran it.
 """
@@ -24,7 +23,6 @@ log = logging.getLogger(__name__)
 
 # Per process, so per Tune actor: kept across the trials that `reuse_actors` runs in it.
 _MODELS: dict[tuple, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
-_POOLS: dict[tuple, Any] = {}  # idle decode pools (stages.decode_pool), by shape
 
 
 class TrainHooks:
@@ -56,12 +54,6 @@ class TrainHooks:
         import ray.train
 
         return ray.train.get_checkpoint()
-
-    def decode_pool(self, key: tuple, make: Callable[[], Any]) -> Any:
-        return make()
-
-    def release_pool(self, key: tuple, pool: Any, reusable: bool) -> None:
-        pool.close()
 
 
 class TuneHooks:
@@ -106,20 +98,3 @@ class TuneHooks:
 
         # the trial's own latest checkpoint, or under PBT the donor's that the trial was cloned from
         return ray.tune.get_checkpoint()
-
-    def decode_pool(self, key: tuple, make: Callable[[], Any]) -> Any:
-        """The decode pool an earlier trial of this actor left idle with this shape, or a new one.
-        Its children exit within decode_pool.WATCHDOG_S of the actor's end, so none outlives it."""
-        pool = _POOLS.pop(key, None)
-        for other in _POOLS.values():  # another shape: one idle pool per actor at most
-            other.close()
-        _POOLS.clear()
-        return pool if pool is not None else make()
-
-    def release_pool(self, key: tuple, pool: Any, reusable: bool) -> None:
-        """Keep the pool for this actor's next trial when the trial ended cleanly (finished, or
-        stopped by Tune at a report); a trial that raised may have left it broken: close it."""
-        if reusable:
-            _POOLS[key] = pool
-        else:
-            pool.close()

@@ -110,7 +110,7 @@ class Worker:
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
-                                 self.steps, self.open_rows, pools=hooks)
+                                 self.steps, self.open_rows)
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
 
     def new_model(self) -> torch.nn.Module:
@@ -335,16 +335,11 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
     or a one-worker Tune trial."""
     console.quiet_train_worker()
     w = Worker(config, hooks or TrainHooks())
-    clean = False
     try:
         w.restore()
         _epochs(w, config)
-        clean = True
-    except SystemExit:  # Tune ending a trial at a report (a scheduler's stop): a clean end
-        clean = True
-        raise
-    finally:  # the decode processes end with the loop (or, clean, go back to the hooks' keeping)
-        w.input.close(reusable=clean)
+    finally:  # the decode processes end with the loop, whether it returns or raises
+        w.input.close()
 
 
 def _epochs(w: Worker, config: dict[str, Any]) -> None:

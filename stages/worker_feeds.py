@@ -29,9 +29,8 @@ class WorkerFeeds:
 
     def __init__(self, cfg: TrainConfig, config: dict[str, Any], rank: int, world: int,
                  device: torch.device, refs: dict[str, list], total: int, steps: int,
-                 open_rows: Callable[[streaming.ShardRef], list], pools=None):
+                 open_rows: Callable[[streaming.ShardRef], list]):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.pools = pools  # where pools come from and go back to (stages.run_hooks); None: own
         self.seed, self.size, self.raw = config["seed"], config["image_size"], config["raw"]
         self.refs, self.total, self.steps, self.open_rows = refs, total, steps, open_rows
         self.decode_processes, self.pool = config.get("decode_processes", 0), None
@@ -89,17 +88,13 @@ class WorkerFeeds:
     def decode_pool(self) -> DecodePool | None:
         """This worker's decode processes: started at the first batch, kept for every epoch."""
         if self.pool is None and self.decode_processes > 0:
-            shape = self.pool_shape()
-            self.pool = self.pools.decode_pool(shape, lambda: DecodePool(*shape)) if self.pools else DecodePool(*shape)
+            keep_plain = self.cfg.decoded_tier != "off"
+            self.pool = DecodePool(self.decode_processes, self.cfg.batch_size, self.size,
+                                   self.cfg.prefetch_batches + 1, keep_plain=keep_plain)
             if self.rank == 0:
                 log.info("train: %d decode processes per worker, started in %.2f s",
                          self.decode_processes, self.pool.start_s)
         return self.pool
-
-    def pool_shape(self) -> tuple:
-        """DecodePool's arguments: processes, batch size, image size, depth, keep_plain."""
-        return (self.decode_processes, self.cfg.batch_size, self.size, self.cfg.prefetch_batches + 1,
-                self.cfg.decoded_tier != "off")
 
     def train_feed(self, epoch: int, start_step: int):
         """This epoch's feed (stages.feed): the decoded tier, this worker's own reader decoded in
@@ -128,12 +123,7 @@ class WorkerFeeds:
         if self.tier is not None and fed.plain is not None and epoch == 0:
             self.tier.put(step * self.cfg.batch_size, fed.rows, fed.plain)
 
-    def close(self, reusable: bool = False) -> None:
-        """End this worker's input side; a `reusable` pool (the run ended cleanly) may be kept by
-        its provider for the next run in this process."""
+    def close(self) -> None:
         if self.pool is not None:
-            if self.pools:
-                self.pools.release_pool(self.pool_shape(), self.pool, reusable)
-            else:
-                self.pool.close()
+            self.pool.close()
             self.pool = None
