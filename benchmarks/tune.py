@@ -5,10 +5,12 @@ the same concurrency (session.plan_trials) and epoch budget. PBT samples its own
 (its param space adds momentum and weight decay) and explores lr, momentum and weight decay.
 Times come from each trial's own result timestamps (result.json), relative to its search's start.
 
-Start-up per trial is measured twice: by the trial itself (its function's first line -> first
-batch, the `startup_s` of trials.csv), and from Tune's side (a callback's `on_trial_start` ->
-the first batch), which adds actor placement and process start. Tune's own floor is the same
-clock on a trivial function that reports at once, with the same resources, in the same run.
+Start-up per trial = Tune's own per-trial floor + the trial's own start-up. The floor is measured
+in the same run: a trivial function that reports at once, with a trial's resources, concurrency
+and reused actors; its wall time x concurrency / trials is what Tune itself costs a trial slot
+(actor start or reuse, scheduling, reporting). The trial's own part is its `startup_s` (its
+function's first line -> first batch), cross-checked from Tune's side (`on_trial_start` -> first
+batch: Tune calls it once the actor is up, so it adds nothing the floor does not hold).
 """
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ class _TrialClock:
             def __init__(self, sink: dict):
                 self.sink = sink
 
-            def on_trial_start(self, iteration, trials, trial, **info):
-                self.sink.setdefault(trial.trial_id, {})["start"] = time.time()
+            def on_trial_start(self, iteration, trials, trial, **info):  # again after a PBT exploit
+                self.sink.setdefault(trial.trial_id, {}).setdefault("start", time.time())
 
             def on_trial_result(self, iteration, trials, trial, result, **info):
                 entry = self.sink.setdefault(trial.trial_id, {})
@@ -70,8 +72,10 @@ def _config(scheduler: str, args) -> Any:
     return load_config(Path(__file__).resolve().parents[1] / "configs/smoke.yaml", [
         f"tune.scheduler={scheduler}", f"tune.num_samples={args.samples}", f"tune.max_epochs={args.max_epochs}",
         f"tune.grace_period={args.grace}", f"tune.reduction_factor={args.reduction}", "tune.seed=0",
-        "train.width=16", "train.batch_size=32", "train.optimizer=sgd", "tune.search_space.lr.type=loguniform",
-        "tune.search_space.lr.lower=0.0005", "tune.search_space.lr.upper=0.5"])
+        "train.width=16", "train.batch_size=32", "train.optimizer=sgd",
+        # every trial gets the whole budget (no searched length): what FIFO pays, ASHA can save
+        "tune.search_space={lr: {type: loguniform, lower: 0.0005, upper: 0.5}, "
+        "weight_decay: {type: loguniform, lower: 0.00001, upper: 0.001}}"])
 
 
 def _search(scheduler: str, args, data, work: Path) -> dict[str, Any]:
@@ -133,8 +137,10 @@ def _floor(concurrency: int, cpus: float, n: int) -> dict[str, Any]:
     started = time.perf_counter()
     tuner.fit()
     wall = time.perf_counter() - started
-    return {"trials": n, "wall_s": round(wall, 2), "s_per_trial": round(wall / n, 2),
-            "startup_s": _median(clock.startups()), "startup_s_max": max(clock.startups(), default=None)}
+    # Slot-seconds a trial holds that are Tune's alone (actor start or reuse, scheduling, reports):
+    # every raymill trial pays them too, before its own start-up.
+    return {"trials": n, "concurrency": concurrency, "wall_s": round(wall, 2),
+            "slot_s": round(wall * concurrency / n, 2), "tune_side_s": _median(clock.startups())}
 
 
 def _time_to(reports: list[list[float]], target: float) -> float | None:
@@ -171,25 +177,31 @@ def _targets(args) -> list[float]:
 
 
 def render(result: dict[str, Any]) -> str:
+    if "floor" not in result:  # results/tune.json from before PBT and cheap trials
+        return "An older format of this benchmark's results: rerun `python -m benchmarks tune`."
     c, s, floor = result["config"], result["searches"], result["floor"]
     a, f, p = s["asha"], s["fifo"], s["pbt"]
-    lines = [f"{c['samples']} sampled configurations (seed 0, lr log-uniform 0.0005-0.5, SGD), a budget of "
-             f"{c['max_epochs']} epochs, ASHA grace {c['grace']} and reduction {c['reduction']}, one worker per "
+    lines = [f"{c['samples']} sampled configurations (seed 0, SGD, lr log-uniform 0.0005-0.5, weight decay "
+             f"1e-5-1e-3), every trial {c['max_epochs']} epochs at most, "
+             f"ASHA grace {c['grace']} and reduction {c['reduction']}, one worker per "
              f"trial in its Tune function (trial_in_function={f['trial_in_function']}), {f['concurrent_trials']} "
              f"trial(s) at a time x {f['cpus_per_worker']} CPU, {c['images']} demo images at 32 px. "
              f"Goal = FIFO's best val_acc minus 1 point = {result['goal_val_acc']}.", ""]
     rows = [[n, s[n]["wall_s"], fmt(s[n]["time_to_goal_s"]), s[n]["trial_epochs"], s[n]["best_val_acc"],
              s[n]["stopped_early"], s[n]["failed"], s[n]["startup_s"], s[n]["tune_startup_s"]] for n in SCHEDULERS]
     lines += md_table(["scheduler", "wall s", "time to goal s", "trial-epochs", "best val_acc", "stopped early",
-                       "failed", "start-up s (trial)", "start-up s (Tune's side)"], rows)
+                       "failed", "start-up s (own)", "start-up s (on_trial_start)"], rows)
     lines += ["", "Time to each val_acc target, from the same searches:", ""]
     lines += md_table(["val_acc", "ASHA s", "FIFO s", "PBT s", "ASHA / FIFO"],
                       [[k, fmt(a["time_to_targets_s"][k]), fmt(f["time_to_targets_s"][k]), fmt(p["time_to_targets_s"][k]),
                         fmt(ratio(a["time_to_targets_s"][k], f["time_to_targets_s"][k]), 2)] for k in f["time_to_targets_s"]])
-    lines += ["", f"Tune's floor in the same run: {floor['trials']} trivial trials (report once) with a trial's "
-              f"resources took {floor['wall_s']} s; start-up from Tune's side {floor['startup_s']} s median "
-              f"(max {floor['startup_s_max']}). A raymill trial: {f['tune_startup_s']} s from Tune's side, "
-              f"{f['startup_s']} s from its own first line, against {f['epoch_s']} s per later epoch."]
+    lines += ["", f"Tune's floor in the same run: {floor['trials']} trivial trials (report once), with a trial's "
+              f"resources, {floor['concurrency']} at a time and reused actors, took {floor['wall_s']} s: "
+              f"{floor['slot_s']} s of a trial slot each (Tune's own per-trial cost: actor start or reuse, "
+              f"scheduling, reports). A raymill trial pays that and then its own start-up, {f['startup_s']} s "
+              f"median (max {f['startup_s_max']}) from its function's first line to its first batch "
+              f"({f['tune_startup_s']} s from Tune's `on_trial_start`), against {f['epoch_s']} s per later epoch. "
+              f"The start-up columns above are that own part."]
     lines += _cluster(result)
     lines += ["", *targets_table(_verdicts(result))]
     lines += ["", f"Load average before/after: {result['loadavg_before']} / {result['loadavg_after']}."]
@@ -199,13 +211,14 @@ def render(result: dict[str, Any]) -> str:
 def _verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     s, floor = result["searches"], result["floor"]
     a, f, p = s["asha"], s["fifo"], s["pbt"]
-    startup = max(x["tune_startup_s"] or math.inf for x in s.values())
+    own = max(x["startup_s"] if x["startup_s"] is not None else math.inf for x in s.values())
+    startup = round(floor["slot_s"] + own, 2)  # Tune's per-trial floor + the trial's own start-up
     speed = ratio(a["time_to_goal_s"], f["time_to_goal_s"])
     gap = round(100 * (f["best_val_acc"] - a["best_val_acc"]), 2)
-    return [{"target": "one-worker trial start-up (Tune's side, worst search median) <= 3 s", "measured": startup,
-             "pass": startup <= 3.0},
-            {"target": "start-up <= 2x Tune's trivial-function floor", "measured": ratio(startup, floor["startup_s"]),
-             "pass": bool(floor["startup_s"]) and startup <= 2 * floor["startup_s"]},
+    return [{"target": "one-worker trial start-up (Tune's floor + own, worst search median) <= 3 s",
+             "measured": startup, "pass": startup <= 3.0},
+            {"target": "trial start-up <= 2x Tune's trivial-function floor (x floor)",
+             "measured": ratio(startup, floor["slot_s"]), "pass": startup <= 2 * floor["slot_s"]},
             {"target": "ASHA time to goal <= 0.5x FIFO's", "measured": speed, "pass": speed is not None and speed <= 0.5},
             {"target": "ASHA best within 1 point of FIFO's (points behind)", "measured": gap, "pass": gap <= 1.0},
             {"target": "PBT reaches the goal within FIFO's wall time (PBT s / FIFO wall s)",
@@ -214,11 +227,11 @@ def _verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _cluster(result: dict[str, Any]) -> list[str]:
-    """On paper: N trials on M GPUs (one trial per GPU), each paying start-up s once and E epochs
-    of e seconds (FIFO), from this run's measured s and e. The TorchTrainer figure is the 25 s
+    """On paper: N trials on M GPUs (one trial per GPU), each paying start-up s once (Tune's floor +
+    the trial's own) and E epochs of e seconds (FIFO), from this run's measured s and e. The TorchTrainer figure is the 25 s
     measured by this benchmark on 2026-11-24 with every trial a TorchTrainer (RESULTS.md then)."""
     f, c = result["searches"]["fifo"], result["config"]
-    s, e, epochs = f["tune_startup_s"], f["epoch_s"], c["max_epochs"]
+    s, e, epochs = round(result["floor"]["slot_s"] + (f["startup_s"] or 0), 2), f["epoch_s"], c["max_epochs"]
     if not s or not e:
         return []
     rows = []

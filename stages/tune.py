@@ -5,7 +5,7 @@ one Tune function (`_run_trial`), hosted one of two ways (`session.TrialPlan.in_
 - one worker (the default): the function runs `stages.train_loop.train_loop` itself with
   `run_hooks.TuneHooks`, reporting each epoch (metrics + checkpoint) through `ray.tune.report`. No
   TorchTrainer, controller or second placement group: a trial starts in about a second, and
-  `reuse_actors` runs the next trial in the same actor (process, imports, decode pool, model kept);
+  `reuse_actors` runs the next trial in the same actor (process, imports and model kept);
 - several workers (or `train.ingest=ray_data`): the Train V2 driver pattern of Ray's guide. The
   function (0.01 CPU) builds the train stage's TorchTrainer (`stages.train.build_trainer`) with
   `RunConfig(callbacks=[TuneReportCallback()])`, which forwards every `ray.train.report` to Tune.
