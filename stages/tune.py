@@ -78,6 +78,9 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
     if cfg.scheduler == "pbt" and cfg.perturbation_interval >= cfg.max_epochs:
         raise ConfigError(f"tune.perturbation_interval={cfg.perturbation_interval} is not below "
                           f"tune.max_epochs={cfg.max_epochs}: PBT would never exploit; lower it")
+    if cfg.scheduler == "pbt" and "epochs" in cfg.search_space:
+        raise ConfigError("tune.search_space.epochs: PBT compares trials and clones one into another at "
+                          "the same epoch, so every trial runs tune.max_epochs; remove it from the space")
     for key, dist in cfg.search_space.items():
         if key in _SET_BY_TUNE:
             raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "

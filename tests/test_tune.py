@@ -307,6 +307,17 @@ def test_removed_modes_are_config_errors_that_name_the_fix(override, fix):
         load_config(REPO / "configs/smoke.yaml", [override])
 
 
+def test_pbt_searches_one_length_and_explores_the_optimiser():
+    cfg = load_config(REPO / "configs/smoke.yaml", ["tune.scheduler=pbt"])
+    assert "epochs" not in cfg.tune.search_space and "lr" in cfg.tune.search_space
+    assert set(tune.param_space(cfg.tune, cfg.train)) >= {"lr", "momentum", "weight_decay"}
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs: PBT"):
+        tune.check_search(_cfg("tune.scheduler=pbt", "tune.search_space={epochs: {type: choice, values: [1, 3]}}").tune,
+                          cfg.train)
+    with pytest.raises(ConfigError, match=r"tune\.perturbation_interval=3 is not below tune\.max_epochs=3"):
+        tune.check_search(_cfg("tune.scheduler=pbt", "tune.perturbation_interval=3").tune, cfg.train)
+
+
 def test_default_search_space_covers_augmentation_and_length():
     cfg = load_config(REPO / "configs/smoke.yaml").tune
     assert {"lr", "weight_decay", "augment.flip", "augment.random_resized_crop", "epochs"} <= set(cfg.search_space)

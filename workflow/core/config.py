@@ -211,7 +211,10 @@ class TuneConfig(Section):
                              "checkpoint. To retrain with its params, copy best.json's train_config "
                              "into --set train.* and run `raymill train`")
         if not data.get("search_space"):
-            data = {**data, "search_space": default_search_space(int(data.get("max_epochs", 6)))}
+            space = default_search_space(int(data.get("max_epochs", 6)))
+            if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
+                space.pop("epochs")
+            data = {**data, "search_space": space}
         return data
 
     @field_validator("search_space")
