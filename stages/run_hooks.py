@@ -25,7 +25,7 @@ __all__ = ["TrainHooks", "TuneHooks"]
 log = logging.getLogger(__name__)
 
 # Per process, so per Tune actor: kept across the trials that `reuse_actors` runs in it.
-_MODELS: dict[tuple, tuple[torch.nn.Module, dict[str, torch.Tensor]]] = {}
+_MODELS: dict[tuple, tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]] = {}
 
 
 class TrainHooks:
@@ -78,12 +78,16 @@ class TuneHooks:
         the first trial of this actor, then handed to each later trial reset to the same initial
         weights (a copy, not a fresh seeded init: resnet50's init draws 25M random values)."""
         if key in _MODELS:
-            model, initial = _MODELS[key]
+            model, initial, rng = _MODELS[key]
             model.load_state_dict(initial)
+            # where a fresh seeded build leaves torch's RNG (dropout draws from it): a trial must
+            # not train differently because its actor had run another trial before
+            torch.set_rng_state(rng)
             return model
         model = builder()
         _MODELS.clear()  # one shape at a time: a search rarely changes shape between trials
-        _MODELS[key] = (model, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        _MODELS[key] = (model, {k: v.detach().clone() for k, v in model.state_dict().items()},
+                        torch.get_rng_state())
         return model
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -337,3 +337,28 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     # stream trials share what is left: 2 trials x 7.74 CPUs, each decoding in 8 processes
     assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 7.74
     assert big.workers.decode_processes == 8
+
+
+def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build():
+    """`reuse_actors` keeps one model per shape in the actor: a later trial must start from the
+    same weights and the same torch RNG state as a fresh seeded build would give it."""
+    import torch
+
+    from stages.models import build_model
+    from stages.run_hooks import TuneHooks
+
+    hooks = object.__new__(TuneHooks)  # no Ray needed to build models
+
+    def seeded_build():
+        torch.manual_seed(7)
+        return hooks.build(("small_cnn", 3, 8, 0.0, 7, False), lambda: build_model("small_cnn", 3, 8))
+
+    first = seeded_build()
+    fresh = {k: v.clone() for k, v in first.state_dict().items()}
+    after_fresh = torch.rand(3)
+    with torch.no_grad():  # the first trial trains it
+        next(first.parameters()).add_(1.0)
+    again = seeded_build()
+    assert again is first, "the actor's model was rebuilt, not reused"
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in fresh.items())
+    assert torch.equal(torch.rand(3), after_fresh)
