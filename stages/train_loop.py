@@ -27,6 +27,7 @@ from stages.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages import ingest_ray
 from stages.models import build_model
 from stages.predict import to_batch
+from stages.run_hooks import TrainHooks
 from workflow.core import console, tracking
 from workflow.core.config import ConfigError, TrainConfig
 
@@ -71,17 +72,15 @@ def _optimizer(cfg: TrainConfig, model: torch.nn.Module):
 class Worker:
     """State of one rank: model, optimiser, data position, ledger and timing counters."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], hooks):
         import ray
-        import ray.train
-        import ray.train.torch
 
-        self.cfg = TrainConfig(**config["train"])
+        self.cfg, self.hooks = TrainConfig(**config["train"]), hooks
         self.seed, self.classes, self.size = config["seed"], config["classes"], config["image_size"]
         self.raw = config["raw"]
-        ctx = ray.train.get_context()
-        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
-        self.device = ray.train.torch.get_device()
+        self.rank, self.world, self.device = hooks.rank, hooks.world, hooks.device
+        # trial start (the Tune function's first line, time.time()) -> first batch: a trial's start-up
+        self.started_at, self.first_batch_at = config.get("started_at"), None
         self.nodes = self.gather(ray.get_runtime_context().get_node_id())  # placement, for the report
         # One token per attempt (rank 0's) in every checkpoint name: after an elastic restart the
         # step restarts at 0, and a reused name let Ray's num_to_keep delete, by path, a folder a
@@ -93,10 +92,8 @@ class Worker:
         # unset: on, for GPUs (the issue's measured default) and CPUs alike (small_cnn at 224 px on
         # the 2-core box: step 1.45 -> 1.21 ms an image, to_batch 0.50 -> 0.25)
         self.channels_last = True if self.cfg.channels_last is None else self.cfg.channels_last
-        model = build_model(self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout)
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        self.model = ray.train.torch.prepare_model(model)
+        shape = (self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout, self.seed, self.channels_last)
+        self.model = hooks.prepare_model(hooks.build(shape, self.new_model))
         self.optimizer = _optimizer(self.cfg, self.model)
         self.refs = {split: [streaming.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
         self.total = sum(r.rows for r in self.refs["train"])
@@ -115,6 +112,10 @@ class Worker:
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
                                  self.steps, self.open_rows)
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
+
+    def new_model(self) -> torch.nn.Module:
+        model = build_model(self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout)
+        return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def gather(self, value: Any) -> list[Any]:
         if self.world == 1:
@@ -149,6 +150,8 @@ class Worker:
         seen, started, self.report_s = 0, time.perf_counter(), 0.0
         try:
             for step, fed in enumerate(feed, start=start_step):
+                if self.first_batch_at is None:
+                    self.first_batch_at = time.time()
                 meter.start()
                 self.step_once(fed, step, sums)
                 meter.stop()
@@ -252,8 +255,6 @@ class Worker:
     # ---- checkpoints ------------------------------------------------------------------------
     def report(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
         """Checkpoint position (epoch, step) and report; a barrier every rank reaches together."""
-        import ray.train
-
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
             if self.rank == 0:
@@ -268,13 +269,10 @@ class Worker:
                         "val": self.val, "fingerprint": self.fingerprint}
                 (folder / "meta.json").write_text(json.dumps(meta))
             metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp),
-                             checkpoint_dir_name=f"checkpoint-e{epoch:03d}-s{step:06d}-{self.attempt}")
+            self.hooks.report(metrics, tmp, f"checkpoint-e{epoch:03d}-s{step:06d}-{self.attempt}")
 
     def restore(self) -> None:
-        import ray.train
-
-        checkpoint = ray.train.get_checkpoint()
+        checkpoint = self.hooks.get_checkpoint()
         if checkpoint is None:
             return
         with checkpoint.as_directory() as tmp:
@@ -288,6 +286,7 @@ class Worker:
             self.schedule.load_state_dict(state["schedule"])
             if self.scaler and state["scaler"]:
                 self.scaler.load_state_dict(state["scaler"])
+            self.apply_hyperparameters()
             self.epoch, self.history, self.val = meta["epoch"], meta["history"], meta["val"]
             if same_world:
                 set_rng_state(load_plain(folder / f"rng-rank{self.rank}.pt"), self.device)
@@ -305,10 +304,37 @@ class Worker:
             log.info(f"train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}")
 
 
-def train_loop(config: dict[str, Any]) -> None:
-    """Ray Train entry point: resume if a checkpoint exists, then train the remaining epochs."""
+    def apply_hyperparameters(self) -> None:
+        """This run's lr, momentum and weight decay over a loaded optimiser and schedule.
+
+        A resumed run loads its own values back (no change). A PBT trial loads its donor's
+        checkpoint, whose optimiser state carries the donor's values: the explored ones must win,
+        and the schedule keeps its position (the factor at its step) with the new base lr.
+        """
+        self.schedule.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
+        factor = self.schedule.lr_lambdas[0](self.schedule.last_epoch)
+        for group in self.optimizer.param_groups:
+            group.update(initial_lr=self.cfg.lr, lr=self.cfg.lr * factor, weight_decay=self.cfg.weight_decay)
+            if "momentum" in group:  # SGD; AdamW has betas instead
+                group["momentum"] = self.cfg.momentum
+
+    def startup(self) -> dict[str, float]:
+        """Seconds from trial start to its first batch, for the first epoch report of a trial."""
+        if self.started_at is None or self.first_batch_at is None:
+            return {}
+        startup = {"startup_s": round(self.first_batch_at - self.started_at, 3),
+                   "first_batch_at": self.first_batch_at}
+        self.started_at = None  # reported once per trial attempt
+        return startup
+
+
+def train_loop(config: dict[str, Any], hooks=None) -> None:
+    """The training loop: resume if a checkpoint exists, then train the remaining epochs.
+
+    `hooks` (stages.run_hooks) say where it reports and restores: a Ray Train rank (the default)
+    or a one-worker Tune trial."""
     console.quiet_train_worker()
-    w = Worker(config)
+    w = Worker(config, hooks or TrainHooks())
     try:
         w.restore()
         _epochs(w, config)
@@ -324,12 +350,10 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             continue
         metrics = w.train_epoch(epoch, start)
         if metrics is None:
-            import ray.train
-
-            ray.train.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val})
+            w.hooks.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val}, None)
             return
         w.val = w.evaluate("val")
-        row = {"epoch": epoch + 1, **metrics, **w.val}
+        row = {"epoch": epoch + 1, **metrics, **w.val, **w.startup()}
         # The test split is scored here, in the workers on their device, whenever this epoch's
         # checkpoint may be the one published (the best val_acc so far, ties included): publish
         # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.

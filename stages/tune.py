@@ -1,23 +1,29 @@
-"""Tune stage: a hyperparameter search in which every trial is one Ray Train (DDP) run.
+"""Tune stage: a hyperparameter search (ASHA, PBT or FIFO) over the training loop.
 
-The pattern of Ray's "Hyperparameter Tuning with Ray Tune" guide for Train V2: `Tuner(driver,
-param_space=..., tune_config=TuneConfig(scheduler=...))`. `driver` is a small Tune function
-(0.01 CPU) that builds the train stage's TorchTrainer (`stages.train.build_trainer`) with
-`RunConfig(callbacks=[TuneReportCallback()])`, which forwards every `ray.train.report` (metrics
-plus `checkpoint_path`) to Tune, so ASHA sees each epoch. When ASHA stops a trial, Tune ends its
-driver; the TorchTrainer's controller dies with it and Ray Train's own placement-group cleaner
-frees the workers' resources (it asks the State API, which the dashboard serves: keep
-`ray.include_dashboard` on). `session.plan_trials` decides how many trials run at once so the
-Ray Data reserve stays free (no 2-CPU deadlock).
+`Tuner(raymill_trial, param_space=..., tune_config=TuneConfig(scheduler=...))`, where each trial is
+one Tune function (`_run_trial`), hosted one of two ways (`session.TrialPlan.in_function`):
+- one worker (the default): the function runs `stages.train_loop.train_loop` itself with
+  `run_hooks.TuneHooks`, reporting each epoch (metrics + checkpoint) through `ray.tune.report`. No
+  TorchTrainer, controller or second placement group: a trial starts in about a second, and
+  `reuse_actors` runs the next trial in the same actor (process, imports and model kept);
+- several workers (or `train.ingest=ray_data`): the Train V2 driver pattern of Ray's guide. The
+  function (0.01 CPU) builds the train stage's TorchTrainer (`stages.train.build_trainer`) with
+  `RunConfig(callbacks=[TuneReportCallback()])`, which forwards every `ray.train.report` to Tune.
+  When a scheduler stops such a trial its controller dies with the driver and Ray Train's own
+  placement-group cleaner frees the workers (it asks the State API: keep the dashboard on).
+PBT's exploit is Tune's own: the trial restarts with the donor's checkpoint as its
+`ray.tune.get_checkpoint()`, and the loop applies the explored lr/momentum/weight decay.
+`session.plan_trials` decides how many trials run at once so the Ray Data reserve stays free.
 
 Outputs in `out/` (written by stages.tune_results): trials.csv, trials.md, best.json, search.png,
 the best model as model.pt + model.json, curves.png + metrics.jsonl of that model, and
-manifest.json last. Ray state lives under `out/ray/`: the Tune experiment in `out/ray/tune`,
-each trial's Train run in `out/ray/trial-<trial id>`.
+manifest.json last. Ray state lives under `out/ray/`: the Tune experiment in `out/ray/tune` (with
+one-worker trials' checkpoints), a TorchTrainer trial's Train run in `out/ray/trial-<trial id>`.
 
 Resume: running again with the same output folder and config restores the search
 (`Tuner.restore`): finished and failed trials are kept as they are, unfinished ones continue from
-their last Train checkpoint. A different config, seed or data for the same folder is a ConfigError.
+their last checkpoint. A different config, seed or data for the same folder is a ConfigError.
+Tune does not save a scheduler's state, so a resumed ASHA or PBT starts with empty rungs/scores.
 """
 from __future__ import annotations
 
@@ -26,13 +32,15 @@ import time
 from typing import Any, Sequence
 
 from stages import train, tune_results
-from stages.tune_results import EXPERIMENT, _InvalidTrialConfig, trial_train_config
+from stages.run_hooks import TuneHooks
+from stages.train_loop import train_loop
+from stages.tune_results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
 from workflow.core import fingerprint, session, storage
 from workflow.core.artifacts import Artifact, data_fingerprint, load_artifact
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
 __all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
-           "EXPERIMENT"]
+           "EXPERIMENT", "searched_keys", "pbt_mutations", "PBT_KEYS"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +75,12 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
     if cfg.scheduler == "asha" and cfg.grace_period > cfg.max_epochs:
         raise ConfigError(f"tune.grace_period={cfg.grace_period} exceeds tune.max_epochs={cfg.max_epochs}: "
                           f"ASHA could never stop a trial early; lower grace_period")
+    if cfg.scheduler == "pbt" and cfg.perturbation_interval >= cfg.max_epochs:
+        raise ConfigError(f"tune.perturbation_interval={cfg.perturbation_interval} is not below "
+                          f"tune.max_epochs={cfg.max_epochs}: PBT would never exploit; lower it")
+    if cfg.scheduler == "pbt" and "epochs" in cfg.search_space:
+        raise ConfigError("tune.search_space.epochs: PBT compares trials and clones one into another at "
+                          "the same epoch, so every trial runs tune.max_epochs; remove it from the space")
     for key, dist in cfg.search_space.items():
         if key in _SET_BY_TUNE:
             raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "
@@ -85,11 +99,16 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
                                   f"({e.problems})") from None
 
 
-def param_space(cfg: TuneConfig) -> dict[str, Any]:
-    """tune.search_space -> Ray Tune sampling domains (randint includes `upper`)."""
+def param_space(cfg: TuneConfig, train_cfg: TrainConfig | None = None) -> dict[str, Any]:
+    """tune.search_space -> Ray Tune sampling domains (randint includes `upper`). Under PBT the
+    explored knobs that the space leaves out start from PBT's own ranges: PBT perturbs a trial's
+    current value, so every trial's config must hold one."""
     from ray import tune
 
     space = {}
+    if cfg.scheduler == "pbt":
+        space = {k: tune.choice(v) if isinstance(v, list) else v
+                 for k, v in pbt_mutations(cfg, train_cfg or TrainConfig()).items()}
     for key, d in cfg.search_space.items():
         if d.type == "loguniform":
             space[key] = tune.loguniform(d.lower, d.upper)
@@ -102,14 +121,40 @@ def param_space(cfg: TuneConfig) -> dict[str, Any]:
     return space
 
 
-def _scheduler(cfg: TuneConfig):
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+_MOMENTA = [0.0, 0.5, 0.8, 0.9, 0.95, 0.99]  # a list: PBT shifts to a neighbour, never past 0.99
+
+
+def pbt_mutations(cfg: TuneConfig, train_cfg: TrainConfig) -> dict[str, Any]:
+    """PBT's explore step: lr and weight decay resampled from their search range (or a decade
+    around train.*) or scaled by 0.8/1.2; momentum shifted along _MOMENTA."""
+    from ray import tune
+
+    def log_range(key: str, default: tuple[float, float]):
+        d = cfg.search_space.get(key)
+        if d is not None and d.type in ("loguniform", "uniform"):
+            return tune.loguniform(d.lower, d.upper) if d.type == "loguniform" else tune.uniform(d.lower, d.upper)
+        return tune.loguniform(*default)
+
+    wd = train_cfg.weight_decay or 1e-4
+    return {"lr": log_range("lr", (train_cfg.lr / 10, train_cfg.lr * 10)),
+            "weight_decay": log_range("weight_decay", (wd / 10, wd * 10)), "momentum": _MOMENTA}
+
+
+def _scheduler(cfg: TuneConfig, train_cfg: TrainConfig):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
     if cfg.scheduler == "asha":
         # time_attr "epoch" (completed epochs), not training_iteration: mid-epoch checkpoint
         # reports (train.checkpoint_every_steps) would otherwise count as iterations.
         return ASHAScheduler(time_attr="epoch", max_t=cfg.max_epochs, grace_period=cfg.grace_period,
                              reduction_factor=cfg.reduction_factor)
+    if cfg.scheduler == "pbt":
+        # Exploit: a bottom-quantile trial restarts from a top trial's latest checkpoint, which
+        # Tune hands to it through `ray.tune.get_checkpoint()` (public API, no cloning code here);
+        # the loop then applies the explored lr/momentum/weight decay (train_loop.apply_hyperparameters).
+        return PopulationBasedTraining(time_attr="epoch", perturbation_interval=cfg.perturbation_interval,
+                                       hyperparam_mutations=pbt_mutations(cfg, train_cfg),
+                                       quantile_fraction=0.25, resample_probability=0.25)
     return FIFOScheduler()
 
 
@@ -127,12 +172,17 @@ def _run_trial(ctx: dict, config: dict) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    started_at = time.time()  # the trial's start-up is measured from here to its first batch
     tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
     tcfg = trial_train_config(train_cfg, config, tune_cfg)
+    loop = {**ctx["loop"], "train": section_dict(tcfg), "started_at": started_at}
+    if ctx["in_function"]:  # one worker: the loop runs here, reporting to Tune itself
+        train_loop(loop, TuneHooks())
+        return
     # The Train run's name must not change when this trial is retried or the search resumed:
     # Train V2 then restores the run from its own latest checkpoint.
     name = f"trial-{ray.tune.get_context().get_trial_id()}"
-    trainer = train.build_trainer(tcfg, {**ctx["loop"], "train": section_dict(tcfg)}, ctx["plan"],
+    trainer = train.build_trainer(tcfg, loop, ctx["plan"],
                                   ctx["ray_dir"], name, ctx["s3"], callbacks=[TuneReportCallback()],
                                   metric=tune_cfg.metric, mode=tune_cfg.mode)
     trainer.fit()  # raises when the run fails: Tune records the trial as ERROR
@@ -160,14 +210,14 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
     ray_dir = storage.join(out, "ray")
     ctx = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "plan": plan.workers,
-           "ray_dir": ray_dir, "s3": s3,
+           "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
            "loop": train.loop_config(train_cfg, data, shards, seed, s3, plan.workers)}
     log.info(f"tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data")
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_fingerprint": data_fingerprint(data.manifest)}
-    grid = _fit(cfg, _make_driver(ctx), plan.concurrent_trials, ray_dir, s3, key, callbacks)
+    grid = _fit(cfg, train_cfg, _make_driver(ctx), plan, ray_dir, s3, key, callbacks)
     trials = tune_results.summaries(grid, cfg, train_cfg, ray_dir, s3)
     fs, root = storage.filesystem(out, s3)
     tune_results.write_tables(fs, root, trials, cfg)
@@ -207,15 +257,15 @@ def _published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str
     return done if same else None
 
 
-def _fit(cfg: TuneConfig, driver, concurrent_trials: int, ray_dir: str, s3, key: dict,
-         callbacks: Sequence[Any] = ()):
+def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPlan, ray_dir: str, s3,
+         key: dict, callbacks: Sequence[Any] = ()):
     """Start the search, or resume the one saved in `ray_dir` if it was made with the same `key`."""
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
     pafs, base = storage.pyarrow_filesystem(ray_dir, s3)
     experiment = f"{base}/{EXPERIMENT}"
-    trainable = tune.with_resources(driver, {"CPU": session.TRIAL_DRIVER_CPUS})
+    trainable = tune.with_resources(driver, plan.trial_resources(train_cfg.worker_resources))
     # The one resume guard of every stage: the search's config, seed and data content are recorded
     # beside its Tune state (`tune.fingerprint.json`) and a search made by others is refused.
     fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
@@ -226,15 +276,27 @@ def _fit(cfg: TuneConfig, driver, concurrent_trials: int, ray_dir: str, s3, key:
                                    resume_errored=False, storage_filesystem=pafs)
     else:
         tuner = tune.Tuner(
-            trainable, param_space=param_space(cfg),
+            trainable, param_space=param_space(cfg, train_cfg),
             tune_config=tune.TuneConfig(
-                metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples, scheduler=_scheduler(cfg),
-                trial_dirname_creator=_trial_dirname,
+                metric=cfg.metric, mode=cfg.mode, num_samples=cfg.num_samples,
+                scheduler=_scheduler(cfg, train_cfg), trial_dirname_creator=_trial_dirname,
+                # One actor runs trial after trial: its process, imports and model are paid once.
+                reuse_actors=plan.in_function,
                 # Seeded sampling needs our own BasicVariantGenerator, and Tune then ignores
                 # TuneConfig.max_concurrent_trials (it warns), so the limit goes to the generator.
-                search_alg=BasicVariantGenerator(random_state=cfg.seed, max_concurrent=concurrent_trials)),
+                search_alg=BasicVariantGenerator(random_state=cfg.seed, max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
                 name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=1,
-                callbacks=list(callbacks),
+                callbacks=list(callbacks), checkpoint_config=_checkpoints(cfg, train_cfg),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
     return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
+
+
+def _checkpoints(cfg: TuneConfig, train_cfg: TrainConfig):
+    """Retention of the checkpoints that one-worker trials report to Tune (a TorchTrainer trial
+    keeps its own). PBT keeps them all: a donor's checkpoint must outlive the exploit that reads it."""
+    from ray import tune
+
+    keep = None if cfg.scheduler == "pbt" else train_cfg.num_to_keep
+    return tune.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=cfg.metric,
+                                 checkpoint_score_order=cfg.mode)

@@ -20,7 +20,7 @@ from workflow.core import storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["EXPERIMENT", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "PBT_KEYS", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -35,26 +35,29 @@ def _fs(ray_dir: str, s3):
 
 
 def _checkpoint_history(ray_dir: str, s3, trial_id: str, metric: str) -> list[dict[str, Any]]:
-    """Epoch-end checkpoints that the trial's Train run kept, with the metric from meta.json.
+    """Epoch-end checkpoints that the trial kept, with the metric from meta.json: those of its
+    Train run (`trial-<id>/checkpoint-e…`, a TorchTrainer trial) or those it reported to Tune
+    itself (`tune/trial-<id>/checkpoint_…`, a one-worker trial).
 
     Tune's own record misses a report that was in flight when a search was interrupted (the
-    Train run still saved that epoch's checkpoint), so the kept checkpoints complete it.
+    checkpoint was still saved), so the kept checkpoints complete it.
     """
     import pyarrow.fs as pafs
 
     fs, base = _fs(ray_dir, s3)
     found = []
-    for item in fs.get_file_info(pafs.FileSelector(f"{base}/trial-{trial_id}", allow_not_found=True)):
-        m = re.fullmatch(r"checkpoint-e(\d+)-s0+(-[0-9a-f]+)?", item.base_name)
-        if not m or item.type != pafs.FileType.Directory:
-            continue
-        try:
-            with fs.open_input_stream(f"{item.path}/meta.json") as f:
-                value = json.loads(f.read()).get("val", {}).get(metric)
-        except (OSError, ValueError):  # incomplete checkpoint: meta.json is written last
-            continue
-        if value is not None and not _nan(value) and int(m.group(1)) >= 1:
-            found.append({"epoch": int(m.group(1)), "value": float(value), "checkpoint_path": item.path})
+    for folder in (f"{base}/trial-{trial_id}", f"{base}/{EXPERIMENT}/trial-{trial_id}"):
+        for item in fs.get_file_info(pafs.FileSelector(folder, allow_not_found=True)):
+            if item.type != pafs.FileType.Directory or not re.fullmatch(r"checkpoint[-_].*", item.base_name):
+                continue
+            try:
+                with fs.open_input_stream(f"{item.path}/meta.json") as f:
+                    meta = json.loads(f.read())
+            except (OSError, ValueError):  # incomplete checkpoint: meta.json is written last
+                continue
+            value = meta.get("val", {}).get(metric)
+            if meta.get("step") == 0 and meta.get("epoch", 0) >= 1 and value is not None and not _nan(value):
+                found.append({"epoch": int(meta["epoch"]), "value": float(value), "checkpoint_path": item.path})
     return found
 
 
@@ -68,8 +71,27 @@ def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
         for _, r in ends.iterrows():
             if r["epoch"] >= 1 and r.get(metric) is not None and not _nan(r[metric]):
                 history.append({"epoch": int(r["epoch"]), "value": float(r[metric]),
-                                "checkpoint_path": r.get("checkpoint_path")})
+                                "checkpoint_path": _checkpoint_path(result, r)})
     return history, diverged
+
+
+def _checkpoint_path(result, row) -> str | None:
+    """Where a report's checkpoint is: a TorchTrainer trial reports the path of its Train run's
+    checkpoint; a one-worker trial's checkpoint is a folder Tune named in the trial folder."""
+    path = row.get("checkpoint_path")
+    if isinstance(path, str):
+        return path
+    name = row.get("checkpoint_dir_name")
+    return f"{str(result.path).rstrip('/')}/{name}" if isinstance(name, str) else None
+
+
+def _startup_s(result) -> float | None:
+    """Seconds from the trial's start to its first batch (the first report that carries it)."""
+    df = result.metrics_dataframe
+    if df is None or "startup_s" not in df:
+        return None
+    values = df["startup_s"].dropna()
+    return round(float(values.iloc[0]), 2) if len(values) else None
 
 
 def _trial_config(result, ray_dir: str, s3) -> dict[str, Any]:
@@ -112,7 +134,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
     rows = []
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
-        params = {k: _trial_config(result, ray_dir, s3).get(k) for k in cfg.search_space}
+        params = {k: _trial_config(result, ray_dir, s3).get(k) for k in searched_keys(cfg)}
         history, diverged = _history(result, cfg.metric)
         # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
         # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
@@ -135,6 +157,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
                      "epochs_run": epochs_run, "epochs_planned": planned,
                      "stopped_early": outcome == "stopped_early",
                      "wall_s": round(float(wall), 1) if wall is not None else None, "error": error,
+                     "startup_s": _startup_s(result),
                      "history": history, "candidates": candidates,
                      "last": {k: v for k, v in (result.metrics or {}).items()
                               if k in ("images_per_s", "stall_fraction", "verdict")}})
@@ -142,9 +165,9 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
 
 
 def write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
-    keys = list(cfg.search_space)
+    keys = searched_keys(cfg)
     header = ["trial_id", "status", "outcome", *keys, f"best_{cfg.metric}", "best_epoch", "epochs_run",
-              "stopped_early", "wall_s", "error"]
+              "stopped_early", "wall_s", "startup_s", "error"]
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(header)
@@ -152,7 +175,7 @@ def write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
     for t in trials:
         row = [t["trial_id"], t["status"], t["outcome"], *[_fmt(t["params"][k]) for k in keys],
                _fmt(t["best"]), _fmt(t["best_epoch"]), t["epochs_run"], t["stopped_early"],
-               _fmt(t["wall_s"]), t["error"]]
+               _fmt(t["wall_s"]), _fmt(t["startup_s"]), t["error"]]
         writer.writerow(row)
         table.append(row)
     md = [f"# Tune trials ({cfg.scheduler}, metric {cfg.metric} {cfg.mode}, max {cfg.max_epochs} epochs)", "",
@@ -178,6 +201,15 @@ def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | N
         if fs.get_file_info(f"{entry['checkpoint_path']}/meta.json").type != pafs.FileType.NotFound:
             return {"trial": trial, "entry": entry}
     return None
+
+
+def _startup_summary(trials: list[dict]) -> dict[str, float | None]:
+    """Median and worst trial start-up (trial start -> first batch), for the manifest's metrics."""
+    import statistics
+
+    values = [t["startup_s"] for t in trials if t["startup_s"] is not None]
+    return {"startup_s_median": round(statistics.median(values), 2) if values else None,
+            "startup_s_max": max(values, default=None)}
 
 
 def _nan(value) -> bool:
@@ -278,9 +310,11 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
                "test_acc": test["acc"], "test_rows": test["rows"], "trials": len(trials), **counts,
                "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
                "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
-               "verdict": last.get("verdict")}
+               "verdict": last.get("verdict"), **_startup_summary(trials)}
     manifest.update({
-        "resource_plan": {"concurrent_trials": plan.concurrent_trials, **plan.workers.as_dict()},
+        "resource_plan": {"concurrent_trials": plan.concurrent_trials, "trial_in_function": plan.in_function,
+                          "trial_resources": plan.trial_resources(tcfg.worker_resources), **plan.workers.as_dict()},
+        "startup_s": {t["trial_id"]: t["startup_s"] for t in trials},
         "experiment": storage.join(out, "ray", EXPERIMENT), "best": best_json,
         "model": {"path": "model.pt", "info": "model.json", "architecture": tcfg.model,
                   "source": "trial checkpoint"},
@@ -293,6 +327,12 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
+PBT_KEYS = ("lr", "momentum", "weight_decay")  # what PBT explores: the optimiser's knobs
+
+
+def searched_keys(cfg: TuneConfig) -> list[str]:
+    """The train.* keys a trial's config sets: the search space, plus PBT's explored knobs."""
+    return list(cfg.search_space) + [k for k in PBT_KEYS if cfg.scheduler == "pbt" and k not in cfg.search_space]
 
 
 class _InvalidTrialConfig(ConfigError):

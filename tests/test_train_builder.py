@@ -22,6 +22,17 @@ def test_train_and_tune_build_their_trainer_through_one_function():
     assert "TorchTrainer(" not in inspect.getsource(tune)
 
 
+def test_one_training_loop_serves_train_workers_and_one_worker_trials():
+    """No second copy of the loop: a one-worker trial calls the same `train_loop` as a Train
+    worker, with Tune's hooks; the loop itself calls no Ray Train or Tune API directly."""
+    from stages import train_loop
+
+    assert "train_loop(loop, TuneHooks())" in inspect.getsource(tune._run_trial)
+    assert "train_loop(config)" in inspect.getsource(train._entry)
+    loop = inspect.getsource(train_loop)
+    assert "ray.train." not in loop and "ray.tune." not in loop
+
+
 def test_stored_raw_is_answered_in_one_place():
     manifest = {"config": {"parquet_encoding": "raw"}}
     assert storage.stored_raw(manifest, "parquet") and not storage.stored_raw(manifest, "tar")

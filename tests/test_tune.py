@@ -1,12 +1,15 @@
-"""Tune stage: a real ASHA search over TorchTrainer trials on the shared 2-CPU Ray.
+"""Tune stage: real ASHA and PBT searches on the shared 2-CPU Ray.
 
-Every trial is a Ray Train run (20-40 s of fixed start-up here), so one search serves all the
-tests: 4 samples of lr x precision, one worker per trial, one trial at a time (which trial reaches
-an ASHA rung first must not depend on timing; test_trials_fill_two_cpus_beside_the_data_reserve
-covers concurrency). lr=1e-5 learns nothing, so ASHA stops such a trial at its first rung once a good one
-has been recorded; a sampled precision=fp16 passes config validation but raises in the worker on
-CPU (a trial that fails at run time). The search is interrupted once a first trial has finished
-(SIGUSR1, Tune's stop signal) and resumed by calling the stage again.
+A one-worker trial runs the training loop inside its Tune function (no TorchTrainer), so a trial
+costs seconds and the module runs three small searches:
+- `search`: ASHA over 4 samples of lr x precision, one trial at a time, interrupted (Tune's stop
+  signal, sent by a callback as soon as a first trial completes) and resumed by calling the stage
+  again. A sampled precision=fp16 passes config validation but raises in the trial on CPU.
+- `asha`: the same search without the interruption. Tune does not save a scheduler's state with
+  the experiment (only trials, searcher and callbacks), so after a resume ASHA's rungs start
+  empty; whether it stops a trial is checked on a search that runs in one go. lr=1e-5 learns
+  nothing, so ASHA stops such a trial at its first rung once a good one has been recorded.
+- `pbt`: PBT over 4 trials, 2 at a time, stopped after a few epoch reports and resumed.
 """
 from __future__ import annotations
 
@@ -14,18 +17,19 @@ import csv
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ray.tune import Callback
+
 from stages import etl, predict, tune
 from stages import streaming
 from workflow import demo_data
 from workflow.core.config import ConfigError, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, stray_decode_processes
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
 # Trial 0 (bad) sets rung 1; trial 1 fails; trial 2 (good) passes; trial 3 (bad) falls below the
@@ -47,28 +51,40 @@ def _trials_csv(out: Path) -> dict[str, dict]:
         return {row["trial_id"]: row for row in csv.DictReader(f)}
 
 
-def _finished_trials(out: Path) -> int:
-    done = 0
-    for result in (out / "ray" / "tune").glob("trial-*/result.json"):
-        lines = result.read_text().splitlines()
-        try:
-            done += bool(lines) and json.loads(lines[-1]).get("done") is True
-        except ValueError:  # a line being written
-            pass
-    return done
+class StopOnce(Callback):
+    """Sends Tune's stop signal (SIGUSR1) to this process once: when a first trial completes
+    (`after_reports=0`), or at the n-th epoch-end report. Tune keeps a search's callbacks for its
+    resume, so `marker` (a file) makes sure the resumed search is not stopped again."""
+
+    def __init__(self, marker: Path, after_reports: int = 0):
+        self.marker, self.after_reports, self.reports = marker, after_reports, 0
+
+    def _stop(self) -> None:
+        if not self.marker.exists():
+            self.marker.write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        if self.after_reports == 0:
+            self._stop()
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.reports += result.get("position_step") == 0
+        if self.after_reports and self.reports >= self.after_reports:
+            self._stop()
 
 
-def _interrupt_after_first_finished_trial(out: Path, sent: list, deadline_s: float = 600) -> None:
-    """SIGUSR1 once one trial has finished (another is then still running or not started): the
-    resumed search must keep the finished one as it is and continue the others."""
-    deadline = time.time() + deadline_s
-    while time.time() < deadline:
-        if _finished_trials(out) >= 1:
-            if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):  # Tune's handler
-                os.kill(os.getpid(), signal.SIGUSR1)
-                sent.append(time.time())
-            return
-        time.sleep(0.2)
+def _interrupted_then_resumed(cfg, dataset, out: Path, after_reports: int = 0):
+    """(trials.csv after the interruption, result files then, the resumed search's artifact)."""
+    marker = out.parent / f"{out.name}.stopped"
+    with pytest.raises(tune.TuneInterrupted, match="to resume it"):
+        tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray,
+                 callbacks=[StopOnce(marker, after_reports)])
+    assert marker.exists(), "the search was never interrupted"
+    assert not (out / "manifest.json").exists(), "an interrupted search must not publish"
+    before = _trials_csv(out)
+    results = {p.parent.name: p.read_bytes() for p in (out / "ray" / "tune").glob("*/result.json")}
+    return before, results
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +99,7 @@ def search(dataset, tmp_path_factory):
     """(trials after the interruption, Tune result files then, resumed artifact, output folder)."""
     cfg = _cfg()
     out = tmp_path_factory.mktemp("search") / "tune"
-    sent: list = []
-    watcher = threading.Thread(target=_interrupt_after_first_finished_trial, args=(out, sent), daemon=True)
-    watcher.start()
-    with pytest.raises(tune.TuneInterrupted, match="to resume it"):
-        tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
-    watcher.join()
-    assert sent, "the search was never interrupted"
-    assert not (out / "manifest.json").exists(), "an interrupted search must not publish"
-    before = _trials_csv(out)
-    results = {p.parent.name: p.read_bytes() for p in (out / "ray" / "tune").glob("*/result.json")}
+    before, results = _interrupted_then_resumed(cfg, dataset, out)
     checks: list = []
     with pytest.MonkeyPatch.context() as mp:  # the resumed search runs to the end and publishes
         verify = etl.verify
@@ -100,6 +107,31 @@ def search(dataset, tmp_path_factory):
         artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
     assert len(checks) == 1, "the data (every shard re-hashed) must be checked once per search"
     return before, results, artifact, out
+
+
+@pytest.fixture(scope="module")
+def asha(dataset, tmp_path_factory):
+    """(artifact, output folder) of the ASHA search run in one go."""
+    cfg = _cfg()
+    out = tmp_path_factory.mktemp("asha") / "tune"
+    return tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray), out
+
+
+# PBT only exploits between trials that are running at once, so all 4 run together (0.35 CPU
+# each) and a wider model makes an epoch long enough for them to overlap on 2 cores.
+PBT = ["tune.scheduler=pbt", "tune.num_samples=4", "tune.max_epochs=4", "tune.perturbation_interval=1",
+       "tune.max_concurrent_trials=4", "train.cpus_per_worker=0.35", "train.width=32", "train.optimizer=sgd",
+       "tune.search_space={lr: {type: loguniform, lower: 0.001, upper: 0.1}}"]
+
+
+@pytest.fixture(scope="module")
+def pbt(dataset, tmp_path_factory):
+    """(trials after the interruption, resumed artifact, output folder) of a PBT search stopped
+    at its 3rd epoch report (trials are then mid-way) and resumed."""
+    cfg = _cfg(*PBT)
+    out = tmp_path_factory.mktemp("pbt") / "tune"
+    before, _ = _interrupted_then_resumed(cfg, dataset, out, after_reports=3)
+    return before, tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray), out
 
 
 def test_resume_after_interruption_keeps_finished_trials(search):
@@ -117,24 +149,87 @@ def test_resume_after_interruption_keeps_finished_trials(search):
     assert artifact.manifest["kind"] == "raymill.tune" and (out / "manifest.json").is_file()
 
 
-def test_no_placement_group_is_left_reserved_after_asha_stops_trials(search):
-    """Trials that ASHA stopped (or the interruption ended) free their trainers' placement groups
-    by Ray Train's own cleaner (State API, served by the dashboard), with no raymill code."""
-    from ray.util.state import list_placement_groups
+def test_pbt_stopped_and_resumed_accounts_for_every_trial_and_hands_on_its_model(pbt, dataset):
+    before, artifact, out = pbt
+    assert len(before) < 4 or any(r["status"] == "UNFINISHED" for r in before.values()), before
+    rows = _trials_csv(out)
+    assert len(rows) == 4 and {r["status"] for r in rows.values()} == {"TERMINATED"}, rows
+    assert {"lr", "momentum", "weight_decay"} <= set(next(iter(rows.values())))
+    assert artifact.manifest["config"]["scheduler"] == "pbt" and artifact.manifest["metrics"]["trials"] == 4
+    _served_like_a_trained_model(out, dataset)
 
-    _, _, _, out = search
-    assert any(r["outcome"] == "stopped_early" for r in _trials_csv(out).values())
-    deadline, held = time.time() + 60, None
-    while time.time() < deadline:  # the cleaner polls; give it a few rounds
-        held = list_placement_groups(filters=[("state", "=", "CREATED")], detail=True)
-        if not held:
+
+def test_pbt_exploits_a_donor_checkpoint_and_trains_with_its_own_explored_params(pbt):
+    """A trial restarted from another trial's checkpoint must train with its own (explored) lr:
+    every trial has the same schedule, so reported lr / config lr is the same at a given epoch
+    in every trial, exploited or not. A donor's lr carried over in the optimiser state breaks it."""
+    _, _, out = pbt
+    rows = [r for f in (out / "ray" / "tune").glob("trial-*/result.json")
+            for r in map(json.loads, f.read_text().splitlines()) if r.get("position_step") == 0]
+    ratios: dict[int, set] = {}
+    for r in rows:
+        ratios.setdefault(r["epoch"], set()).add(round(r["lr"] / r["config"]["lr"], 6))
+    assert ratios and all(len(v) == 1 for v in ratios.values()), ratios
+    # Tune's own log of each exploit: [target, donor, ..., donor's config, explored config]
+    exploits = [json.loads(line) for line in (out / "ray" / "tune" / "pbt_global.txt").read_text().splitlines()]
+    assert exploits and all(e[-1] != e[-2] for e in exploits), "PBT never exploited a donor"
+
+
+def test_a_loaded_optimiser_takes_this_runs_lr_momentum_and_weight_decay():
+    """What a PBT exploit relies on, on real torch objects: after loading a donor's optimiser and
+    schedule, the trial's own values apply, at the schedule's position."""
+    import types
+
+    import torch
+
+    from stages.train_loop import Worker, _optimizer, make_schedule
+    from workflow.core.config import TrainConfig
+
+    def state(cfg: TrainConfig, steps: int):
+        model = torch.nn.Linear(2, 2)
+        opt = _optimizer(cfg, model)
+        schedule = make_schedule(opt, 2, 10)
+        for _ in range(steps):
+            opt.step()
+            schedule.step()
+        return opt, schedule
+
+    donor, mine = TrainConfig(lr=0.1, momentum=0.5, weight_decay=1e-3), TrainConfig(lr=0.01, momentum=0.9, weight_decay=1e-5)
+    opt, schedule = state(mine, 0)
+    donor_opt, donor_schedule = state(donor, 4)
+    opt.load_state_dict(donor_opt.state_dict())
+    schedule.load_state_dict(donor_schedule.state_dict())
+    w = types.SimpleNamespace(cfg=mine, optimizer=opt, schedule=schedule)
+    Worker.apply_hyperparameters(w)
+    (group,) = opt.param_groups
+    assert group["lr"] == pytest.approx(0.01 * schedule.lr_lambdas[0](4)) and schedule.last_epoch == 4
+    assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-5)
+    opt.step()
+    schedule.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * schedule.lr_lambdas[0](5))
+
+
+def test_searches_leave_no_trial_actor_placement_group_or_decode_process(search, asha, pbt):
+    """Trials that ASHA stopped, that PBT restarted, that failed, or that the interruption ended
+    leave nothing behind (State API, and the machine's process table for decode pools)."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    ours = ("ImplicitFunc", "raymill_trial", "TrainController", "RayTrainWorker")
+    deadline, actors, groups = time.time() + 60, None, None
+    while time.time() < deadline:
+        actors = [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+                  if any(name in a.class_name for name in ours)]
+        groups = list_placement_groups(filters=[("state", "=", "CREATED")], detail=True)
+        if not actors and not groups:
             break
         time.sleep(2)
-    assert not held, f"placement groups still reserved after the search: {held}"
+    assert not actors, f"trial actors still alive after the searches: {actors}"
+    assert not groups, f"placement groups still reserved after the searches: {groups}"
+    assert not stray_decode_processes(), "decode processes outlived their trials"
 
 
-def test_asha_stops_a_trial_early_and_exports_a_loadable_model(search, dataset):
-    _, _, artifact, out = search
+def test_asha_stops_a_trial_early_and_exports_a_loadable_model(asha, dataset):
+    artifact, out = asha
     rows = _trials_csv(out)
     stopped = [r for r in rows.values() if r["outcome"] == "stopped_early"]
     assert stopped and all(int(r["epochs_run"]) < 3 and r["stopped_early"] == "True" for r in stopped)
@@ -143,7 +238,17 @@ def test_asha_stops_a_trial_early_and_exports_a_loadable_model(search, dataset):
     assert m["trials"] == 4 and m["stopped_early"] == len(stopped) and 0 <= m["test_acc"] <= 1
     best = json.loads((out / "best.json").read_text())
     assert best["params"]["lr"] == 0.01 and best["params"]["precision"] == "fp32"
-    assert best["metric"] == "val_acc" and best["value"] == m["best_val_acc"]
+    assert m["startup_s_median"] is not None and set(artifact.manifest["startup_s"]) == set(rows)
+    assert artifact.manifest["resource_plan"]["trial_in_function"] is True
+    _served_like_a_trained_model(out, dataset)
+
+
+def _served_like_a_trained_model(out: Path, dataset) -> None:
+    """best.json names a checkpoint of the search, and model.pt predicts on a stored test image
+    through predict (the path `raymill serve` and `infer` load)."""
+    best = json.loads((out / "best.json").read_text())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert best["metric"] == "val_acc" and best["value"] == manifest["metrics"]["best_val_acc"]
     assert Path(best["checkpoint"]).is_dir() and best["checkpoint"].startswith(str(out / "ray"))
     assert (out / "search.png").read_bytes()[:4] == b"\x89PNG" and (out / "trials.md").is_file()
     model, info = predict.load_model(str(out))
@@ -196,11 +301,21 @@ def test_config_errors_name_the_key(dataset, tmp_path):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "d"), ray_cfg=cfg.ray)
 
 
-@pytest.mark.parametrize("override, fix", [("tune.scheduler=pbt", "use tune.scheduler=asha"),
-                                           ("tune.handoff=retrain", "raymill train")])
+@pytest.mark.parametrize("override, fix", [("tune.handoff=retrain", "raymill train")])
 def test_removed_modes_are_config_errors_that_name_the_fix(override, fix):
     with pytest.raises(ConfigError, match=rf"{override.replace('.', '[.]')} was removed.*{fix}"):
         load_config(REPO / "configs/smoke.yaml", [override])
+
+
+def test_pbt_searches_one_length_and_explores_the_optimiser():
+    cfg = load_config(REPO / "configs/smoke.yaml", ["tune.scheduler=pbt"])
+    assert "epochs" not in cfg.tune.search_space and "lr" in cfg.tune.search_space
+    assert set(tune.param_space(cfg.tune, cfg.train)) >= {"lr", "momentum", "weight_decay"}
+    with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs: PBT"):
+        tune.check_search(_cfg("tune.scheduler=pbt", "tune.search_space={epochs: {type: choice, values: [1, 3]}}").tune,
+                          cfg.train)
+    with pytest.raises(ConfigError, match=r"tune\.perturbation_interval=3 is not below tune\.max_epochs=3"):
+        tune.check_search(_cfg("tune.scheduler=pbt", "tune.perturbation_interval=3").tune, cfg.train)
 
 
 def test_default_search_space_covers_augmentation_and_length():
@@ -222,3 +337,28 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     # stream trials share what is left: 2 trials x 7.74 CPUs, each decoding in 8 processes
     assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 7.74
     assert big.workers.decode_processes == 8
+
+
+def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build():
+    """`reuse_actors` keeps one model per shape in the actor: a later trial must start from the
+    same weights and the same torch RNG state as a fresh seeded build would give it."""
+    import torch
+
+    from stages.models import build_model
+    from stages.run_hooks import TuneHooks
+
+    hooks = object.__new__(TuneHooks)  # no Ray needed to build models
+
+    def seeded_build():
+        torch.manual_seed(7)
+        return hooks.build(("small_cnn", 3, 8, 0.0, 7, False), lambda: build_model("small_cnn", 3, 8))
+
+    first = seeded_build()
+    fresh = {k: v.clone() for k, v in first.state_dict().items()}
+    after_fresh = torch.rand(3)
+    with torch.no_grad():  # the first trial trains it
+        next(first.parameters()).add_(1.0)
+    again = seeded_build()
+    assert again is first, "the actor's model was rebuilt, not reused"
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in fresh.items())
+    assert torch.equal(torch.rand(3), after_fresh)

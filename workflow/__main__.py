@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="discard the output's checkpoints (Ray run state) and train from scratch")
     _common(p)
 
-    p = sub.add_parser("tune", help="hyperparameter search (ASHA) over the DDP trainer")
+    p = sub.add_parser("tune", help="hyperparameter search (ASHA, PBT or FIFO) over the trainer")
     p.add_argument("--data", required=True)
     p.add_argument("--output", required=True)
     _common(p)

@@ -187,10 +187,11 @@ class TuneConfig(Section):
     num_samples: int = Field(8, ge=1)
     metric: str = "val_acc"
     mode: Literal["max", "min"] = "max"
-    scheduler: Literal["asha", "fifo"] = "asha"
+    scheduler: Literal["asha", "fifo", "pbt"] = "asha"
     max_epochs: int = Field(6, ge=1)  # budget per trial; also the upper end of a searched train.epochs
     grace_period: int = Field(1, ge=1)
     reduction_factor: int = Field(3, ge=2)
+    perturbation_interval: int = Field(1, ge=1)  # pbt: epochs between exploit/explore steps
     seed: int = 0
     workers_per_trial: int = Field(1, ge=1)
     max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as fit (session.plan_trials)
@@ -205,15 +206,15 @@ class TuneConfig(Section):
     def _defaults_and_removed(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if data.get("scheduler") == "pbt":
-            raise ValueError("tune.scheduler=pbt was removed (it needed Ray internals to clone trials); "
-                             "use tune.scheduler=asha, which stops weak trials early, or fifo")
         if data.get("handoff") == "retrain":
             raise ValueError("tune.handoff=retrain was removed; the search publishes the best trial's "
                              "checkpoint. To retrain with its params, copy best.json's train_config "
                              "into --set train.* and run `raymill train`")
         if not data.get("search_space"):
-            data = {**data, "search_space": default_search_space(int(data.get("max_epochs", 6)))}
+            space = default_search_space(int(data.get("max_epochs", 6)))
+            if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
+                space.pop("epochs")
+            data = {**data, "search_space": space}
         return data
 
     @field_validator("search_space")

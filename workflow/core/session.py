@@ -206,8 +206,25 @@ def _decode_processes(train: TrainConfig, cpus: float) -> int:
 
 @dataclass(frozen=True)
 class TrialPlan:
+    """How many trials run at once, and what each holds.
+
+    `in_function`: a trial of one `stream` worker runs the training loop inside its own Tune
+    function actor, which holds that worker's CPUs (and GPU): no TorchTrainer, no controller, no
+    second placement group, so a trial starts in seconds. A trial of several workers (or of
+    `ray_data` ingest, which needs Train's dataset shards) is a 0.01-CPU driver that runs a
+    TorchTrainer, whose workers hold the resources.
+    """
     concurrent_trials: int
     workers: WorkerPlan
+    in_function: bool = False
+
+    def trial_resources(self, worker_resources: dict[str, float]) -> dict[str, float]:
+        """What Tune reserves for one trial (`worker_resources`: train.worker_resources)."""
+        if not self.in_function:
+            return {"CPU": TRIAL_DRIVER_CPUS}
+        w = self.workers
+        return {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.use_gpu else {}),
+                **worker_resources}
 
 
 # A trial's driver only launches and watches its trainer. Tune refuses a trial with no
@@ -250,8 +267,10 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
             f"tune.workers_per_trial or train.cpus_per_worker")
     plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
                         data_reserved_cpus, slots=concurrent, keep_reserve=True)
-    log.info("trial plan: %d trial(s) at a time", concurrent)
-    return TrialPlan(concurrent, plan)
+    in_function = workers == 1 and train.ingest == "stream"
+    log.info("trial plan: %d trial(s) at a time, %s", concurrent,
+             "each in its Tune function actor" if in_function else "each a TorchTrainer")
+    return TrialPlan(concurrent, plan, in_function)
 
 
 @dataclass(frozen=True)
