@@ -13,7 +13,7 @@ import math
 import os
 from typing import Any
 
-from workflow.core.session import WorkerPlan
+from workflow.core.session import WorkerPlan, units_that_fit
 
 __all__ = ["CapacityError", "failure_config_kwargs", "is_capacity_timeout", "capacity_error",
            "workers_that_fit"]
@@ -72,13 +72,7 @@ def is_capacity_timeout(error: BaseException) -> bool:
 
 def workers_that_fit(per_worker: dict[str, float], nodes: list[dict]) -> int:
     """How many workers of `per_worker` resources the alive `nodes` (ray.nodes() rows) can hold."""
-    total = 0
-    for node in nodes:
-        if not node.get("Alive"):
-            continue
-        have = node.get("Resources", {})
-        total += min(int(have.get(name, 0.0) / need + 1e-9) for name, need in per_worker.items() if need > 0)
-    return total
+    return units_that_fit(per_worker, [n.get("Resources", {}) for n in nodes if n.get("Alive")])
 
 
 def capacity_error(plan: WorkerPlan, capacity_timeout_s: float, out: str,

@@ -15,7 +15,7 @@ from workflow.core.exposure import LOCAL_ONLY_ENV, check_loopback, keep_local_on
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
            "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
-           "ServePlan", "plan_serve", "node_resources", "plan_infer"]
+           "ServePlan", "plan_serve", "node_resources", "units_that_fit", "plan_infer"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def cluster_resources() -> dict[str, float]:
     import ray
 
     res = ray.cluster_resources()
-    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    nodes = node_resources()
     gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
     out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
            "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0)))}
@@ -330,8 +330,8 @@ class ServePlan:
     warning: str | None = None
 
 
-def _replicas_fit(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
-    """How many replicas needing `need` fit, node by node (a replica never spans nodes)."""
+def units_that_fit(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
+    """How many replicas or workers needing `need` fit on `nodes`, node by node (none spans nodes)."""
     return sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items() if amount > 0)
                for node in nodes)
 
@@ -350,7 +350,7 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
     nodes = sorted((dict(n) for n in nodes), key=lambda n: -n.get("CPU", 0.0))
     if serve.model_deployment and nodes:  # the ingress replicas' CPUs, taken where most are
         nodes[0]["CPU"] = nodes[0].get("CPU", 0.0) - serve.ingress_replicas * serve.ingress_cpus
-    fit = _replicas_fit(need, nodes)
+    fit = units_that_fit(need, nodes)
     key = "serve.min_replicas" if serve.autoscaling else "serve.num_replicas"
     have = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU/{n.get('memory', 0) / 2**20:.0f} MB"
                      for n in nodes)
