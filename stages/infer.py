@@ -235,10 +235,15 @@ class BatchPredictor:
         good = [i for i, e in enumerate(errors) if e is None]
         images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
         busy = self.meter.busy_s()
+        rows = self._predict_rows(samples, good, images, errors, details)
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+    def _predict_rows(self, samples: list[dict], good: list[int], images, errors: list, details: list) -> list[dict]:
+        """One row per sample: a prediction for each of `good` (whose pixels are `images`, in order),
+        the error reason for the rest."""
         preds = dict(zip(good, predict.predict_arrays(self.model, self.info, images, self.top_k, self.device,
                                                       self.meter)))
-        rows = [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
-        return _with_busy(rows, self.meter.busy_s() - busy)
+        return [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
 
 
 class Predictor(BatchPredictor):
@@ -260,10 +265,8 @@ class Predictor(BatchPredictor):
             chunk = samples[start:start + self.batch_size]  # read lazily: one batch of bytes at a time
             decoded = list(self.pool.map(self.reader.decode, chunk))
             good = [i for i, d in enumerate(decoded) if d[0] is not None]
-            preds = predict.predict_arrays(self.model, self.info, [decoded[i][0] for i in good], self.top_k,
-                                           self.device, self.meter)
-            by_index = dict(zip(good, preds))
-            rows += [_row(s, by_index.get(i), *decoded[i][1:]) for i, s in enumerate(chunk)]
+            rows += self._predict_rows(chunk, good, [decoded[i][0] for i in good], [d[1] for d in decoded],
+                                       [d[2] for d in decoded])
         return _with_busy(rows, self.meter.busy_s() - busy)
 
 
