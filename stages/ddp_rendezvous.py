@@ -25,11 +25,11 @@ from datetime import timedelta
 from ray.train.backend import Backend
 from ray.train.torch import TorchConfig
 
-__all__ = ["LoopbackTorchConfig", "STORE_PREFIX"]
+__all__ = ["LoopbackTorchConfig"]
 
 log = logging.getLogger(__name__)
 
-STORE_PREFIX = "raymill-ddp-"  # files in the node's temp dir; tests look for leftovers by it
+STORE_PREFIX = "raymill-ddp-"  # the store files in the node's temp dir (a SIGKILLed group leaves its own)
 _LOOPBACK_IFNAME = "lo"  # Linux's loopback interface
 
 
