@@ -9,7 +9,7 @@
   and keeps the model of each shape. Its decode pool is not kept: a pool left idle for the next
   trial lived until Tune ended the actor, and that end left the pool's named semaphores in
   /dev/shm (10 per 4-trial search here, with an atexit close too); a new pool per trial costs
-  about 0.3 s on a reused actor (decode_pool's fork server has the imports done). The decoded
+  about 0.07 s on a reused actor (decode_pool's fork server has the imports done). The decoded
   tier is not carried between trials either: a trial fills it during its first epoch at no extra
   decode cost, and reading a kept one in epoch 1 would make a trial's sample order depend on which
   actor ran it.
