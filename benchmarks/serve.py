@@ -162,7 +162,9 @@ async def _level(url: str, bodies: list[bytes], k: int, total: int, cap_s: float
 
 
 # Substring of a process's command line -> its role in the request path (first match wins).
-ROLES = [("ProxyActor", "proxy"), (":Classifier", "model replica"), ("ServeReplica", "ingress replica"),
+# The floor app's model deployment is `Constant` (before 2026-11-25 it was counted as the ingress).
+ROLES = [("ProxyActor", "proxy"), (":Classifier", "model replica"), (":Constant", "model replica"),
+         ("ServeReplica", "ingress replica"),
          ("benchmarks.serve_apps", "fastapi"), ("raylet", "ray daemons"), ("gcs_server", "ray daemons"),
          ("site-packages/ray", "ray daemons"), ("ray::", "ray daemons")]
 
