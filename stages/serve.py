@@ -126,9 +126,10 @@ class Classifier:
         # One thread hop a batch, not one a request: the batch's decodes and its forward pass run
         # in one worker thread, so the replica's event loop keeps accepting requests. A hop per
         # request for the decode cost this replica 1.6 CPU ms a request more than Serve's own
-        # floor at 32 concurrent requests (2-core box). One decode at a time: within the memory
-        # budget that decode_slots guards on the other paths.
-        return await asyncio.to_thread(self._decode_and_predict, images)
+        # floor at 32 concurrent requests (2-core box). The batch decodes one image at a time
+        # and holds one of the decode_slots while it does (the memory budget /v2 shares).
+        async with self.decodes:
+            return await asyncio.to_thread(self._decode_and_predict, images)
 
     def _decode_and_predict(self, images: list[bytes]) -> list[dict[str, Any]]:
         """An answer per image: its prediction, or its {error, detail}; bad images do not fail the batch."""
