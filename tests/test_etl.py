@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stages import etl
+from workflow.core import storage
 from stages.images import decode_rgb
 from workflow.core.artifacts import data_fingerprint
 from workflow.core.config import EtlConfig, S3Config, load_config
@@ -177,9 +178,11 @@ def test_s3_failure_mid_write_publishes_nothing(tree, s3_bucket, ray_session):
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.put(str(tree[0]) + "/", f"{bucket}/raw/", recursive=True)
     proxy = FlakyS3Proxy(int(endpoint.rsplit(":", 1)[1]), allow_puts=2)
+    s3 = S3Config(endpoint_url=proxy.url, max_attempts=1)  # botocore's 5 attempts took 70 s to fail here
+    assert storage.filesystem(f"s3://{bucket}/x", s3)[0].config_kwargs["retries"] == {"max_attempts": 1}
     try:
         with pytest.raises(etl.EtlError, match="nothing was published"):
-            etl.run(CFG, f"s3://{bucket}/raw", f"s3://{bucket}/ds", s3=S3Config(endpoint_url=proxy.url))
+            etl.run(CFG, f"s3://{bucket}/raw", f"s3://{bucket}/ds", s3=s3)
     finally:
         proxy.close()
     assert proxy.puts > 2

@@ -48,6 +48,7 @@ class S3Config(Section):
     endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for MinIO/moto; env AWS_ENDPOINT_URL also works
     region: str | None = None
     anon: bool = False
+    max_attempts: int | None = Field(None, ge=1)  # per S3 request; unset: botocore's (AWS_MAX_ATTEMPTS)
 
 
 class RunSection(Section):
