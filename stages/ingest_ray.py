@@ -23,7 +23,7 @@ import numpy as np
 
 from stages import streaming
 from stages.feed import FedBatch
-from workflow.core import console
+from workflow.core import console, storage
 from workflow.core.artifacts import Artifact, write_manifest
 from workflow.core.config import ConfigError, TrainConfig
 
@@ -62,24 +62,12 @@ def equal_rows(total: int, world: int) -> int:
     return total // world * world
 
 
-def _pyarrow_fs(s3: dict | None):
-    if not s3:
-        return None
-    import pyarrow.fs as pafs
-
-    kwargs: dict[str, Any] = {"region": s3.get("region") or "us-east-1", "anonymous": s3.get("anon", False)}
-    if s3.get("endpoint_url"):
-        scheme, _, host = s3["endpoint_url"].partition("://")
-        kwargs.update(endpoint_override=host, scheme=scheme)
-    return pafs.S3FileSystem(**kwargs)
-
-
 def _read(shards: list[dict], seed: int, cpus: float, s3: dict | None):
     import ray.data
     from ray.data import DataContext, FileShuffleConfig
 
     remote_uris = [s["uri"] for s in shards if s["uri"].startswith("s3://")]
-    fs = _pyarrow_fs(s3) if remote_uris else None
+    fs = storage.pyarrow_filesystem(remote_uris[0], s3)[0] if remote_uris else None  # s3.* settings, retries too
     paths = [s["uri"][len("s3://"):] if fs else s["uri"] for s in shards]
     # File order seeded per epoch: Ray reseeds with (seed, execution index) on every execution.
     shuffle = FileShuffleConfig(seed=seed, reseed_after_execution=True)
