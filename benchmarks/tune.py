@@ -106,7 +106,7 @@ def _config(scheduler: str, args, seed: int = 0) -> Any:
         f"tune.grace_period={args.grace}", f"tune.reduction_factor={args.reduction}", f"tune.seed={seed}",
         "train.width=16", "train.batch_size=32", "train.optimizer=sgd",
         # every trial gets the whole budget (no searched length): what FIFO pays, ASHA can save
-        f"tune.search_space={_space_yaml(getattr(args, 'space', 'narrow'))}"])
+        f"tune.search_space={_space_yaml(args.space)}"])
 
 
 def _search(scheduler: str, args, data, work: Path, seed: int = 0) -> dict[str, Any]:

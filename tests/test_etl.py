@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stages import etl
-from workflow.core import storage
 from stages.images import decode_rgb
+from workflow.core import storage
 from workflow.core.artifacts import data_fingerprint
 from workflow.core.config import EtlConfig, S3Config, load_config
 from tests.conftest import BAD_FILES, FlakyS3Proxy, make_tree
