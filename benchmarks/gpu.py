@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import fmt, md_table, pct, ratio, targets_table, wait_for_quiet
-from benchmarks.feed import Data
+from benchmarks.feed import Data, as_a_gpu_worker
 from benchmarks.feed_cpu import RayDataFeed
 from stages import decoded_tier, meters
 from stages.decode_pool import DecodePool
@@ -140,6 +140,7 @@ def run(args) -> dict[str, Any]:
     if reason := available():
         raise SystemExit(f"benchmarks gpu: {reason}")
     quiet = wait_for_quiet(args.wait_for_quiet, CORES)
+    as_a_gpu_worker()
     step = Step()
     with tempfile.TemporaryDirectory() as tmp:
         data = Data(args, Path(tmp))

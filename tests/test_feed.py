@@ -59,6 +59,18 @@ def test_same_batches_for_one_and_many_processes_and_threads(shards):
     assert sorted(keys) == sorted(r[0] for rows in shards[1].values() for r in rows), "not exactly once"
 
 
+def test_samples_beyond_the_shared_inbox_travel_pickled_and_decode_the_same():
+    """A slot's inbox holds its batch's bytes up to the decoded size (8 x 32 x 32 x 3 here); the
+    96 px noise PNGs (~28 KB each) cannot fit, the JPEGs between them do."""
+    rng = np.random.default_rng(1)
+    rows = [(f"{i:032x}", i % 2, _jpeg(rng, (96, 96), "PNG") if i % 2 else _jpeg(rng)) for i in range(8)]
+    assert sum(len(r[2]) for r in rows) > 8 * 32 * 32 * 3
+    with DecodePool(2, 8, 32, 2) as pool:
+        got = _collect(PoolFeed(pool, iter([rows]), SPEC))
+    want = _collect(ThreadFeed(iter([rows]), SPEC, 1, 1))
+    assert got[0][0] == want[0][0] and np.array_equal(got[0][1], want[0][1])
+
+
 def test_a_bad_sample_raises_in_the_loop_and_the_pool_ends_clean(shards):
     refs, data = shards
     broken = {**data, refs[1].uri: [(k, y, b"not a jpeg") for k, y, _ in data[refs[1].uri]]}

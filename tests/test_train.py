@@ -139,9 +139,10 @@ def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts()
     # a 16-core GPU node: the GPU worker gets the node's CPUs and 16 decoders below its priority
     gpu = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
     g = session.plan_workers(one.model_copy(update={"use_gpu": True}), gpu, 0.5)
-    assert (g.cpus_per_worker, g.decode_processes) == (16.0, 16)
+    # ... and one torch thread: idle intra-op threads would spin on the decoders' cores
+    assert (g.cpus_per_worker, g.decode_processes, g.torch_threads) == (16.0, 16, 1)
     rg = session.plan_workers(one.model_copy(update={"use_gpu": True, "ingest": "ray_data"}), gpu, 0.5)
-    assert rg.cpus_per_worker == 1.0 and rg.data_reserved_cpus == 0.5
+    assert rg.cpus_per_worker == 1.0 and rg.data_reserved_cpus == 0.5 and rg.torch_threads == 1
     # a cluster of a 4-GPU node (32 CPUs) and CPU nodes: a GPU worker's CPUs come from its own node
     mixed = {"CPU": 96.0, "GPU": 4.0, "max_node_cpus": 32.0, "node_cpus_per_gpu": 8.0}
     assert session.plan_workers(cfg.train.model_copy(update={"use_gpu": True, "num_workers": 4}), mixed,

@@ -126,7 +126,7 @@ class WorkerPlan:
     data_reserved_cpus: float
     total_cpus: float
     decode_processes: int = 0  # per worker (stages.decode_pool); 0: threads, or Ray Data decodes
-    torch_threads: int = 1  # intra-op threads of a CPU worker
+    torch_threads: int = 1  # intra-op threads of a worker (session.torch_threads)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -167,7 +167,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
                           f"{train.num_workers}; set min_workers <= num_workers")
     plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
                       train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
-                      total_cpus, _decode_processes(train, cpus), _torch_threads(train, cpus))
+                      total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus))
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
               "Ray Data decodes" if train.ingest == "ray_data" else f"{train.decode_threads} decode threads")
     log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
@@ -184,13 +184,14 @@ def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> 
     return min(even, resources.get("max_node_cpus", resources["CPU"]))
 
 
-def _torch_threads(train: TrainConfig, cpus: float) -> int:
-    """Intra-op threads of a CPU worker. With decode processes beside it, half its CPUs: on the
-    2-core box one worker fed 0.53 of the cores' bound with 2 torch threads and 0.69 with 1 (a
-    2-thread step spent 2.67 CPU ms an image against 1.84 on one thread; the decoders had the rest)."""
-    if train.use_gpu or train.ingest == "ray_data" or _decode_processes(train, cpus) == 0:
-        return max(1, int(cpus + 0.5))
-    return max(1, int(cpus + 0.5) // 2)
+def torch_threads(train: TrainConfig, cpus: float) -> int:
+    """Intra-op threads of a worker. Beside decode processes, a CPU worker keeps half its CPUs (2-core
+    box, 1 worker: 0.53 of the cores' bound with 2 threads, 0.69 with 1; a 2-thread step cost 2.67
+    CPU ms an image, 1.84 on one), and a GPU worker one: its host work is launches and a uint8 copy,
+    and idle intra-op threads spin at normal priority, starving the SCHED_IDLE decoders (emulated GPU,
+    2 decode processes: 1,333-1,359 img/s fed with 2 torch threads, 1,653-1,681 with 1)."""
+    cores = max(1, int(cpus + 0.5))
+    return cores if _decode_processes(train, cpus) == 0 else 1 if train.use_gpu else max(1, cores // 2)
 
 
 def _decode_processes(train: TrainConfig, cpus: float) -> int:
