@@ -3,10 +3,11 @@
 Why processes: on a 16-core GPU node, Pillow decode + random-resized-crop in 12 threads of the
 training process gave 1,275 img/s and 12 processes 6,063 (shared/PLATFORM.md); the threads also
 held the GIL the training thread needs between kernel launches. This follows torch's DataLoader
-workers: results land in shared memory, not in pickles, and the parent decides the sample order,
-so the workers only decode (mosaicml/streaming's "elastic determinism").
+workers: results land in shared memory, not in pickles (and so do the encoded inputs), and the
+parent decides the sample order, so the workers only decode (mosaicml/streaming's "elastic
+determinism").
 
-Memory: `depth` batch slots in one `multiprocessing.sharedctypes.RawArray`. On Linux that is an
+Memory: `depth` batch slots in one `multiprocessing.sharedctypes.RawArray`, and as many inboxes. On Linux that is an
 mmap of a /dev/shm file that is unlinked at once, so nothing is left behind even after a SIGKILL.
 Children: started with `forkserver` (fork is unsafe after CUDA is initialised); each one exits
 within `WATCHDOG_S` of its parent's death, so a killed Ray worker leaves no orphans.
