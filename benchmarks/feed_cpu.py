@@ -118,8 +118,13 @@ def run(data, skip_train_run: bool = False) -> dict[str, Any]:
            "before_vs_bound": ratio(before, bound)}
     if not skip_train_run:  # 2 workers: the default config's; 1: one worker with every core
         out["train_runs"] = {n: train_run(data, n) for n in (2, 1)}
-        for run_ in out["train_runs"].values():
+        for workers, run_ in out["train_runs"].items():
             run_["vs_bound"] = ratio(run_["epoch2_images_per_s"], bound)
+            # Each worker's step runs in its loop's process on the plan's torch threads; on one
+            # thread that is a serial limit of its own: 1 worker can never beat 1 / step time.
+            if run_["plan"]["torch_threads"] == 1:
+                run_["loop_ceiling_images_per_s"] = round(workers / step_s, 1)
+                run_["vs_ceiling"] = ratio(run_["epoch2_images_per_s"], min(bound, workers / step_s))
     torch.set_num_threads(CORES)
     return out
 
@@ -151,4 +156,12 @@ def render(c: dict[str, Any]) -> list[str]:
     for workers, t in c.get("train_runs", {}).items():
         rows.append([f"`raymill train`, {workers} worker(s), plan per worker {t['plan']}, epoch 2",
                      fmt(t["epoch2_images_per_s"]), fmt(t["vs_bound"], 2)])
-    return lines + md_table(["run", "img/s", "÷ bound"], rows)
+    lines += md_table(["run", "img/s", "÷ bound"], rows)
+    for workers, t in c.get("train_runs", {}).items():
+        if t.get("loop_ceiling_images_per_s", float("inf")) < c["bound_images_per_s"]:
+            lines += ["", f"With {workers} worker(s) the step itself is a serial limit: each loop steps on one "
+                      f"torch thread (a 2-thread step costs more CPU per image than it saves: see "
+                      f"`session.torch_threads`), so {workers} loop(s) ÷ {c['step_cpu_ms']} ms = "
+                      f"{fmt(t['loop_ceiling_images_per_s'])} img/s is that run's ceiling, below the cores' bound; "
+                      f"it was fed at {fmt(t['vs_ceiling'], 2)} of it. More workers (the default 2) lift it."]
+    return lines

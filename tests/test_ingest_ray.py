@@ -106,6 +106,19 @@ def test_task_sizes_that_cannot_fit_beside_the_trainer_are_refused(caplog):
     assert ingest_ray._blocked_s("* Total time user thread is blocked by Ray Data iter_batches: 12.5ms") == 0.0125
 
 
+def test_each_shard_is_read_and_decoded_in_one_fused_task(dataset):
+    """Small shards: whole blocks, Ray fuses the read with the decode (no encoded bytes between two
+    tasks); shards whose pixels would not fit one task keep 64-row calls."""
+    shards = [dict(s, uri=f"{dataset.path}/{s['path']}") for s in dataset.manifest["shards"]
+              if s["split"] == "train" and s["format"] == "parquet"]
+    assert ingest_ray.decode_rows(shards, 32) is None
+    assert ingest_ray.decode_rows([{"rows": 2000}], 224) == ingest_ray.MAP_BATCH_ROWS
+    ds, _ = ingest_ray.build_train_dataset(_cfg().train, shards, seed=0, image_size=32, raw=False, s3=None)
+    rows = sum(len(b["key"]) for b in ds.iter_batches(batch_size=16))
+    assert rows == sum(s["rows"] for s in shards)
+    assert "ReadParquet->MapBatches(decode_augment_batch)" in ds.stats()
+
+
 def test_verdicts_name_the_other_path_as_the_fix():
     starved, busy = EpochTimes(100, 9.0, 1.0, 10.0), EpochTimes(100, 0.1, 9.9, 10.0)
     assert "train.ingest=ray_data" in verdict(starved, "GPU", "stream")
