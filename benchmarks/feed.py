@@ -10,10 +10,11 @@ The emulated accelerator (honest, and said so in RESULTS.md): a step that makes 
 copy of the uint8 batch (what `to_batch` does on a GPU host: the pinned copy; normalising runs on
 the device), holds the GIL for `--gil-ms` of Python work (the kernel launches), then sleeps
 for the device time (a GPU step holds no GIL). Its own rate, measured alone on a ready batch, is
-the consumer's limit. The decode capacity of N processes on the CPUs the loop leaves is
-min(N x r1, cores / (1/r1 + the loop's CPU seconds per image)), with r1 the 1-process rate
-measured in the same run. The physical limit each fed rate is compared with is
-min(consumer rate, that capacity).
+the consumer's limit. The decode capacity of N (= cores) processes on the CPUs the loop leaves is
+cores / (cores/rN + the loop's CPU seconds per image), with rN the rate N processes decode alone,
+measured in the same run. (N x r1, the 1-process rate scaled, overstated it: 2 processes gave
+1.70-1.82x one on this VM, so the same feed read 0.84-0.99 of that run to run.) The physical limit
+each fed rate is compared with is min(consumer rate, that capacity).
 """
 from __future__ import annotations
 
@@ -192,11 +193,11 @@ def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         data = Data(args, Path(tmp))
         scale = scaling(data, ray_data=False)
-        r1 = scale["processes"][0]["images_per_s"]
+        r1, r_n = (scale["processes"][i]["images_per_s"] for i in (0, -1))
         settings, accelerators = {}, {}
         # input-bound: the device could take 3x what the cores decode; compute-bound: 0.4x
         for name, share in (("input-bound", 3.0), ("compute-bound", 0.4)):
-            settings[name], accelerators[name] = setting(data, args.gil_ms / 1e3, share * CORES * r1, r1)
+            settings[name], accelerators[name] = setting(data, args.gil_ms / 1e3, share * CORES * r1, r_n)
         if not args.skip_ray_data:  # last: Ray's own processes would share the cores with the others
             scale.update(scaling(data, ray_data=True))
             for name, acc in accelerators.items():
@@ -211,14 +212,14 @@ def run(args) -> dict[str, Any]:
             "settings": settings, "cpu_run": cpu, "targets": targets(settings, cpu)}
 
 
-def setting(data: Data, gil_s: float, target_rate: float, r1: float) -> tuple[dict, Accelerator]:
+def setting(data: Data, gil_s: float, target_rate: float, r_n: float) -> tuple[dict, Accelerator]:
     """One emulated accelerator of about `target_rate`, its limit, and what each path feeds it."""
     acc = Accelerator(gil_s, max(0.0, data.batch / target_rate - gil_s), data.batch)
     consumer, loop_cpu = acc.alone(data.size)
-    # N processes deliver N x r1 at most; sharing the cores with the loop, CORES / (1/r1 + loop CPU)
-    capacity = min(CORES * r1, CORES / (1 / r1 + loop_cpu))
+    # CORES processes decode r_n alone, CORES / r_n CPU s an image; beside the loop's CPU per image:
+    capacity = CORES / (CORES / r_n + loop_cpu)
     result = {"device_ms": round(acc.device_s * 1e3, 2), "consumer_images_per_s": round(consumer, 1),
-              "spare_cpus": round(capacity / r1, 2), "capacity_images_per_s": round(capacity, 1),
+              "spare_cpus": round(capacity / r_n * CORES, 2), "capacity_images_per_s": round(capacity, 1),
               "limit_images_per_s": round(min(consumer, capacity), 1), "paths": run_paths(data, acc, CORES)}
     return result, acc
 
@@ -279,7 +280,8 @@ def render(r: dict[str, Any]) -> str:
                   "It is the path for CPU nodes beside a GPU node, where those costs run on other machines.", ""]
     for name, s in r["settings"].items():
         lines += [f"**{name}**: device {s['device_ms']} ms/step; consumer alone {fmt(s['consumer_images_per_s'])} img/s; "
-                  f"decode capacity of the CPUs the loop leaves (≈ {s['spare_cpus']} processes' worth) "
+                  f"decode capacity of the CPUs the loop leaves (≈ {s['spare_cpus']} CPUs, at the rate "
+                  f"{r['cores']} processes decode alone) "
                   f"{fmt(s['capacity_images_per_s'])} img/s; "
                   f"limit {fmt(s['limit_images_per_s'])} img/s.", ""]
         rows = [[path, fmt(p["fed_images_per_s"]), fmt(ratio(p["fed_images_per_s"], s["limit_images_per_s"]), 2),
