@@ -247,15 +247,17 @@ def targets(settings: dict, cpu: dict) -> list[dict[str, Any]]:
                     "measured": round(abs(ours["stall"] - truth) * 100, 1), "pass": abs(ours["stall"] - truth) <= 0.05})
         out.append({"target": f"{name}: verdict names the limit ({word}-bound)", "measured": ours["verdict"][:60],
                     "pass": ours["verdict"].startswith(f"{word}-bound")})
+    bound = cpu.get("loaded_bound_images_per_s", cpu["bound_images_per_s"])
     for workers, run_ in cpu.get("train_runs", {}).items():
-        if "vs_ceiling" in run_ and run_["loop_ceiling_images_per_s"] < cpu["bound_images_per_s"]:
+        if "vs_ceiling" in run_ and run_["loop_ceiling_images_per_s"] < bound:
             out.append({"target": f"CPU-only `raymill train` ({workers} worker(s)) fed ≥ 0.8 x min(cores ÷ "
-                                  "(decode + step CPU s per image), its loops ÷ step CPU s per image)",
+                                  "(decode + step CPU s per image, under load), its loops ÷ loop CPU s per image)",
                         "measured": run_["vs_ceiling"], "pass": (run_["vs_ceiling"] or 0) >= 0.8})
             continue
+        got = run_.get("vs_loaded", run_["vs_bound"])
         out.append({"target": f"CPU-only `raymill train` ({workers} worker(s)) fed ≥ 0.8 x cores ÷ "
-                              "(decode + step CPU s per image)",
-                    "measured": run_["vs_bound"], "pass": (run_["vs_bound"] or 0) >= 0.8})
+                              "(decode + step CPU s per image, under load)",
+                    "measured": got, "pass": (got or 0) >= 0.8})
     return out
 
 
