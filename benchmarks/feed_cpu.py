@@ -113,13 +113,12 @@ def fed_rate(feed, threads: int) -> tuple[float, float, float]:
     return n / wall, loop_cpu / max(1, n), getattr(feed, "decode_cpu_s", 0.0) / max(1, n)
 
 
-def _bare_rank(rank: int, world: int, refs: list, size: int, batch: int, procs: int, out: str) -> None:
-    """One loop of bare_loops (spawned: importable, not a closure): its rank's batches of epoch 3,
-    decoded by its own pool, into the step."""
+def _bare_rank(rank: int, world: int, refs: list, spec: DecodeSpec, batch: int, procs: int, out: str) -> None:
+    """One loop of bare_loops (spawned: importable, not a closure): its rank's batches of epoch
+    `spec.epoch`, decoded by its own pool, into the step."""
     rows = {r.uri: streaming.read_shard(r.uri, "parquet") for r in refs}
-    batches = streaming.epoch_batches(refs, lambda r: rows[r.uri], 0, 3, rank, world, batch, 256)
-    spec = DecodeSpec(size, False, 0, 3, True, 0.35, True, True)  # as Data.spec(3)
-    with DecodePool(procs, batch, size, procs + 2) as pool:
+    batches = streaming.epoch_batches(refs, lambda r: rows[r.uri], 0, spec.epoch, rank, world, batch, 256)
+    with DecodePool(procs, batch, spec.size, procs + 2) as pool:
         rate, loop_s, decode_s = fed_rate(PoolFeed(pool, batches, spec), 1)
     Path(f"{out}.{rank}").write_text(json.dumps([rate, loop_s, decode_s]))
 
@@ -131,7 +130,7 @@ def bare_loops(data, world: int) -> dict[str, float]:
     procs = max(1, CORES // world)
     with tempfile.TemporaryDirectory() as tmp:
         torch.multiprocessing.start_processes(
-            _bare_rank, args=(world, data.refs, data.size, data.batch, procs, f"{tmp}/r"), nprocs=world,
+            _bare_rank, args=(world, data.refs, data.spec(3), data.batch, procs, f"{tmp}/r"), nprocs=world,
             start_method="spawn")
         ranks = [json.loads(Path(f"{tmp}/r.{r}").read_text()) for r in range(world)]
     return {"images_per_s": sum(r[0] for r in ranks), "loop_s": sum(r[1] for r in ranks) / world,
