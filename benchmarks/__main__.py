@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, str] = {
     "ingest": "benchmarks.ingest",
     "ddp": "benchmarks.ddp",
     "serve": "benchmarks.serve",
+    "serve_gpu": "benchmarks.serve_gpu",
     "tune": "benchmarks.tune",
     "chaos": "benchmarks.chaos",
 }

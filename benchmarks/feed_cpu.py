@@ -38,16 +38,17 @@ MODEL = {"name": "small_cnn", "width": 4}  # decode-heavy on purpose: a light st
 
 class RayDataFeed:
     """train.ingest=ray_data's dataset (stages.ingest_ray.build_train_dataset) as a feed."""
+    ingest = "ray_data"
 
-    def __init__(self, data):
+    def __init__(self, data, cpus: float = 0.5):
         from stages import ingest_ray
         from workflow.core import session
         from workflow.core.config import RayConfig, TrainConfig
 
         session.start(RayConfig())
-        # 0.5 CPU per decode task: on 2 CPUs, 0.25 (the default, sized to fit beside a trainer)
-        # gave 937 img/s and a 3 s first batch, 0.5 gave 1,030 and 0.7 s (measured here)
-        cfg = TrainConfig(ingest="ray_data", batch_size=data.batch, data_cpus_per_task=0.5,
+        # 0.5 CPU per decode task on the 2-core box: 0.25 (what the plan gives beside a trainer)
+        # gave 937 img/s and a 3 s first batch, 0.5 gave 1,030 and 0.7 s (measured there)
+        cfg = TrainConfig(ingest="ray_data", batch_size=data.batch, data_cpus_per_task=cpus,
                           augment={"random_resized_crop": True, "flip": True, "scale_min": 0.35})
         ds, _ = ingest_ray.build_train_dataset(cfg, [dataclasses.asdict(r) | {"uri": r.uri} for r in data.refs],
                                                seed=0, image_size=data.size, raw=False, s3=None)

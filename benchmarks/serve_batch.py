@@ -68,13 +68,14 @@ def v2_images_per_s(url: str, model: str, bodies: list[bytes], sizes: list[int],
     return {str(n): asyncio.run(_v2_level(infer_url, bodies, n, k, images, cap_s)) for n in sizes}
 
 
-def infer_images_per_s(model_dir: str, bodies: list[bytes], images: int) -> dict[str, Any]:
-    """`raymill infer` (InferConfig defaults) over folders of images/4 and `images` JPEGs, after an
-    untimed warm-up: the end-to-end rate of the larger run, and the marginal rate between the two
-    (start-up excluded)."""
+def infer_images_per_s(model_dir: str, bodies: list[bytes], images: int, cfg: Any = None) -> dict[str, Any]:
+    """`raymill infer` (`cfg`, default InferConfig()) over folders of images/4 and `images` JPEGs,
+    after an untimed warm-up: the end-to-end rate of the larger run, and the marginal rate between
+    the two (start-up excluded)."""
     from stages import infer
     from workflow.core.config import InferConfig
 
+    cfg = cfg or InferConfig()
     runs = {}
     with tempfile.TemporaryDirectory(prefix="raymill-infer-bench-") as tmp:
         # The first run in a process pays Ray Data's one-off set-up: a warm-up run, not timed.
@@ -84,9 +85,10 @@ def infer_images_per_s(model_dir: str, bodies: list[bytes], images: int) -> dict
             for i in range(count):
                 (folder / f"{i:06d}.jpg").write_bytes(bodies[i % len(bodies)])
             started = time.perf_counter()
-            infer.run(InferConfig(), model_dir, str(folder.parent), str(Path(tmp) / f"out{count}"))
+            out = infer.run(cfg, model_dir, str(folder.parent), str(Path(tmp) / f"out{count}"))
             runs[count] = time.perf_counter() - started
     (small, t_small), (large, t_large) = sorted(runs.items())[1:]
     marginal = (large - small) / (t_large - t_small) if t_large > t_small else None  # None: inside the noise
     return {"images": large, "seconds": round(t_large, 2), "images_per_s": round(large / t_large, 1),
-            "marginal_images_per_s": round(marginal, 1) if marginal else None}
+            "marginal_images_per_s": round(marginal, 1) if marginal else None,
+            "device_utilisation": out.manifest["metrics"].get("device_utilisation")}

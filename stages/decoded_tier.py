@@ -75,7 +75,8 @@ def augment_batch(pixels: torch.Tensor, generator: torch.Generator, scale_min: f
     theta = torch.zeros((n, 2, 3), dtype=torch.float64)
     theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = w * sign, cx, h, cy
     x = pixels.permute(0, 3, 1, 2).float()
-    grid = F.affine_grid(theta.to(x.device, torch.float32), list(x.shape), align_corners=False)
+    theta = theta.float().pin_memory().to(x.device, non_blocking=True)  # no wait for the stream
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     out = F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
 
@@ -141,12 +142,16 @@ class TierFeed:
         self.wait_s, self._stop = 0.0, threading.Event()
         order = torch.Generator().manual_seed(_mix(seed, epoch, rank, -1))
         self.order = torch.randperm(len(tier.meta), generator=order)
+        # Indices for a GPU-held tier live on the GPU: one copy an epoch. A pageable host->GPU copy
+        # per batch waits for the stream, i.e. for the last step's kernels, and shows as input wait.
+        self._order_on_store = self.order.to(tier.pixels.device)
 
     def batches(self) -> Iterator[FedBatch]:
         a, tier = self.augment, self.tier_store
         for step in range(self.start_step, self.steps):
-            index = self.order[step * self.batch_size:(step + 1) * self.batch_size]
-            pixels = tier.pixels[index.to(tier.pixels.device)].to(tier.device, non_blocking=True)
+            rows = slice(step * self.batch_size, (step + 1) * self.batch_size)
+            index = self.order[rows]
+            pixels = _gather(tier, index, self._order_on_store[rows])
             generator = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.rank, step))
             images = augment_batch(pixels, generator, a["scale_min"], a["random_resized_crop"], a["flip"])
             yield FedBatch([tier.meta[i] for i in index.tolist()], images)
@@ -170,6 +175,19 @@ class TierFeed:
 
     def capacity(self) -> None:
         return None
+
+
+def _gather(tier: DecodedTier, index: torch.Tensor, index_on_store: torch.Tensor) -> torch.Tensor:
+    """The batch's kept pixels on the training device, without a host sync: a host-held tier
+    bound for a GPU is gathered into pinned memory and copied asynchronously (torch's pinned
+    allocator keeps the buffer until the copy is done)."""
+    if tier.pixels.device == tier.device:
+        return tier.pixels[index_on_store]
+    if tier.device.type == "cuda":
+        staged = torch.empty((len(index), *tier.pixels.shape[1:]), dtype=torch.uint8, pin_memory=True)
+        torch.index_select(tier.pixels, 0, index, out=staged)
+        return staged.to(tier.device, non_blocking=True)
+    return tier.pixels[index].to(tier.device)
 
 
 def _ahead(items: Iterator[Any], depth: int, stop: threading.Event) -> Iterator[Any]:

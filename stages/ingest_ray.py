@@ -23,7 +23,7 @@ import numpy as np
 
 from stages import streaming
 from stages.feed import FedBatch
-from workflow.core import console, storage
+from workflow.core import console, session, storage
 from workflow.core.artifacts import Artifact, write_manifest
 from workflow.core.config import ConfigError, TrainConfig
 
@@ -62,7 +62,7 @@ def check_plan(cfg: TrainConfig, data_reserved_cpus: float) -> None:
     """Refuse Ray Data task sizes that could never be scheduled beside the trainer (2-CPU deadlock)."""
     if cfg.ingest != "ray_data":
         return
-    if cfg.data_cpus_per_task > data_reserved_cpus + 1e-9:
+    if (cfg.data_cpus_per_task or 0) > data_reserved_cpus + 1e-9:
         raise ConfigError(
             f"train.data_cpus_per_task={cfg.data_cpus_per_task:g} exceeds ray.data_reserved_cpus="
             f"{data_reserved_cpus:g}: with the trainer holding the rest, Ray Data's decode tasks "
@@ -150,7 +150,7 @@ def decode_augment_batch(batch: dict[str, np.ndarray], image_size: int, raw: boo
 def build_train_dataset(cfg: TrainConfig, shards: list[dict], *, seed: int, image_size: int, raw: bool,
                         s3: dict | None) -> tuple[Any, dict[str, Any]]:
     """The lazy train Dataset for TorchTrainer(datasets=...), and what to report about it."""
-    cpus, a = cfg.data_cpus_per_task, cfg.augment
+    cpus, a = cfg.data_cpus_per_task or session.DATA_TASK_CPUS, cfg.augment  # train.py passes the plan's
     augment = {"scale_min": a.scale_min, "crop": a.random_resized_crop, "flip": a.flip}
     info: dict[str, Any] = {"ingest": "ray_data", "resume": RESUME["ray_data"],
                             "data_cpus_per_task": cpus, "object_store_cache": cfg.object_store_cache}

@@ -7,7 +7,11 @@ Three clocks per epoch:
   longer counts as "compute" (it did: 81 -> 262 ms a step beside 12 decode threads on an H100);
   on the CPU, the step's wall time, because the CPU is the device;
 - `wall_s`: the epoch's wall time, checkpoint I/O excluded.
-stall = wait / wall; utilisation = busy / wall.
+utilisation = busy / wall; stall = min(wait, wall - busy) / wall: the share of the wall that the
+device sat idle while the loop waited for input. On a CPU the two never overlap (the step is host
+work), so this is wait / wall. On a GPU the host can wait for its next batch while the kernels of
+the last step still run: that wait costs the device nothing, and counting it called an H100 busy
+96% of the wall "input-bound, stall 63%" (the decoded tier's copies synchronised with the stream).
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ class EpochTimes:
 
     @property
     def stall(self) -> float:
-        return min(1.0, self.wait_s / max(self.wall_s, 1e-9))
+        idle = max(0.0, self.wall_s - self.busy_s)
+        return min(1.0, min(self.wait_s, idle) / max(self.wall_s, 1e-9))
 
     @property
     def utilisation(self) -> float:
@@ -118,6 +123,7 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
                 "the data fits, or train.ingest=ray_data with CPU nodes")
     if device == "GPU" and t.utilisation < LOW_UTILISATION:
         return (f"host-bound: the GPU is busy {t.utilisation:.0%} of the wall and input waits only "
-                f"{t.stall:.0%}; the step's host work (launches, syncs) is the limit: raise "
-                f"train.batch_size or use a larger model per step{have}")
+                f"{t.stall:.0%}; the step's host work is the limit (kernel launches, syncs, or threads "
+                f"beside the loop holding the GIL): raise train.batch_size, decode in processes "
+                f"(train.decode_processes), or use a larger model per step{have}")
     return f"compute-bound: the {device} is the weakest link ≈ {rate}, input keeps up{have}"

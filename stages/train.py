@@ -135,7 +135,8 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
             "tracking": tracking}  # rank 0 logs to MLflow
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     if cfg.ingest == "ray_data":
-        train_ds, ingest = ingest_ray.build_train_dataset(cfg, shards["train"], seed=seed, raw=loop["raw"],
+        planned = cfg.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
+        train_ds, ingest = ingest_ray.build_train_dataset(planned, shards["train"], seed=seed, raw=loop["raw"],
                                                           image_size=loop["image_size"], s3=loop["s3"])
         datasets = {"train": train_ds}
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)

@@ -218,3 +218,15 @@ def test_a_restarted_worker_refills_its_tier_and_sees_the_same_epoch(shards):
         again.close()
     assert again.tier.ready and len(trained) == len(resumed) == 12
     assert all(ka == kb and torch.equal(xa, xb) for (ka, xa), (kb, xb) in zip(trained, resumed))
+
+
+def test_stall_counts_only_input_wait_that_left_the_device_idle():
+    """A GPU step is queued, not run, by the host: the loop can wait for its next batch while the
+    device still works. An H100 busy 96% of the wall was called "input-bound, stall 63%"."""
+    overlapped = meters.EpochTimes(images=1000, wait_s=0.63, busy_s=0.96, wall_s=1.0)
+    assert abs(overlapped.stall - 0.04) < 1e-9
+    assert meters.verdict(overlapped, "GPU", "stream", None, "decoded-gpu").startswith("compute-bound")
+    starved = meters.EpochTimes(images=1000, wait_s=0.5, busy_s=0.4, wall_s=1.0)
+    assert abs(starved.stall - 0.5) < 1e-9 and "input-bound" in meters.verdict(starved, "GPU", "stream")
+    cpu = meters.EpochTimes(images=100, wait_s=0.3, busy_s=0.7, wall_s=1.0)  # host step: never overlaps
+    assert abs(cpu.stall - 0.3) < 1e-9

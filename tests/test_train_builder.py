@@ -37,3 +37,19 @@ def test_stored_raw_is_answered_in_one_place():
     manifest = {"config": {"parquet_encoding": "raw"}}
     assert storage.stored_raw(manifest, "parquet") and not storage.stored_raw(manifest, "tar")
     assert not storage.stored_raw({"config": {"parquet_encoding": "encoded"}}, "parquet")
+
+
+def test_ray_data_tasks_get_one_cpu_where_the_node_has_room_and_fit_a_small_one():
+    """train.data_cpus_per_task unset: 1 CPU a task (Ray's default) beside one GPU worker on a
+    16-core node, what is left (0.25 at most) beside two CPU workers on 2 cores; a set value wins."""
+    from workflow.core import session
+
+    gpu_node = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
+    ray_data = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1)
+    assert session.plan_workers(ray_data, gpu_node, 0.5).data_cpus_per_task == 1.0
+    laptop = {"CPU": 2.0, "GPU": 0.0, "max_node_cpus": 2.0}
+    assert session.plan_workers(TrainConfig(ingest="ray_data"), laptop, 0.5).data_cpus_per_task == 0.25
+    assert session.plan_workers(TrainConfig(ingest="ray_data"), laptop, 0.2).data_cpus_per_task == 0.2
+    set_by_user = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1, data_cpus_per_task=0.5)
+    assert session.plan_workers(set_by_user, gpu_node, 0.5).data_cpus_per_task == 0.5
+    assert session.plan_workers(TrainConfig(), laptop, 0.5).data_cpus_per_task == 0.0  # stream: no Ray Data

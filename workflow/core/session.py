@@ -18,11 +18,10 @@ __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url",
            "ServePlan", "plan_serve", "node_resources", "units_that_fit", "plan_infer"]
 
 log = logging.getLogger(__name__)
+DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
 
-# Settings (not secrets) a cluster's workers need to reach the same S3 endpoint. Credentials are
-# never put in the runtime env: Ray logs the serialized runtime env in its session logs. Local
-# workers inherit this process's environment; cluster nodes get credentials from their instance
-# profile / node-level env (README, "Credentials on a cluster").
+# Settings (not secrets) a cluster's workers need to reach the same S3 endpoint. Never credentials:
+# Ray logs the runtime env (README, "Credentials on a cluster"); local workers inherit the env.
 _FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                   "RAYMILL_VERBOSE",  # workflow.core.console: --verbose reaches workers
                   "TORCH_CPP_LOG_LEVEL")  # console.quiet_torch_cpp
@@ -79,13 +78,10 @@ def start(cfg: RayConfig) -> dict[str, float]:
 
 def _point_state_api_at_own_dashboard(host: str) -> int:
     """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
-    for the API server) before Ray starts, so every Ray process inherits it.
-
-    Without it a State API client that is given no address (Ray Train's placement-group cleaner,
-    `ray.util.state` here) looks for the cluster by scanning this machine's processes, and fails
-    with "Found multiple active Ray instances" when another local Ray runs beside this one; the
-    placement groups of stopped trials then stay reserved and the next trials wait forever.
-    """
+    for the API server) before Ray starts, so every Ray process inherits it. Without it a State
+    API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
+    machine's processes and fails with "Found multiple active Ray instances" beside another
+    local Ray; the placement groups of stopped trials then stay reserved, and new trials wait."""
     import socket
 
     with socket.socket() as probe:
@@ -127,6 +123,7 @@ class WorkerPlan:
     total_cpus: float
     decode_processes: int = 0  # per worker (stages.decode_pool); 0: threads, or Ray Data decodes
     torch_threads: int = 1  # intra-op threads of a worker (session.torch_threads)
+    data_cpus_per_task: float = 0.0  # each Ray Data read/decode task (train.ingest=ray_data)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -165,11 +162,16 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     if train.min_workers is not None and train.min_workers > train.num_workers:
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
                           f"{train.num_workers}; set min_workers <= num_workers")
+    # Ray Data tasks: 1 CPU (Ray's default) with 2+ CPUs left beside the trainers, else what fits;
+    # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,306 img/s, 1-CPU tasks 6,100 (RESULTS.md).
+    left = math.floor((total_cpus - cpus * workers) * 100 + 1e-6) / 100
+    data_cpus = (train.data_cpus_per_task or (1.0 if left >= 2 else min(DATA_TASK_CPUS, left))) if reserve else 0.0
     plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
                       train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
-                      total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus))
+                      total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus), data_cpus)
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
-              "Ray Data decodes" if train.ingest == "ray_data" else f"{train.decode_threads} decode threads")
+              f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
+              else f"{train.decode_threads} decode threads")
     log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
              plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
@@ -207,14 +209,11 @@ def _decode_processes(train: TrainConfig, cpus: float) -> int:
 
 @dataclass(frozen=True)
 class TrialPlan:
-    """How many trials run at once, and what each holds.
-
-    `in_function`: a trial of one `stream` worker runs the training loop inside its own Tune
-    function actor, which holds that worker's CPUs (and GPU): no TorchTrainer, no controller, no
-    second placement group, so a trial starts in seconds. A trial of several workers (or of
-    `ray_data` ingest, which needs Train's dataset shards) is a 0.01-CPU driver that runs a
-    TorchTrainer, whose workers hold the resources.
-    """
+    """How many trials run at once, and what each holds. `in_function`: a trial of one `stream`
+    worker runs the loop inside its Tune function actor, which holds the worker's CPUs (and GPU):
+    no TorchTrainer, controller or second placement group, so it starts in seconds. A trial of
+    several workers (or `ray_data`, which needs Train's dataset shards) is a 0.01-CPU driver that
+    runs a TorchTrainer, whose workers hold the resources."""
     concurrent_trials: int
     workers: WorkerPlan
     in_function: bool = False

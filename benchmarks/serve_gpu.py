@@ -1,0 +1,149 @@
+"""Serving on a GPU (issue 22): resnet50 at 224 px on a CUDA replica, dynamic batching on and off.
+
+    python -m benchmarks serve_gpu [--requests 400] [--levels 1,32] [--rounds 2]
+
+  model     resnet50, 10 classes, 224 px, random weights (stages.publish.save_model), fp32.
+  bodies    --bodies JPEGs of --size px (benchmarks/serve._jpegs), raw `image/jpeg` to /predict.
+  variants  apps on one Ray, each on its own route, every model replica on a third of a GPU
+            (serve.gpus_per_replica=0.33) so that the idle ones sit beside the measured one:
+              batching on    `raymill serve` defaults with serve.use_gpu=true;
+              batching off   the same with serve.batching=false;
+              2 ingress      batching on with serve.ingress_replicas=2.
+  GPU       nvidia-smi utilisation, sampled every 200 ms while each level runs.
+  batch     images/s through /v2 (binary tensors) with N images a request, 8 clients, against
+            `raymill infer` with infer.use_gpu=true on the same model and JPEGs.
+
+Load as in benchmarks/serve.py (k keep-alive httpx clients, best of --rounds interleaved rounds).
+Not run on the 2-core box (no GPU): it is for a lent device (shared/PLATFORM.md).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import targets_table, wait_for_quiet
+
+__all__ = ["add_arguments", "run", "render"]
+
+VARIANTS = {"batching on": {}, "batching off": {"batching": False}, "2 ingress": {"ingress_replicas": 2}}
+BATCH_TARGET = 1.5  # issue 22: c=32 requests/s, batching on / off, resnet50 on the GPU
+GPU_SHARE = 0.33  # every variant's model replica on one GPU at once (3 x 0.33 <= 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bodies", type=int, default=64, help="distinct JPEG bodies (default 64)")
+    p.add_argument("--size", default="500x375", help="JPEG size WxH (default 500x375)")
+    p.add_argument("--levels", default="1,32", help="client concurrency levels (default 1,32)")
+    p.add_argument("--requests", type=int, default=400, help="timed requests per level (default 400)")
+    p.add_argument("--time-cap", type=float, default=15.0, help="seconds per level at most (default 15)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--batch-sizes", default="1,8,32", help="images per /v2 request (default 1,8,32)")
+    p.add_argument("--batch-images", type=int, default=2048, help="images per /v2 batch size (default 2048)")
+    p.add_argument("--infer-images", type=int, default=2000, help="images for `raymill infer` (default 2000)")
+    p.add_argument("--wait-for-quiet", type=float, default=60, help="seconds to wait for a quiet machine")
+
+
+def _make_model(out: Path) -> None:
+    import torch
+
+    from stages.models import build_model
+    from stages.publish import save_model
+
+    torch.manual_seed(0)
+    info = {"architecture": "resnet50", "width": 32, "dropout": 0.0, "classes": [f"c{i}" for i in range(10)],
+            "image_size": 224, "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "bench-gpu"}
+    save_model(str(out), build_model("resnet50", 10).state_dict(), info)
+
+
+def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
+    """{variant: {level: best round, with GPU utilisation}} and the /v2 rates of "batching on"."""
+    import ray
+    from ray import serve
+
+    from benchmarks.gpu import Smi
+    from benchmarks.serve import _free_port, _level
+    from benchmarks.serve_batch import v2_images_per_s
+    from stages import serve as serve_stage
+    from workflow.core import session
+    from workflow.core.config import RayConfig, ServeConfig
+
+    base = ServeConfig(port=_free_port(), use_gpu=True, gpus_per_replica=GPU_SHARE, request_timeout_s=60.0)
+    session.start(RayConfig())
+    try:
+        urls = {}
+        for i, (name, change) in enumerate(VARIANTS.items()):
+            cfg = base.model_copy(update={**change, "app_name": f"gpu{i}"})
+            urls[name] = serve_stage.start(cfg, model_dir, route_prefix=f"/g{i}")
+        best: dict[str, dict[str, Any]] = {name: {} for name in urls}
+        for _ in range(args.rounds):
+            for k in (int(x) for x in args.levels.split(",")):
+                for name, url in urls.items():
+                    with Smi() as smi:
+                        m = asyncio.run(_level(url, bodies, k, args.requests, args.time_cap))
+                    m["gpu_util_smi"] = smi.mean()
+                    if m["rps"] >= best[name].get(str(k), {}).get("rps", -1):
+                        best[name][str(k)] = m
+                    print(f"[serve_gpu] {name:>12} c={k:<3} p50 {m['p50_ms']:7.2f} ms {m['rps']:7.1f} req/s "
+                          f"GPU {m['gpu_util_smi'] or 0:.0%} errors {m['errors']}", flush=True)
+        with Smi() as smi:
+            batch = v2_images_per_s(urls["batching on"], base.model_name, bodies,
+                                    [int(n) for n in args.batch_sizes.split(",")], 8, args.batch_images, 60.0)
+        batch["gpu_util_smi"] = smi.mean()
+        return best, batch
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.serve import _jpegs
+    from benchmarks.serve_batch import infer_images_per_s
+    from workflow.core import session
+    from workflow.core.config import InferConfig, RayConfig
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks serve_gpu: no CUDA device (run it on a lent GPU machine)")
+    quiet = wait_for_quiet(args.wait_for_quiet, os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="raymill-serve-gpu-") as tmp:
+        model_dir = str(Path(tmp) / "model")
+        _make_model(Path(model_dir))
+        bodies = _jpegs(args.bodies, args.size)
+        best, batch = _measure(args, model_dir, bodies)
+        session.start(RayConfig())
+        try:
+            infer = infer_images_per_s(model_dir, bodies, args.infer_images, InferConfig(use_gpu=True))
+        finally:
+            import ray
+            ray.shutdown()
+    on, off = (best[v].get("32", {}).get("rps") for v in ("batching on", "batching off"))
+    ratio = round(on / off, 2) if on and off else None
+    targets = [{"target": f"c=32 req/s, batching on / off ≥ {BATCH_TARGET} (resnet50, GPU)", "measured": ratio,
+                "pass": ratio is not None and ratio >= BATCH_TARGET}]
+    return {"device": torch.cuda.get_device_name(), "quiet": quiet, "bodies": args.bodies, "size": args.size,
+            "levels": args.levels.split(","), "modes": best, "batch": batch, "infer": infer, "targets": targets}
+
+
+def render(r: dict[str, Any]) -> str:
+    levels = r["levels"]
+    lines = [f"resnet50, 224 px, fp32 on {r['device']}, model replicas of {GPU_SHARE} GPU; {r['bodies']} JPEGs of "
+             f"{r['size']} px as raw `image/jpeg`. Cells: client p50 ms / requests/s / GPU utilisation "
+             "(nvidia-smi) (non-200 count if any).", "",
+             "| variant | " + " | ".join(f"c={k}" for k in levels) + " |", "|---|" + "---:|" * len(levels)]
+    for name, per_level in r["modes"].items():
+        cells = [f"{m['p50_ms']:.1f} / {m['rps']:.0f} / {(m.get('gpu_util_smi') or 0):.0%}"
+                 + (f" ({m['errors']} err)" if m["errors"] else "") for m in (per_level.get(k) for k in levels) if m]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    b, infer = r["batch"], r["infer"]
+    lines += ["", f"/v2 images/s by images a request (8 clients, batching on; GPU {(b.get('gpu_util_smi') or 0):.0%} "
+              f"busy over all sizes), against `raymill infer` with infer.use_gpu=true: {infer['images_per_s']} "
+              f"images/s end to end ({infer['images']} images in {infer['seconds']} s), "
+              f"{infer['marginal_images_per_s']} marginal:", "",
+              "| images a request | images/s | request p50 ms | non-200 |", "|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {m['images_per_s']} | {m['p50_ms']} | {m['errors']} |" for n, m in b.items() if n.isdigit()]
+    return "\n".join(lines + [""] + targets_table(r["targets"]))
