@@ -181,7 +181,7 @@ def _gather(tier: DecodedTier, index: torch.Tensor, index_on_store: torch.Tensor
     """The batch's kept pixels on the training device, without a host sync: a host-held tier
     bound for a GPU is gathered into pinned memory and copied asynchronously (torch's pinned
     allocator keeps the buffer until the copy is done)."""
-    if tier.pixels.device == tier.device:
+    if tier.pixels.device.type == tier.device.type:  # "cuda:0" is not "cuda"
         return tier.pixels[index_on_store]
     if tier.device.type == "cuda":
         staged = torch.empty((len(index), *tier.pixels.shape[1:]), dtype=torch.uint8, pin_memory=True)
