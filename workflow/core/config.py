@@ -159,9 +159,7 @@ class TrainConfig(Section):
     # stream: each worker reads its own shards (exact mid-epoch resume). ray_data: Ray Data decodes
     # on any CPU of the cluster, epoch-granular resume (README, "Which ingest when").
     ingest: Literal["stream", "ray_data"] = "stream"
-    # ray_data: CPU request of each read/decode task; unset: 1 where 2+ CPUs are left beside the
-    # trainers, else what is left, 0.25 at most (session.plan_workers)
-    data_cpus_per_task: float | None = Field(None, gt=0)
+    data_cpus_per_task: float | None = Field(None, gt=0)  # ray_data: CPUs a decode task; unset: planned
     object_store_cache: bool = False  # ray_data: decode once, keep decoded train set in the object store
     # Extra custom resources per worker, e.g. {accelerator: 1}: pins workers to the nodes that have them.
     worker_resources: dict[str, float] = Field(default_factory=dict)
