@@ -163,7 +163,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
                           f"{train.num_workers}; set min_workers <= num_workers")
     # Ray Data tasks: 1 CPU (Ray's default) with 2+ CPUs left beside the trainers, else what fits;
-    # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,306 img/s, 1-CPU tasks 6,100 (RESULTS.md).
+    # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,284 img/s, 1-CPU ones 4,372-4,788 (RESULTS gpu).
     left = math.floor((total_cpus - cpus * workers) * 100 + 1e-6) / 100
     data_cpus = (train.data_cpus_per_task or (1.0 if left >= 2 else min(DATA_TASK_CPUS, left))) if reserve else 0.0
     plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
