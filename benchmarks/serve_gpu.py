@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.common import targets_table, wait_for_quiet
 
-__all__ = ["add_arguments", "run", "render"]
+__all__ = ["add_arguments", "available", "run", "render"]
 
 VARIANTS = {"batching on": {}, "batching off": {"batching": False}, "2 ingress": {"ingress_replicas": 2}}
 BATCH_TARGET = 1.5  # issue 22: c=32 requests/s, batching on / off, resnet50 on the GPU
@@ -99,6 +99,13 @@ def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
         ray.shutdown()
 
 
+def available() -> str | None:
+    """Why this benchmark cannot run here, or None (`benchmarks all` skips it then)."""
+    from benchmarks.gpu import available as gpu_available
+
+    return gpu_available()
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -107,8 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from workflow.core import session
     from workflow.core.config import InferConfig, RayConfig
 
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks serve_gpu: no CUDA device (run it on a lent GPU machine)")
+    if reason := available():
+        raise SystemExit(f"benchmarks serve_gpu: {reason}")
     quiet = wait_for_quiet(args.wait_for_quiet, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="raymill-serve-gpu-") as tmp:
         model_dir = str(Path(tmp) / "model")
