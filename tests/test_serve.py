@@ -113,6 +113,18 @@ def test_deployment_options_and_decode_slots():
     assert int(to["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 10 * 2**20
 
 
+def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_dir):
+    """The GPU batching path (decode per request, batch the forward pass) is chosen by the
+    replica's device: serve.use_gpu on a machine where torch sees no CUDA device stays on the
+    CPU path. tests/gpu runs the other side on a GPU."""
+    import torch
+
+    cpu = serve_stage.Classifier(ServeConfig(), model_dir)
+    gpu_asked = serve_stage.Classifier(ServeConfig(use_gpu=True), model_dir)
+    assert cpu.device.type == "cpu" and not cpu._decode_apart
+    assert gpu_asked._decode_apart == torch.cuda.is_available() == (gpu_asked.device.type == "cuda")
+
+
 def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monkeypatch):
     """Bad bytes -> an error result; a failing handler -> 503 whose body holds no exception text."""
     replica = serve_stage.Classifier(ServeConfig(batching=False), model_dir)
