@@ -183,11 +183,10 @@ def _gather(tier: DecodedTier, index: torch.Tensor, index_on_store: torch.Tensor
     allocator keeps the buffer until the copy is done)."""
     if tier.pixels.device.type == tier.device.type:  # "cuda:0" is not "cuda"
         return tier.pixels[index_on_store]
-    if tier.device.type == "cuda":
-        staged = torch.empty((len(index), *tier.pixels.shape[1:]), dtype=torch.uint8, pin_memory=True)
-        torch.index_select(tier.pixels, 0, index, out=staged)
-        return staged.to(tier.device, non_blocking=True)
-    return tier.pixels[index].to(tier.device)
+    # otherwise the tier is on the host and the device a GPU (DecodedTier keeps no other pairing)
+    staged = torch.empty((len(index), *tier.pixels.shape[1:]), dtype=torch.uint8, pin_memory=True)
+    torch.index_select(tier.pixels, 0, index, out=staged)
+    return staged.to(tier.device, non_blocking=True)
 
 
 def _ahead(items: Iterator[Any], depth: int, stop: threading.Event) -> Iterator[Any]:
