@@ -13,7 +13,8 @@ import math
 import os
 from typing import Any
 
-from workflow.core.session import WorkerPlan, units_that_fit
+from workflow.core.cluster import units_that_fit
+from workflow.core.session import WorkerPlan
 
 __all__ = ["CapacityError", "failure_config_kwargs", "is_capacity_timeout", "capacity_error",
            "workers_that_fit"]

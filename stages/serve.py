@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from ray import serve
 from stages.serve_endpoint import base_url
 from stages.images import BadImage
 from stages.predict import load_model, predict_arrays, preprocess
-from workflow.core import session
+from workflow.core import cluster, session
 from workflow.core.config import ConfigError, RayConfig, ServeConfig
 
 __all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "base_url", "Classifier",
@@ -40,6 +41,8 @@ REPLICA_BASE_MB = 512
 # Placeholder batch settings; each replica sets the configured ones in __init__ (serve.batch
 # arguments are fixed at class definition, its setters are per process, i.e. per replica).
 _DEFAULT_BATCH_SIZE, _DEFAULT_BATCH_WAIT_S = 16, 0.005
+# Longest wait for other work to free room for a replica before `start` refuses the plan.
+ROOM_WAIT_S = 15.0
 
 
 def decode_slots(cfg: ServeConfig) -> int:
@@ -233,19 +236,21 @@ def apply_ingress_env(cfg: ServeConfig) -> None:
     os.environ.update(env)
 
 
-def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/") -> str:
+def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/",
+          wait_for_room_s: float = ROOM_WAIT_S) -> str:
     """Deploy the classifier as Serve app `cfg.app_name` and return its base URL.
 
     Starts Ray (defaults: local) if the caller hasn't. host, port and request_timeout_s are per
     Ray cluster: Serve keeps the first values it started with. When the app is already running,
-    this is a rolling update to `model_path` (see `update`).
+    this is a rolling update to `model_path` (see `update`). A plan that the nodes could never
+    hold is refused at once; one that other work leaves no room for, after `wait_for_room_s`.
     """
     import ray
 
     if not ray.is_initialized():
         apply_ingress_env(cfg)
         session.start(RayConfig())
-    plan = session.plan_serve(cfg, session.node_resources())  # refuses what Ray could never place
+    plan = _plan_with_room(cfg, wait_for_room_s)
     if plan.warning:
         log.warning("serve: %s", plan.warning)
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
@@ -254,6 +259,23 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs; Open Inference "
              "Protocol: POST /v2/models/%s/infer)", cfg.app_name, url, cfg.model_name)
     return url
+
+
+def _plan_with_room(cfg: ServeConfig, wait_s: float) -> session.ServePlan:
+    """The serve plan on what is free now beside other apps, trainers and trials, waited for up
+    to `wait_s` (an app deleted a moment ago, or a run ending, frees its share within seconds)."""
+    deadline, never_checked = time.monotonic() + wait_s, True
+    while True:
+        nodes, held = cluster.free_node_resources(own_app=cfg.app_name)
+        try:
+            return session.plan_serve(cfg, nodes, held)
+        except ConfigError:
+            if not held or time.monotonic() >= deadline:  # nothing else holds room: it never fits
+                raise
+        if never_checked:  # what the nodes could never hold is refused at once, not waited for
+            session.plan_serve(cfg, session.node_resources())
+            never_checked = False
+        time.sleep(1.0)
 
 
 def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/") -> str:

@@ -144,3 +144,33 @@ def test_raymill_serve_refuses_a_plan_ray_could_never_place_with_exit_2(ray_sess
                "--set", "serve.num_replicas=2"])
     assert rc == 2
     assert "can never be scheduled" in capsys.readouterr().err
+
+
+def test_free_node_resources_count_what_placement_groups_and_actors_hold(ray_session):
+    """What `raymill serve` plans on beside other work: a placement group's bundle is held whether or
+    not an actor runs in it; an actor outside one holds its own resources; both are named."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from workflow.core import cluster
+
+    @ray.remote(num_cpus=0.25, num_gpus=0.5)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    before, _ = cluster.free_node_resources()
+    group = placement_group([{"CPU": 1.0}], name="test-hold")
+    ray.get(group.ready(), timeout=60)
+    holder = Holder.remote()
+    ray.get(holder.ping.remote(), timeout=60)
+    try:
+        (node,), held = cluster.free_node_resources()
+        assert node["CPU"] == pytest.approx(before[0]["CPU"] - 1.25)
+        assert node["GPU"] == pytest.approx(before[0]["GPU"] - 0.5)
+        assert "placement group test-hold 1 CPU" in held and "Holder 0.5 GPU 0.25 CPU" in held, held
+        with pytest.raises(ConfigError, match="cannot be scheduled: .*Holder 0.5 GPU"):
+            session.plan_serve(_cfg("serve.use_gpu=true").serve, [node], held)
+    finally:
+        ray.kill(holder)
+        remove_placement_group(group)

@@ -16,7 +16,7 @@ import pytest
 from stages import serve as serve_stage
 from tests.conftest import free_port, image_bytes
 from tests.test_serve import JPEG, _save_model
-from workflow.core.config import ServeConfig
+from workflow.core.config import ConfigError, ServeConfig
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +127,14 @@ def test_rolling_updates_on_one_gpu_lose_nothing(proxy, model_dir, tmp_path, cap
             while any(_alive(pid) for pid in old) and time.time() < deadline:
                 time.sleep(0.5)
             assert not any(_alive(pid) for pid in old), f"old replica {old} still running"
+        # Another app finds the GPU held by this one: refused with the holder named, not left pending.
+        from ray import serve
+
+        other = half.model_copy(update={"app_name": "test-no-room"})
+        with pytest.raises(ConfigError, match=r"cannot be scheduled: .*ServeReplica:test-rollout:\w+ 1 GPU.*"
+                                              r"stop that work"):
+            serve_stage.start(other, model_dir, route_prefix="/no-room", wait_for_room_s=2)
+        assert "test-no-room" not in serve.status().applications
     finally:
         serve_stage.shutdown(half)
 

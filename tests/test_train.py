@@ -21,7 +21,7 @@ from stages.predict import to_batch
 from stages.train_loop import precision_plan
 from workflow.core import session
 from workflow import demo_data
-from workflow.core.config import ConfigError, S3Config, load_config
+from workflow.core.config import ConfigError, S3Config, TrainConfig, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
@@ -152,6 +152,20 @@ def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts()
                              {"CPU": 2.0, "GPU": 0.0}, 0.5, keep_reserve=True)
     with pytest.raises(ConfigError, match="GPUs but the cluster has 0"):
         session.plan_workers(cfg.train.model_copy(update={"use_gpu": True}), {"CPU": 8.0, "GPU": 0.0}, 0.5)
+
+
+def test_unset_num_workers_plans_one_worker_per_gpu_and_two_on_cpus():
+    """The acceptance command `raymill run --set train.use_gpu=true ...` must run on a one-GPU node."""
+    gpu = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
+    assert session.plan_workers(TrainConfig(use_gpu=True), gpu, 0.5).num_workers == 1
+    eight = {**gpu, "CPU": 128.0, "GPU": 8.0}
+    assert session.plan_workers(TrainConfig(use_gpu=True), eight, 0.5).num_workers == 8
+    assert session.plan_workers(TrainConfig(use_gpu=True, gpus_per_worker=0.5), gpu, 0.5).num_workers == 2
+    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 1.0}, 0.5).num_workers == 2  # no use_gpu
+    with pytest.raises(ConfigError, match="train.num_workers=2 x 1 needs 2 GPUs but the cluster has 1"):
+        session.plan_workers(TrainConfig(use_gpu=True, num_workers=2), gpu, 0.5)  # set by hand: refused
+    with pytest.raises(ConfigError, match="needs 1 GPUs but the cluster has 0"):
+        session.plan_workers(TrainConfig(use_gpu=True), {"CPU": 8.0, "GPU": 0.0}, 0.5)
 
 
 def test_gpu_performance_options_are_selected_by_config():

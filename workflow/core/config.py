@@ -119,7 +119,7 @@ class TrainConfig(Section):
     optimizer: Literal["sgd", "adamw"] = "sgd"
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     warmup_epochs: float = Field(0.5, ge=0)
-    num_workers: int = Field(2, ge=1)
+    num_workers: int | None = Field(None, ge=1)  # None: planned (session.planned_workers)
     min_workers: int | None = Field(None, ge=1)  # set for elastic training: (min_workers, num_workers)
     use_gpu: bool = False
     cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by workflow.core.session

@@ -10,6 +10,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+from workflow.core.cluster import node_resources, units_that_fit  # noqa: F401 (re-exported)
 from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
 from workflow.core.exposure import LOCAL_ONLY_ENV, check_loopback, keep_local_on_loopback  # noqa: F401 (re-exported)
 
@@ -142,7 +143,8 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     """
     reserve = data_reserved_cpus if (train.ingest == "ray_data" if keep_reserve is None else keep_reserve) else 0.0
     total_cpus, total_gpus = resources["CPU"], resources["GPU"]
-    workers = train.num_workers * slots
+    n = planned_workers(train, resources)
+    workers = n * slots
     free = total_cpus - reserve
     if free <= 0:
         raise ConfigError(f"the cluster has {total_cpus:g} CPUs, all needed by ray.data_reserved_cpus="
@@ -150,23 +152,23 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     cpus = train.cpus_per_worker or math.floor(_cpu_share(train, resources, free / workers) * 100) / 100
     if cpus <= 0 or cpus * workers > free + 1e-9:
         raise ConfigError(
-            f"train.num_workers={train.num_workers} x {slots} trainer(s) x {cpus:g} CPU needs "
+            f"train.num_workers={n} x {slots} trainer(s) x {cpus:g} CPU needs "
             f"{cpus * workers:g} CPUs but only {free:g} of {total_cpus:g} are free after "
             f"ray.data_reserved_cpus={reserve:g}; lower train.num_workers or "
             f"train.cpus_per_worker, or add nodes")
     if train.use_gpu and train.gpus_per_worker * workers > total_gpus + 1e-9:
         raise ConfigError(
-            f"train.use_gpu with train.num_workers={train.num_workers} x {slots} needs "
+            f"train.use_gpu with train.num_workers={n} x {slots} needs "
             f"{train.gpus_per_worker * workers:g} GPUs but the cluster has {total_gpus:g}; lower "
             f"train.num_workers, set train.gpus_per_worker below 1, or set train.use_gpu=false")
-    if train.min_workers is not None and train.min_workers > train.num_workers:
+    if train.min_workers is not None and train.min_workers > n:
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
-                          f"{train.num_workers}; set min_workers <= num_workers")
+                          f"{n}; set min_workers <= num_workers")
     # Ray Data tasks: 1 CPU (Ray's default) with 2+ CPUs left beside the trainers, else what fits;
     # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,284 img/s, 1-CPU ones 4,372-4,788 (RESULTS gpu).
     left = math.floor((total_cpus - cpus * workers) * 100 + 1e-6) / 100
     data_cpus = (train.data_cpus_per_task or (1.0 if left >= 2 else min(DATA_TASK_CPUS, left))) if reserve else 0.0
-    plan = WorkerPlan(train.num_workers, train.min_workers, cpus,
+    plan = WorkerPlan(n, train.min_workers, cpus,
                       train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
                       total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus), data_cpus)
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
@@ -175,6 +177,14 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
              plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
+
+
+def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
+    """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
+    one-GPU node trains on it rather than refusing a second worker), else 2 (DDP on a laptop)."""
+    if train.num_workers:
+        return train.num_workers
+    return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9)) if train.use_gpu else 2
 
 
 def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:
@@ -312,35 +322,23 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
     return ServeTrainPlan(replicas, serve_cpus, workers)
 
 
-def node_resources() -> list[dict[str, float]]:
-    """Each alive node's total resources (CPU, GPU, memory in bytes, custom ones)."""
-    import ray
-
-    return [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in ray.nodes() if n.get("Alive")]
-
-
 @dataclass(frozen=True)
 class ServePlan:
     """What each model replica asks Ray for, and how a rollout replaces replicas."""
     replicas: int  # started now (serve.min_replicas with autoscaling)
     cpus_per_replica: float
     gpus_per_replica: float
-    fit: int  # model replicas the cluster's nodes hold beside the ingress, when nothing else runs
+    fit: int  # model replicas the nodes hold beside the ingress (and what other work holds)
     max_surge_percent: int  # serve.max_surge_percent, or 0 when the surge can never be scheduled
     warning: str | None = None
 
 
-def units_that_fit(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
-    """How many replicas or workers needing `need` fit on `nodes`, node by node (none spans nodes)."""
-    return sum(min(int(node.get(r, 0.0) / amount + 1e-9) for r, amount in need.items() if amount > 0)
-               for node in nodes)
-
-
-def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
+def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = "") -> ServePlan:
     """Fit the model replicas onto the cluster's nodes, or refuse with the keys to change.
 
-    Serve waits forever for a replica Ray cannot place, so a plan that can never be scheduled is
-    a config error. A rolling update first starts ceil(max_surge_percent x replicas / 100) new
+    Serve waits forever for a replica Ray cannot place, so a plan that cannot be scheduled is a
+    config error. `nodes` are totals, or what is free beside other work (`held` names it:
+    workflow.core.cluster.free_node_resources). A rolling update first starts ceil(max_surge_percent x replicas / 100) new
     replicas beside the old ones; when they can never fit (one GPU, a whole-GPU replica), the
     update replaces replicas in place (max_surge_percent 0) and warns of the gap.
     """
@@ -353,7 +351,7 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
     fit = units_that_fit(need, nodes)
     key = "serve.min_replicas" if serve.autoscaling else "serve.num_replicas"
     have = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU/{n.get('memory', 0) / 2**20:.0f} MB"
-                     for n in nodes)
+                     for n in nodes) + (f" free beside what other work holds: {held}" if held else "")
     if fit < replicas:
         fix = "lower serve.gpus_per_replica (a fraction shares a GPU) or " if gpus else ""
         if gpus and not any(n.get("GPU", 0) > 0 for n in nodes):
@@ -361,7 +359,8 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]]) -> ServePlan:
         raise ConfigError(
             f"{key}={replicas} replica(s) of serve.cpus_per_replica={serve.cpus_per_replica:g} CPU, "
             f"{gpus:g} GPU (serve.use_gpu, serve.gpus_per_replica) and serve.replica_memory_mb="
-            f"{serve.replica_memory_mb} can never be scheduled: the nodes ({have}) hold {fit}; "
+            f"{serve.replica_memory_mb} can{'not' if held else ' never'} be scheduled: the nodes ({have}) "
+            f"hold {fit}; {'stop that work (serve.delete another app), ' if held else ''}"
             f"{fix}lower {key} or serve.cpus_per_replica, or add nodes")
     surge = (serve.max_surge_percent * replicas + 99) // 100
     surge_pct, warning = serve.max_surge_percent, None
