@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from ray import serve
 
+from stages.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
 from stages.serve_endpoint import base_url
 from stages.images import BadImage
 from stages.predict import load_model, predict_arrays, preprocess
@@ -33,9 +34,6 @@ __all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "ba
 
 log = logging.getLogger(__name__)
 
-# Peak decode memory per source pixel: a 20 KB 4-megapixel PNG peaked at ~61 MB in Pillow
-# (decode buffer, RGB copy, resize source): ~15 B/px, rounded up.
-DECODE_BYTES_PER_PIXEL = 16
 # A model replica's resident memory before any decode (Python, torch, Ray worker, small model).
 REPLICA_BASE_MB = 512
 # Placeholder batch settings; each replica sets the configured ones in __init__ (serve.batch
@@ -46,7 +44,8 @@ ROOM_WAIT_S = 15.0
 
 
 def decode_slots(cfg: ServeConfig) -> int:
-    """How many decodes one replica runs at once: its memory budget over a worst-case image."""
+    """How many worst-case images (serve.max_image_pixels) one replica decodes at once: its memory
+    budget over one such decode. Smaller images draw on that budget by their own size."""
     if cfg.decode_slots:
         return cfg.decode_slots
     per_decode = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL
@@ -69,7 +68,7 @@ class Classifier:
         model, self.info = load_model(model_path, s3)
         self.model = model.to(self.device)
         self.formats = tuple(f.upper() for f in cfg.allowed_formats)
-        self.decodes = asyncio.Semaphore(decode_slots(cfg))
+        self.decodes = DecodeBudget(decode_slots(cfg) * cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL)
         self._in_flight = 0  # classify() calls in progress on this replica
         for batched in (self._classify_batch, self._predict_batch):
             batched.set_max_batch_size(cfg.max_batch_size)
@@ -93,7 +92,7 @@ class Classifier:
             if self.cfg.batching and not lone:
                 result = await (self._classify_decoded(data) if self._decode_apart else self._classify_batch(data))
             else:
-                async with self.decodes:
+                async with self.decodes.reserve(self._cost(data)):
                     result = (await asyncio.to_thread(self._decode_and_predict, [data]))[0]
         finally:
             self._in_flight -= 1
@@ -125,9 +124,12 @@ class Classifier:
                 "device": self.device.type}
 
     async def _decode(self, data: bytes) -> tuple[np.ndarray | None, dict[str, Any] | None]:
-        """Decode off the event loop, at most decode_slots at once (memory, not CPU, is the bound)."""
-        async with self.decodes:
+        """Decode off the event loop, within the replica's decode memory (stages.decode_budget)."""
+        async with self.decodes.reserve(self._cost(data)):
             return await asyncio.to_thread(self._decode_now, data)
+
+    def _cost(self, data: bytes) -> int:
+        return decode_cost(data, self.formats, self.cfg.max_image_pixels)
 
     def _decode_now(self, data: bytes) -> tuple[np.ndarray | None, dict[str, Any] | None]:
         """(pixels, None), or (None, {error, detail}) for bytes that are not a usable image."""
@@ -143,9 +145,9 @@ class Classifier:
         # One thread hop a batch, not one a request: the batch's decodes and its forward pass run
         # in one worker thread, so the replica's event loop keeps accepting requests. A hop per
         # request for the decode cost this replica 0.6 CPU ms a request more (4.6 vs 4.0 at 32
-        # concurrent requests, 2-core box). The batch decodes one image at a time
-        # and holds one of the decode_slots while it does (the memory budget /v2 shares).
-        async with self.decodes:
+        # concurrent requests, 2-core box). The batch decodes one image at a time, so it holds
+        # its largest image's share of the decode budget (the memory /v2 shares) while it does.
+        async with self.decodes.reserve(max(self._cost(data) for data in images)):
             return await asyncio.to_thread(self._decode_and_predict, images)
 
     async def _classify_decoded(self, data: bytes) -> dict[str, Any]:

@@ -87,6 +87,44 @@ def _check_prediction(body: dict) -> None:
 
 # --- pure helpers (no Serve) ------------------------------------------------------------------
 
+def test_decode_budget_admits_decodes_by_size_in_arrival_order():
+    """Small images decode many at once; a large one waits its turn and is not overtaken; one
+    over the budget runs alone; a request cancelled while it waits leaves the budget whole."""
+    from stages.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
+
+    assert decode_cost(image_bytes(1), ("JPEG",), 10**6) == 80 * 60 * DECODE_BYTES_PER_PIXEL
+    assert decode_cost(b"not an image", ("JPEG",), 10**6) == 0  # fails at the header, before pixels
+
+    async def scenario() -> tuple[list[str], int, DecodeBudget]:
+        budget, order, held = DecodeBudget(100), [], []
+
+        async def decode(name: str, nbytes: int, hold_s: float = 0.02) -> None:
+            async with budget.reserve(nbytes):
+                order.append(name)
+                held.append(budget.used)
+                await asyncio.sleep(hold_s)
+
+        small = [asyncio.create_task(decode(f"s{i}", 10)) for i in range(10)]
+        await asyncio.sleep(0)
+        big, late = asyncio.create_task(decode("big", 95)), asyncio.create_task(decode("late", 10))
+        await asyncio.gather(*small, big, late)
+        await decode("huge", 10_000)  # over the budget: alone
+        blocker = asyncio.create_task(decode("blocker", 100, hold_s=0.2))
+        await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(decode("waiter", 50))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        await blocker
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return order, max(held), budget
+
+    order, peak, budget = asyncio.run(scenario())
+    assert order[:10] == [f"s{i}" for i in range(10)] and order[10:] == ["big", "late", "huge", "blocker"]
+    assert peak == 100 and budget.used == 0
+
+
+
 def test_deployment_options_and_decode_slots():
     from workflow.core.config import ConfigError
 
