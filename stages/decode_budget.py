@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, TypeVar
 
 from stages.images import BadImage, open_image
 
 __all__ = ["DecodeBudget", "DECODE_BYTES_PER_PIXEL", "decode_cost"]
+
+T = TypeVar("T")
 
 # Peak decode memory per source pixel: a 20 KB 4-megapixel PNG peaked at ~61 MB in Pillow
 # (decode buffer, RGB copy, resize source): ~15 B/px, rounded up.
@@ -73,3 +75,16 @@ class DecodeBudget:
             self._waiting.popleft()
             self.used += nbytes
             ticket.set_result(None)
+
+    async def run(self, nbytes: int, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in a worker thread within `nbytes` of the budget, held until the thread ends.
+        Serve cancels a request whose client went away, but its thread decodes on: releasing at
+        the cancel would let clients that post huge images and hang up take the replica past its
+        memory, one worker thread at a time."""
+        async with self.reserve(nbytes):
+            work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                await asyncio.wait([work])
+                raise

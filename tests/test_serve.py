@@ -124,6 +124,26 @@ def test_decode_budget_admits_decodes_by_size_in_arrival_order():
     assert peak == 100 and budget.used == 0
 
 
+def test_a_cancelled_decode_holds_its_budget_until_its_thread_ends():
+    """A client that hangs up cancels its request, not the thread decoding its image: the budget
+    stays taken until the thread is done, so hung-up uploads cannot pile decodes past the memory."""
+    from stages.decode_budget import DecodeBudget
+
+    async def scenario() -> list[int]:
+        budget, seen = DecodeBudget(100), []
+        request = asyncio.create_task(budget.run(80, time.sleep, 0.3))
+        await asyncio.sleep(0.05)
+        request.cancel()
+        await asyncio.sleep(0.05)
+        seen.append(budget.used)  # cancelled, but its thread still sleeps
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        seen.append(budget.used)
+        return seen
+
+    assert asyncio.run(scenario()) == [80, 0]
+
+
 
 def test_deployment_options_and_decode_slots():
     from workflow.core.config import ConfigError
