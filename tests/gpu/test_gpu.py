@@ -13,7 +13,8 @@ from stages import decoded_tier, infer, meters, train
 from tests.conftest import REPO, demo_dataset
 from workflow.core.config import load_config
 
-SETTINGS = ["train.model=resnet18", "train.use_gpu=true", "train.num_workers=1", "train.epochs=2",
+# train.num_workers unset: planned, one worker per GPU (the acceptance run's default on any GPU node)
+SETTINGS = ["train.model=resnet18", "train.use_gpu=true", "train.num_workers=null", "train.epochs=2",
             "train.batch_size=64", "etl.image_size=64", "infer.use_gpu=true", "infer.batch_size=64"]
 
 
@@ -40,6 +41,7 @@ def test_raymill_train_runs_on_the_gpu_with_a_true_utilisation(trained):
     _, _, artifact = trained
     m = artifact.manifest
     assert m["resource_plan"]["use_gpu"] and m["resource_plan"]["decode_processes"] >= 1
+    assert m["resource_plan"]["num_workers"] == torch.cuda.device_count()
     assert m["metrics"]["test_scored_in"] == "workers"
     rows = [json.loads(line) for line in (Path(artifact.path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["tier"] for r in rows] == ["stream", "decoded-gpu"]
