@@ -86,5 +86,9 @@ class DecodeBudget:
             try:
                 return await asyncio.shield(work)
             except asyncio.CancelledError:
-                await asyncio.wait([work])
+                while not work.done():  # a second cancel must not free what the thread still uses
+                    try:
+                        await asyncio.wait([work])
+                    except asyncio.CancelledError:
+                        pass
                 raise

@@ -40,7 +40,7 @@ REPLICA_BASE_MB = 512
 # arguments are fixed at class definition, its setters are per process, i.e. per replica).
 _DEFAULT_BATCH_SIZE, _DEFAULT_BATCH_WAIT_S = 16, 0.005
 # Longest wait for other work to free room for a replica before `start` refuses the plan.
-ROOM_WAIT_S = 15.0
+ROOM_WAIT_S = 30.0
 
 
 def decode_slots(cfg: ServeConfig) -> int:
@@ -262,7 +262,11 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
 
 def _plan_with_room(cfg: ServeConfig, wait_s: float) -> session.ServePlan:
     """The serve plan on what is free now beside other apps, trainers and trials, waited for up
-    to `wait_s` (an app deleted a moment ago, or a run ending, frees its share within seconds)."""
+    to `wait_s` (an app deleted a moment ago, or a run ending, frees its share within seconds).
+    Only on a Ray this process started (its dashboard, no autoscaler): on a joined cluster the
+    autoscaler may add the room, so the plan is made on the nodes' totals, as Ray sees them."""
+    if session.dashboard_url() is None:
+        return session.plan_serve(cfg, session.node_resources())
     deadline, never_checked = time.monotonic() + wait_s, True
     while True:
         nodes, held = cluster.free_node_resources(own_app=cfg.app_name)

@@ -126,13 +126,11 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     started = time.perf_counter()
     shards = check_data(cfg, data, s3)
     state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
+    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
+    fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
-    # The planned world size is what resumes must match (batches per worker, the exact model).
-    cfg = cfg.model_copy(update={"num_workers": plan.num_workers})
-    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
-    fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     loop = {**loop_config(cfg, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
             "tracking": tracking}  # rank 0 logs to MLflow
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}

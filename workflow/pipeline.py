@@ -85,7 +85,9 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     _write_config(cfg)
     resources = session.start(cfg.ray)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
-        session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
+        both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
+        if cfg.train.use_gpu and cfg.train.num_workers is None:  # the GPUs Serve holds are not the trainer's
+            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_workers": both.workers.num_workers})})
     timings: dict[str, float] = {}
 
     t = time.perf_counter()

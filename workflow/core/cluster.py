@@ -47,7 +47,7 @@ def free_node_resources(own_app: str | None = None) -> tuple[list[dict[str, floa
 
     try:
         holdings = list(_holdings(own_app))
-    except RayStateApiException as e:  # no dashboard (ray.include_dashboard=false), or it failed
+    except (RayStateApiException, ConnectionError, ValueError) as e:  # no dashboard found, or it failed
         log.log(logging.DEBUG if isinstance(e, ServerUnavailable) else logging.WARNING,
                 "cluster: the State API could not list what other work holds (%s); planning on totals", e)
         return list(nodes.values()), ""
