@@ -92,7 +92,10 @@ class Classifier:
             if self.cfg.batching and not lone:
                 result = await (self._classify_decoded(data) if self._decode_apart else self._classify_batch(data))
             else:
-                result = (await self.decodes.run(self._cost(data), self._decode_and_predict, [data]))[0]
+                # The forward pass runs in this thread too: a whole worst-case slot, so unbatched
+                # requests keep at most decode_slots forward passes (and their activations) at once.
+                slot = self.decodes.capacity // decode_slots(self.cfg)
+                result = (await self.decodes.run(slot, self._decode_and_predict, [data]))[0]
         finally:
             self._in_flight -= 1
         return result if "error" in result else {**result, "model_version": self.info.get("version")}
