@@ -11,7 +11,8 @@
               2 ingress      batching on with serve.ingress_replicas=2.
   GPU       nvidia-smi utilisation, sampled every 200 ms while each level runs.
   batch     images/s through /v2 (binary tensors) with N images a request, 8 clients, against
-            `raymill infer` with infer.use_gpu=true on the same model and JPEGs.
+            `raymill infer` with infer.use_gpu=true on the same model and JPEGs; then again on one
+            app of 3 model replicas (3 decoding processes) sharing the GPU.
 
 Load as in benchmarks/serve.py (k keep-alive httpx clients, best of --rounds interleaved rounds).
 Not run on the 2-core box (no GPU): it is for a lent device (shared/PLATFORM.md).
@@ -32,6 +33,9 @@ __all__ = ["add_arguments", "available", "run", "render"]
 VARIANTS = {"batching on": {}, "batching off": {"batching": False}, "2 ingress": {"ingress_replicas": 2}}
 BATCH_TARGET = 1.5  # issue 22: c=32 requests/s, batching on / off, resnet50 on the GPU
 GPU_SHARE = 0.33  # every variant's model replica on one GPU at once (3 x 0.33 <= 1)
+# /v2 again on one app of 3 model replicas (3 processes) sharing the GPU: a replica's decodes are
+# threads under one GIL, so this shows how far /v2 scales with decoding processes.
+V2_REPLICAS = 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +70,6 @@ def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
 
     from benchmarks.gpu import Smi
     from benchmarks.serve import _free_port, _level
-    from benchmarks.serve_batch import v2_images_per_s
     from stages import serve as serve_stage
     from workflow.core import session
     from workflow.core.config import RayConfig, ServeConfig
@@ -89,14 +92,28 @@ def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
                         best[name][str(k)] = m
                     print(f"[serve_gpu] {name:>12} c={k:<3} p50 {m['p50_ms']:7.2f} ms {m['rps']:7.1f} req/s "
                           f"GPU {m['gpu_util_smi'] or 0:.0%} errors {m['errors']}", flush=True)
-        with Smi() as smi:
-            batch = v2_images_per_s(urls["batching on"], base.model_name, bodies,
-                                    [int(n) for n in args.batch_sizes.split(",")], 8, args.batch_images, 60.0)
-        batch["gpu_util_smi"] = smi.mean()
+        batch = _v2_rates(args, urls["batching on"], base.model_name, bodies)
+        for i in range(len(VARIANTS)):  # free the GPU shares for one app of 3 replicas
+            serve.delete(f"gpu{i}")
+        spread = base.model_copy(update={"app_name": "gpu-v2x3", "num_replicas": V2_REPLICAS})
+        batch["replicas"] = _v2_rates(args, serve_stage.start(spread, model_dir, route_prefix="/v2x3"),
+                                      base.model_name, bodies)
         return best, batch
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _v2_rates(args, url: str, model_name: str, bodies: list[bytes]) -> dict[str, Any]:
+    """/v2 images/s by images a request (8 clients), with the GPU's mean utilisation."""
+    from benchmarks.gpu import Smi
+    from benchmarks.serve_batch import v2_images_per_s
+
+    with Smi() as smi:
+        rates = v2_images_per_s(url, model_name, bodies, [int(n) for n in args.batch_sizes.split(",")], 8,
+                                args.batch_images, 60.0)
+    rates["gpu_util_smi"] = smi.mean()
+    return rates
 
 
 def available() -> str | None:
@@ -153,4 +170,9 @@ def render(r: dict[str, Any]) -> str:
               f"{infer['marginal_images_per_s']} marginal:", "",
               "| images a request | images/s | request p50 ms | non-200 |", "|---:|---:|---:|---:|"]
     lines += [f"| {n} | {m['images_per_s']} | {m['p50_ms']} | {m['errors']} |" for n, m in b.items() if n.isdigit()]
+    if spread := b.get("replicas"):  # runs before 2026-11-25 evening measured one replica only
+        lines += ["", f"The same /v2 load on one app of {V2_REPLICAS} model replicas ({V2_REPLICAS} processes "
+                  f"decoding) of {GPU_SHARE} GPU each (GPU {(spread.get('gpu_util_smi') or 0):.0%} busy): "
+                  + ", ".join(f"N={n} {m['images_per_s']} images/s" for n, m in spread.items() if n.isdigit())
+                  + "."]
     return "\n".join(lines + [""] + targets_table(r["targets"]))
