@@ -68,7 +68,8 @@ class Classifier:
         model, self.info = load_model(model_path, s3)
         self.model = model.to(self.device)
         self.formats = tuple(f.upper() for f in cfg.allowed_formats)
-        self.decodes = DecodeBudget(decode_slots(cfg) * cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL)
+        self._slot = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL  # one worst-case decode
+        self.decodes = DecodeBudget(decode_slots(cfg) * self._slot)
         self._in_flight = 0  # classify() calls in progress on this replica
         for batched in (self._classify_batch, self._predict_batch):
             batched.set_max_batch_size(cfg.max_batch_size)
@@ -94,8 +95,7 @@ class Classifier:
             else:
                 # The forward pass runs in this thread too: a whole worst-case slot, so unbatched
                 # requests keep at most decode_slots forward passes (and their activations) at once.
-                slot = self.decodes.capacity // decode_slots(self.cfg)
-                result = (await self.decodes.run(slot, self._decode_and_predict, [data]))[0]
+                result = (await self.decodes.run(self._slot, self._decode_and_predict, [data]))[0]
         finally:
             self._in_flight -= 1
         return result if "error" in result else {**result, "model_version": self.info.get("version")}

@@ -21,9 +21,14 @@ _COUNTED = ("CPU", "GPU", "memory")  # what the plans need; custom resources are
 
 def node_resources() -> list[dict[str, float]]:
     """Each alive node's total resources (CPU, GPU, memory in bytes, custom ones)."""
+    return list(_nodes_by_id().values())
+
+
+def _nodes_by_id() -> dict[str, dict[str, float]]:
     import ray
 
-    return [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in ray.nodes() if n.get("Alive")]
+    return {n["NodeID"]: {k: float(v) for k, v in n.get("Resources", {}).items()}
+            for n in ray.nodes() if n.get("Alive")}
 
 
 def units_that_fit(need: dict[str, float], nodes: list[dict[str, float]]) -> int:
@@ -38,13 +43,10 @@ def free_node_resources(own_app: str | None = None) -> tuple[list[dict[str, floa
     the largest holders for messages ("" when nothing is held). Where the State API cannot be
     reached (the dashboard off), the totals, with "".
     """
-    import ray
-
-    nodes = {n["NodeID"]: {k: float(v) for k, v in n.get("Resources", {}).items()}
-             for n in ray.nodes() if n.get("Alive")}
-    held: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     from ray.util.state.exception import RayStateApiException, ServerUnavailable
 
+    nodes = _nodes_by_id()
+    held: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     try:
         holdings = list(_holdings(own_app))
     except (RayStateApiException, ConnectionError, ValueError) as e:  # no dashboard found, or it failed
