@@ -269,7 +269,7 @@ def _plan_with_room(cfg: ServeConfig, wait_s: float) -> session.ServePlan:
     Only on a Ray this process started (its dashboard, no autoscaler): on a joined cluster the
     autoscaler may add the room, so the plan is made on the nodes' totals, as Ray sees them."""
     if session.dashboard_url() is None:
-        return session.plan_serve(cfg, session.node_resources())
+        return session.plan_serve(cfg, cluster.node_resources())
     deadline, never_checked = time.monotonic() + wait_s, True
     while True:
         nodes, held = cluster.free_node_resources(own_app=cfg.app_name)
@@ -279,7 +279,7 @@ def _plan_with_room(cfg: ServeConfig, wait_s: float) -> session.ServePlan:
             if not held or time.monotonic() >= deadline:  # nothing else holds room: it never fits
                 raise
         if never_checked:  # what the nodes could never hold is refused at once, not waited for
-            session.plan_serve(cfg, session.node_resources())
+            session.plan_serve(cfg, cluster.node_resources())
             never_checked = False
         time.sleep(1.0)
 

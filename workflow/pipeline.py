@@ -87,7 +87,8 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
         both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
         if cfg.train.use_gpu and cfg.train.num_workers is None:  # the GPUs Serve holds are not the trainer's
-            cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"num_workers": both.workers.num_workers})})
+            planned = cfg.train.model_copy(update={"num_workers": both.workers.num_workers})
+            cfg = cfg.model_copy(update={"train": planned})
     timings: dict[str, float] = {}
 
     t = time.perf_counter()

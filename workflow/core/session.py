@@ -10,13 +10,13 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-from workflow.core.cluster import node_resources, units_that_fit  # noqa: F401 (re-exported)
+from workflow.core.cluster import node_resources, units_that_fit
 from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
 from workflow.core.exposure import LOCAL_ONLY_ENV, check_loopback, keep_local_on_loopback  # noqa: F401 (re-exported)
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
            "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
-           "ServePlan", "plan_serve", "node_resources", "units_that_fit", "plan_infer"]
+           "ServePlan", "plan_serve", "plan_infer"]
 
 log = logging.getLogger(__name__)
 DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
@@ -338,9 +338,10 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
 
     Serve waits forever for a replica Ray cannot place, so a plan that cannot be scheduled is a
     config error. `nodes` are totals, or what is free beside other work (`held` names it:
-    workflow.core.cluster.free_node_resources). A rolling update first starts ceil(max_surge_percent x replicas / 100) new
-    replicas beside the old ones; when they can never fit (one GPU, a whole-GPU replica), the
-    update replaces replicas in place (max_surge_percent 0) and warns of the gap.
+    workflow.core.cluster.free_node_resources). A rolling update first starts
+    ceil(max_surge_percent x replicas / 100) new replicas beside the old ones; when they can never
+    fit (one GPU, a whole-GPU replica), the update replaces replicas in place (max_surge_percent 0)
+    and warns of the gap.
     """
     replicas = serve.min_replicas if serve.autoscaling else serve.num_replicas
     gpus = serve.gpus_per_replica if serve.use_gpu else 0.0
