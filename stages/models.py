@@ -19,12 +19,18 @@ __all__ = [
     "Bottleneck",
     "ResNet",
     "build_model",
+    "check_input_size",
     "count_parameters",
     "resnet18",
     "resnet50",
 ]
 
 MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet18", "resnet50")
+
+# The smallest square input each model accepts. SmallCNN divides by 16 (a stride-2 conv and three
+# 2x2 max-pools); below 15 px its last pool gets a 1x1 map and torch fails mid-trial. The ResNets
+# end in stride-2 convs with padding, which never reach 0, and an adaptive pool.
+MIN_INPUT_PX: dict[str, int] = {"small_cnn": 15, "resnet18": 1, "resnet50": 1}
 
 
 # --------------------------------------------------------------------------- small CNN
@@ -45,7 +51,7 @@ class SmallCNN(nn.Module):
     Four conv3x3-BN-ReLU blocks with widths (w, 2w, 4w, 4w). The first block
     uses stride 2 so the (expensive) full-resolution feature map is never
     materialised; blocks are separated by 2x2 max-pools and followed by global
-    average pooling, so any input size >= 32 px works. At 64x64 input the
+    average pooling, so any input size >= 15 px works (MIN_INPUT_PX). At 64x64 input the
     blocks run at 32, 16, 8 and 4 px.
     """
 
@@ -241,6 +247,14 @@ def build_model(name: str, num_classes: int, width: int = 32, dropout: float = 0
     if name == "small_cnn" and width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     return builders[name]()
+
+
+def check_input_size(name: str, size: int) -> None:
+    """Raise ValueError, naming the fix, when ``name`` cannot take ``size`` x ``size`` images."""
+    least = MIN_INPUT_PX.get(name, 1)
+    if size < least:
+        raise ValueError(f"train.model={name} needs images of at least {least} px, but the data is {size} px; "
+                         f"re-run ETL with etl.image_size>={least} or choose train.model=resnet18")
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

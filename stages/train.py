@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from stages import capacity, etl, ingest_ray, publish
+from stages import capacity, etl, ingest_ray, models, publish
 from stages.checkpoint_io import refusal_in
 from stages.train_loop import train_loop
 from workflow.core import console, fingerprint, session, storage
@@ -17,7 +17,7 @@ from workflow.core.artifacts import Artifact
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, section_dict
 from workflow.core.locks import output_lock
 
-__all__ = ["run", "TrainError", "check_data", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "TrainError", "check_data", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,20 @@ class TrainError(RuntimeError):
     """Training failed or diverged; the message says where the last good checkpoint is."""
 
 
-def check_data(cfg: TrainConfig, data: Artifact, s3) -> dict[str, list[dict]]:
-    """Verify the ETL output once (local: every shard re-hashed) and list its shards per split."""
+def check_image_size(model_names: Sequence[str], size: int) -> None:
+    """Refuse (exit 2) a model that cannot take the data's image size, before any worker starts."""
+    for name in dict.fromkeys(model_names):
+        try:
+            models.check_input_size(name, size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """Verify the ETL output once (local: every shard re-hashed) and list its shards per split.
+    `model_names`: the models that will train on it (a search's), train.model when empty."""
     manifest = data.manifest
+    check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
     formats = {s["format"] for s in manifest["shards"]}
     if cfg.data_format not in formats:
         raise ConfigError(f"train.data_format={cfg.data_format} but '{data.path}' holds only "

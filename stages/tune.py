@@ -39,7 +39,7 @@ from workflow.core import fingerprint, session, storage
 from workflow.core.artifacts import Artifact, data_fingerprint, load_artifact
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["run", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
+__all__ = ["run", "searched_models", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
            "EXPERIMENT", "searched_keys", "pbt_mutations", "PBT_KEYS"]
 
 log = logging.getLogger(__name__)
@@ -140,6 +140,12 @@ def pbt_mutations(cfg: TuneConfig, train_cfg: TrainConfig) -> dict[str, Any]:
             "weight_decay": log_range("weight_decay", (wd / 10, wd * 10)), "momentum": _MOMENTA}
 
 
+def searched_models(cfg: TuneConfig, train_cfg: TrainConfig) -> list[str]:
+    """Every train.model a trial of the search may build."""
+    d = cfg.search_space.get("model")
+    return list(d.values) if d is not None and d.type == "choice" else [train_cfg.model]
+
+
 def _scheduler(cfg: TuneConfig, train_cfg: TrainConfig):
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 
@@ -205,7 +211,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     check_search(cfg, train_cfg)
     if (done := _published(cfg, train_cfg, data, out, seed, s3)) is not None:
         return done
-    shards = train.check_data(train_cfg, data, s3)  # the one data check of the search
+    shards = train.check_data(train_cfg, data, s3, searched_models(cfg, train_cfg))  # the search's one data check
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
     ray_dir = storage.join(out, "ray")

@@ -77,3 +77,18 @@ def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
     shard.write_bytes(shard.read_bytes()[:100])
     assert main(["verify", str(out)]) == 1
     assert shard.name in capsys.readouterr().out
+
+
+def test_a_model_that_cannot_take_the_image_size_exits_2_before_any_work(tmp_path, ray_session, capsys):
+    src, ds, smoke = tmp_path / "src", tmp_path / "ds", str(REPO / "configs/smoke.yaml")
+    make_tree(src, per_class=3, bad=False)
+    assert main(["etl", "--input", str(src), "--output", str(ds), "--set", "etl.image_size=8"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--data", str(ds), "--output", str(tmp_path / "m"), "--config", smoke]) == 2
+    assert "train.model=small_cnn needs images of at least 15 px" in capsys.readouterr().err
+    assert not list((tmp_path / "m").rglob("*.pt"))
+    # the pipeline refuses before ETL: nothing under run.dir is written
+    assert main(["run", "--config", smoke, "--set", f"run.source={src}", "--set", f"run.dir={tmp_path / 'run'}",
+                 "--set", "etl.image_size=8"]) == 2
+    assert "etl.image_size>=15" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

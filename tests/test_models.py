@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from stages.models import MODEL_NAMES, build_model, count_parameters
+from stages.models import MIN_INPUT_PX, MODEL_NAMES, build_model, check_input_size, count_parameters
 
 NUM_CLASSES = 7
 
@@ -34,6 +34,20 @@ def test_small_cnn_any_input_size(size: int) -> None:
     model = build_model("small_cnn", 3, width=8, dropout=0.2).eval()
     with torch.no_grad():
         assert model(torch.randn(2, 3, size, size)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_min_input_size_is_the_smallest_that_runs(name: str) -> None:
+    least = MIN_INPUT_PX[name]
+    model = build_model(name, 3, width=8).eval()
+    with torch.no_grad():
+        assert model(torch.zeros(1, 3, least, least)).shape == (1, 3)
+        if least > 1:
+            with pytest.raises(RuntimeError):
+                model(torch.zeros(1, 3, least - 1, least - 1))
+            with pytest.raises(ValueError, match=f"etl.image_size>={least}"):
+                check_input_size(name, least - 1)
+    check_input_size(name, least)
 
 
 @pytest.mark.parametrize(("name", "expected"), [("resnet18", 11_689_512), ("resnet50", 25_557_032)])

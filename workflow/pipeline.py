@@ -82,6 +82,9 @@ def etl_inputs(cfg: Config) -> dict[str, Any]:
 def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     """ETL -> train -> (tune) -> infer on the test split -> (serve). Returns the report."""
     started = time.perf_counter()
+    # before ETL: a model that cannot take etl.image_size would fail every trainer after it
+    train.check_image_size(tune.searched_models(cfg.tune, cfg.train) if cfg.tune.enabled else [cfg.train.model],
+                           cfg.etl.image_size)
     _write_config(cfg)
     resources = session.start(cfg.ray)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
