@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+import zlib
 from typing import Any, Awaitable, Optional
 
 from fastapi import FastAPI, Request
@@ -35,7 +36,7 @@ from stages import serve_v2
 from stages.serve_v2 import V2Error
 from workflow.core.config import ServeConfig
 
-__all__ = ["Ingress", "HTTPError", "read_body", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
+__all__ = ["Ingress", "HTTPError", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
            "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large
 _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
 _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
+_V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
+              "POST /v2/models/{name}[/versions/{version}]/infer")
 
 
 class HTTPError(Exception):
@@ -89,16 +92,27 @@ async def guarded_v2(work: Awaitable[Response]) -> Response:
 app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')")
 
 
+def _is_v2(request: Request) -> bool:
+    return "v2" in request.url.path.split("/")
+
+
 @app.exception_handler(StarletteHTTPException)
 async def _route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    # Unknown paths and methods: FastAPI's own 404/405 (with Allow), in the app's JSON shape.
+    # Unknown paths and methods: FastAPI's own 404/405 (with Allow), in the app's JSON shape, or
+    # under /v2 in the protocol's, which is all a v2 client (tritonclient) reads.
+    where = f"{request.method} {request.url.path}: {exc.detail}"
+    if _is_v2(request):
+        return JSONResponse({"error": f"{where}; this server's Open Inference Protocol routes: {_V2_ROUTES}"},
+                            exc.status_code, exc.headers)
     error = _ROUTE_ERRORS.get(exc.status_code, "http_error")
-    return HTTPError(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}; "
-                     "try POST /predict, GET /healthz, GET /metadata, GET /docs", exc.headers).response()
+    return HTTPError(exc.status_code, error, f"{where}; try POST /predict, GET /healthz, GET /metadata, GET /docs",
+                     exc.headers).response()
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    if _is_v2(request):
+        return JSONResponse({"error": str(exc.errors())[:300]}, 400)
     return HTTPError(400, "bad_request", str(exc.errors())[:300]).response()
 
 
@@ -110,7 +124,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     """
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        if not serve_v2.is_decimal(declared):
             raise HTTPError(400, "bad_content_length", f"Content-Length '{declared}' is not a number")
         if int(declared) > limit:
             raise HTTPError(413, "too_large", f"Content-Length {int(declared)} exceeds serve.max_body_bytes="
@@ -124,7 +138,34 @@ async def read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
     except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
         raise HTTPError(400, "client_disconnected", "the body ended early") from None
-    return b"".join(chunks)
+    return content_decoded(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+
+
+def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body without its Content-Encoding (gzip, deflate: what tritonclient's
+    request_compression_algorithm sends), inflated to at most `limit` bytes: a small compressed
+    body must not become a memory bomb."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    # gzip and deflate as zlib streams; a bare deflate stream (some clients send one) as raw
+    tries = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+             "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}.get(encoding)
+    if tries is None:
+        raise HTTPError(415, "unsupported_content_encoding",
+                        f"Content-Encoding '{encoding[:40]}'; send the body as gzip, deflate or identity")
+    for wbits in tries:
+        inflate = zlib.decompressobj(wbits)
+        try:
+            plain = inflate.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(plain) > limit or inflate.unconsumed_tail:
+            raise HTTPError(413, "too_large", f"the {encoding} body inflates past serve.max_body_bytes={limit}; "
+                                              "send a smaller image")
+        if inflate.eof:
+            return plain
+    raise HTTPError(400, "bad_content_encoding", f"the body is not a complete {encoding} stream")
 
 
 async def first_file(body: bytes, request: Request) -> bytes:
@@ -140,6 +181,8 @@ async def first_file(body: bytes, request: Request) -> bytes:
         form = await Request(request.scope, replay).form(max_files=4, max_fields=32)
     except MultiPartException as e:
         raise HTTPError(400, "malformed_multipart", str(e)) from None
+    except StarletteHTTPException as e:  # Starlette wraps the parser's MultiPartException in one
+        raise HTTPError(400, "malformed_multipart", str(e.detail)) from None
     except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
         raise HTTPError(400, "malformed_multipart", type(e).__name__) from None
     try:
@@ -212,26 +255,48 @@ class Ingress:
 
     @app.get("/v2/models/{name}", summary="Open Inference Protocol: model metadata")
     async def v2_model(self, name: str) -> Response:
-        async def work() -> JSONResponse:
-            self._v2_model(name)
-            return JSONResponse(serve_v2.model_metadata(name, await self._call("metadata")))
-        return await guarded_v2(work())
+        return await guarded_v2(self._v2_metadata(name, None))
 
     @app.post("/v2/models/{name}/infer", summary="Open Inference Protocol: classify N images")
     async def v2_infer(self, name: str, request: Request) -> Response:
-        return await guarded_v2(self._v2_infer(name, request))
+        return await guarded_v2(self._v2_infer(name, None, request))
 
-    def _v2_model(self, name: str) -> None:
+    # The same three with the version that the model metadata lists (`versions`), as the protocol
+    # allows and tritonclient sends when a caller passes model_version.
+    @app.get("/v2/models/{name}/versions/{version}", summary="Open Inference Protocol: model version metadata")
+    async def v2_model_version(self, name: str, version: str) -> Response:
+        return await guarded_v2(self._v2_metadata(name, version))
+
+    @app.get("/v2/models/{name}/versions/{version}/ready", summary="Open Inference Protocol: the version is ready")
+    async def v2_version_ready(self, name: str, version: str) -> Response:
+        return await guarded_v2(self._v2_ready(name, version))
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", summary="Open Inference Protocol: infer on a version")
+    async def v2_version_infer(self, name: str, version: str, request: Request) -> Response:
+        return await guarded_v2(self._v2_infer(name, version, request))
+
+    async def _v2_model(self, name: str, version: Optional[str]) -> None:
+        """Refuse (404) a model name, or a version, that this server does not serve."""
         if name != self.cfg.model_name:
             raise V2Error(404, f"unknown model '{name}'; this server serves '{self.cfg.model_name}'")
+        if version is not None:
+            served = str((await self._call("health"))["version"] or "")
+            if version != served:
+                raise V2Error(404, f"model '{name}' has no version '{version}'; this server serves "
+                                   f"version '{served}' (GET /v2/models/{name} lists it)")
 
-    async def _v2_ready(self, name: str) -> JSONResponse:
-        self._v2_model(name)
-        await self._call("health")
+    async def _v2_metadata(self, name: str, version: Optional[str]) -> JSONResponse:
+        await self._v2_model(name, version)
+        return JSONResponse(serve_v2.model_metadata(name, await self._call("metadata")))
+
+    async def _v2_ready(self, name: str, version: Optional[str] = None) -> JSONResponse:
+        await self._v2_model(name, version)
+        if version is None:  # else _v2_model has asked a model replica already
+            await self._call("health")
         return JSONResponse({"name": name, "ready": True})
 
-    async def _v2_infer(self, name: str, request: Request) -> Response:
-        self._v2_model(name)  # before reading the body: a wrong name costs no upload
+    async def _v2_infer(self, name: str, version: Optional[str], request: Request) -> Response:
+        await self._v2_model(name, version)  # before reading the body: a wrong name costs no upload
         body = await read_body(request, self.cfg.max_body_bytes)
         parsed = serve_v2.parse_infer(body, request.headers.get(serve_v2.HEADER), self.cfg.max_images_per_request)
         answer = await self._call("classify_many", parsed.images)

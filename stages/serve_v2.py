@@ -6,6 +6,7 @@ encoding, no Ray. The routes live on the ingress (stages/serve_http.py) and call
   GET  /v2/models/{name}           model metadata: one input, the outputs below
   GET  /v2/models/{name}/ready     200 when the model answers
   POST /v2/models/{name}/infer     one BYTES input `images` of shape [N] (encoded JPEG/PNG/WEBP)
+  /v2/models/{name}/versions/{v}[/ready|/infer]   the same, for the version the metadata lists
 
 Answers, one row per image, as tensors: `class_name` BYTES [N], `class_index` INT64 [N],
 `top_k_index` INT64 [N, k], `top_k_probability` FP32 [N, k]. Inputs and outputs use JSON tensors
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["V2Error", "InferRequest", "INPUT", "OUTPUTS", "HEADER", "parse_infer", "encode_infer",
+__all__ = ["V2Error", "InferRequest", "INPUT", "OUTPUTS", "HEADER", "parse_infer", "encode_infer", "is_decimal",
            "model_metadata", "server_metadata", "pack_bytes", "split_bytes"]
 
 INPUT = "images"
@@ -87,6 +88,12 @@ def pack_bytes(items: list[bytes]) -> bytes:
     return b"".join(_LENGTH.pack(len(item)) + item for item in items)
 
 
+def is_decimal(text: str) -> bool:
+    """A header's non-negative integer: ASCII digits only ('²'.isdigit() is True, int('²') fails)."""
+    text = text.strip()
+    return text.isascii() and text.isdigit()
+
+
 def parse_infer(body: bytes, header_length: str | None, max_images: int) -> InferRequest:
     """An infer request's body (and its Inference-Header-Content-Length) -> the images to classify."""
     header, binary = _split_body(body, header_length)
@@ -114,13 +121,13 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
     """(JSON header, binary part): the binary-tensor extension when the header length is given."""
     if header_length is None:
         size = len(body)
-    elif header_length.strip().isdigit() and int(header_length) <= len(body):
+    elif is_decimal(header_length) and int(header_length) <= len(body):
         size = int(header_length)
     else:
         raise V2Error(400, f"{HEADER} '{header_length}' is not a length within the {len(body)}-byte body")
     try:
         header = json.loads(body[:size])
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
         raise V2Error(400, f"the request's JSON does not parse ({type(e).__name__}); "
                            f"binary tensors need the {HEADER} header") from None
     if not isinstance(header, dict):
@@ -157,15 +164,15 @@ def _requested_outputs(header: dict) -> dict[str, bool]:
     parameters = header.get("parameters") or {}
     default_binary = bool(isinstance(parameters, dict) and parameters.get("binary_data_output", False))
     requested = header.get("outputs")
-    if requested is None:
+    if requested is None or requested == []:  # Triton reads an empty list as "all outputs" too
         return {name: default_binary for name in OUTPUTS}
     if not isinstance(requested, list) or not all(isinstance(o, dict) for o in requested):
         raise V2Error(400, "'outputs' must be a list of {name, parameters}")
     outputs = {}
     for output in requested:
         name, params = output.get("name"), output.get("parameters") or {}
-        if name not in OUTPUTS:
-            raise V2Error(400, f"unknown output '{name}'; the model answers {', '.join(OUTPUTS)}")
+        if not isinstance(name, str) or name not in OUTPUTS:
+            raise V2Error(400, f"unknown output {name!r:.80}; the model answers {', '.join(OUTPUTS)}")
         if not isinstance(params, dict) or params.get("classification"):
             raise V2Error(400, f"output '{name}': the classification extension is not supported; "
                                f"read top_k_index and top_k_probability")

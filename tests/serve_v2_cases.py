@@ -17,7 +17,8 @@ from stages import serve_v2
 from tests.conftest import image_bytes
 
 __all__ = ["test_v2_encoding_is_what_tritonclient_decodes", "test_v2_tritonclient_ready_metadata_and_infer",
-           "test_v2_tritonclient_gets_4xx", "test_v2_bad_requests"]
+           "test_v2_tritonclient_gets_4xx", "test_v2_bad_requests", "test_v2_unknown_routes_answer_in_the_protocol_shape",
+           "test_v2_versioned_routes_and_compressed_requests"]
 
 MODEL = "raymill"
 OUTPUTS = list(serve_v2.OUTPUTS)
@@ -131,6 +132,12 @@ V2_BAD = {  # id: ((body, headers), status, words in the error)
     "too many images": (_body({"inputs": [{**_ONE, "shape": [65], "data": [_B64] * 65}]}), 413,
                         "max_images_per_request=64"),
     "oversized body": ((b" " * 200_001, {}), 413, "max_body_bytes"),
+    "json nested too deep": ((b"[" * 5000 + b"]" * 5000, {}), 400, "does not parse"),
+    "output name not a string": (_body({"inputs": [{**_ONE, "data": [_B64]}], "outputs": [{"name": ["x"]}]}), 400,
+                                 "unknown output ['x']"),
+    "non-ASCII digit header length": ((b"{}", {serve_v2.HEADER: "\u00b2".encode("latin-1")}), 400,
+                                      "not a length within"),
+    "brotli body": ((b"{}", {"content-encoding": "br"}), 415, "unsupported_content_encoding"),
 }
 
 
@@ -148,3 +155,31 @@ def test_v2_bad_requests(app):
     body = ok.json()
     assert body["id"] == "j" and body["model_name"] == MODEL and len(body["outputs"]) == 4
     assert {o["name"]: o["shape"] for o in body["outputs"]}["top_k_probability"] == [1, 3]
+
+
+@pytest.mark.parametrize("method,path,status", [
+    ("GET", f"/v2/models/{MODEL}/config", 404), ("GET", f"/v2/models/{MODEL}/infer", 405),
+    ("GET", "/v2/repository/index", 404), ("POST", "/v2/health/live", 405)])
+def test_v2_unknown_routes_answer_in_the_protocol_shape(app, method, path, status):
+    r = httpx.request(method, f"{app[1]}{path}", timeout=30)
+    assert r.status_code == status and list(r.json()) == ["error"], r.text
+    assert "/v2/models/{name}" in r.json()["error"]
+
+
+def test_v2_versioned_routes_and_compressed_requests(app):
+    """The version the metadata lists works in the /versions/ routes (tritonclient's model_version);
+    another version is a 404; gzip and deflate request bodies (request_compression_algorithm) infer."""
+    from tritonclient.utils import InferenceServerException
+
+    client, images = _client(app[1]), [image_bytes(430), image_bytes(431)]
+    version = client.get_model_metadata(MODEL)["versions"][0]
+    assert client.get_model_metadata(MODEL, version)["name"] == MODEL
+    assert client.is_model_ready(MODEL, version) and not client.is_model_ready(MODEL, "9")
+    plain = client.infer(MODEL, [_images_input(images)]).as_numpy("class_index").tolist()
+    assert client.infer(MODEL, [_images_input(images)], model_version=version).as_numpy("class_index").tolist() == plain
+    for algorithm in ("gzip", "deflate"):
+        result = client.infer(MODEL, [_images_input(images)], request_compression_algorithm=algorithm)
+        assert result.as_numpy("class_index").tolist() == plain, algorithm
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer(MODEL, [_images_input(images)], model_version="9")
+    assert raised.value.status() == "404" and f"no version '9'" in raised.value.message()

@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+import zlib
 from collections import Counter
 
 import httpx
@@ -217,11 +218,19 @@ def test_predict_ok(client, kind):
     _check_prediction(r.json())
 
 
-def test_same_image_same_answer_raw_and_multipart(client):
+def _gzip(data: bytes) -> bytes:
+    pack = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    return pack.compress(data) + pack.flush()
+
+
+def test_same_image_same_answer_raw_multipart_and_compressed(client):
     data = image_bytes(5)
     raw = client.post("/predict", content=data, headers=JPEG).json()
     form = client.post("/predict", files={"f": ("a.jpg", data, "image/jpeg")}).json()
     assert raw["top_k"] == form["top_k"]
+    for encoding, body in (("gzip", _gzip(data)), ("deflate", zlib.compress(data))):
+        r = client.post("/predict", content=body, headers={**JPEG, "content-encoding": encoding})
+        assert r.status_code == 200 and r.json()["top_k"] == raw["top_k"], (encoding, r.text)
 
 
 def test_healthz_and_metadata(client, app):
@@ -283,6 +292,13 @@ BAD = {
     "too-large-chunked": (dict(headers=JPEG), 413, "too_large"),  # body added per run: iterators are single-use
     "multipart-too-large": (dict(files={"f": ("a.jpg", os.urandom(MAX_BODY), "image/jpeg")}), 413, "too_large"),
     "bomb": (dict(content=bomb_png(), headers={"content-type": "image/png"}), 413, "decompression_bomb"),
+    "multipart-five-files": (dict(files=[("f", (f"{i}.jpg", _good, "image/jpeg")) for i in range(5)]), 400,
+                             "malformed_multipart"),
+    "gzip-bomb": (dict(content=_gzip(bytes(MAX_BODY * 50)), headers={**JPEG, "content-encoding": "gzip"}), 413,
+                  "too_large"),  # 10 MB of zeros in a 10 KB body: refused as it inflates, not after
+    "gzip-corrupt": (dict(content=_gzip(_good)[:-40], headers={**JPEG, "content-encoding": "gzip"}), 400,
+                     "bad_content_encoding"),
+    "brotli": (dict(content=_good, headers={**JPEG, "content-encoding": "br"}), 415, "unsupported_content_encoding"),
 }
 
 
@@ -296,6 +312,7 @@ def test_bad_request(client, name):
     assert r.headers["content-type"] == "application/json"
     body = r.json()
     assert body["error"] == error and "detail" in body
+    assert body["detail"] != "HTTPException", "the parser's reason was lost"
 
 
 @pytest.mark.parametrize("method,path,status,error", [
