@@ -39,7 +39,7 @@ class OutputExistsError(ConfigError):
 
 
 class InputNotFoundError(ConfigError):
-    """The input path does not exist."""
+    """The input path does not exist, or is not what the stage reads (a file, another stage's output)."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,10 @@ class Listing:
 def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source") -> Listing:
     """List an ImageFolder tree: the class is the first folder under `source`."""
     fs, root = storage.filesystem(source, s3)
-    if not fs.exists(root):
-        raise InputNotFoundError(f"input '{source}' does not exist; pass --input with a folder or s3:// prefix "
-                       f"laid out as <input>/<class_name>/<image file>")
+    if not fs.exists(root) or not fs.isdir(root):
+        what = "is a file, not a folder" if fs.exists(root) else "does not exist"
+        raise InputNotFoundError(f"input '{source}' {what}; pass --input with a folder or s3:// prefix "
+                                 f"laid out as <input>/<class_name>/<image file>")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     files, rejected, classes = [], [], set()
     for entry in entries:
@@ -115,8 +116,34 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
 
     The output is locked for the run (workflow.core.locks): a second run on it exits 2 naming this one.
     """
+    _check_apart(source, out)
+    _check_task_fits(cfg)
     with output_lock(out, "etl", s3):
         return _run_locked(cfg, source, out, s3, overwrite)
+
+
+def _check_apart(source: str, out: str) -> None:
+    """Refuse an output inside the input (or the input itself): its shards would become images of a
+    class named after it on the next run, and --overwrite would write into the source."""
+    def norm(uri: str) -> str:
+        return (uri.rstrip("/") if storage.is_remote(uri) else storage.local_path(uri).rstrip("/")) + "/"
+
+    if norm(out).startswith(norm(source)):
+        raise ConfigError(f"output '{out}' is inside the input '{source}'; choose an --output outside the "
+                          "image folder")
+
+
+def _check_task_fits(cfg: EtlConfig) -> None:
+    """Refuse a task size no node can run: Ray Data would wait for it forever."""
+    import ray
+
+    from workflow.core import cluster
+
+    nodes = cluster.node_resources() if ray.is_initialized() else []
+    if nodes and cluster.units_that_fit({"CPU": cfg.cpus_per_task}, nodes) == 0:
+        largest = max(n.get("CPU", 0.0) for n in nodes)
+        raise ConfigError(f"etl.cpus_per_task={cfg.cpus_per_task:g} exceeds the CPUs of every node (the "
+                          f"largest has {largest:g}): its tasks would wait forever; lower etl.cpus_per_task")
 
 
 def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:

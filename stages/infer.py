@@ -128,9 +128,26 @@ def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None, parallel: i
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root):
         raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
-    if fs.exists(storage.join(root, MANIFEST)):
+    if _raymill_kind(fs, storage.join(root, MANIFEST)) == "raymill.etl":
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
-    return _plan_files(fs, root, source, parallel)
+    if not fs.isdir(root):
+        raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
+    return _plan_files(fs, root, source, parallel, infer_decode.read_rules(info)["follow_symlinks"])
+
+
+def _raymill_kind(fs, path: str) -> str | None:
+    """The kind a raymill manifest names; None for no manifest, or a manifest.json that is some
+    other tool's file among the images (the folder is then read as images)."""
+    if not fs.exists(path):
+        return None
+    try:
+        kind = storage.read_json(fs, path).get("kind")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return None
+    if isinstance(kind, str) and kind.startswith("raymill.") and kind != "raymill.etl":
+        raise InputNotFoundError(f"'{path.rsplit('/', 1)[0]}' is a {kind} output; pass an ETL output or an "
+                                 "image folder")
+    return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
 
 
 def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
@@ -151,10 +168,11 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
                 {"format": fmt, "split": cfg.split, "data_run_id": m.get("run_id")})
 
 
-def _plan_files(fs, root: str, source: str, parallel: int) -> Plan:
-    """Every non-hidden entry is an item: links out of the folder, FIFOs and unreadable files come
-    back as error rows (never read, never dropped); a non-UTF-8 name travels as hex bytes."""
-    entries, hidden = sources.list_tree(fs, root, "inside_source")
+def _plan_files(fs, root: str, source: str, parallel: int, follow_symlinks: str) -> Plan:
+    """Every non-hidden entry is an item: links out of the folder (as the training data's
+    etl.follow_symlinks judged them), FIFOs and unreadable files come back as error rows (never
+    read, never dropped); a non-UTF-8 name travels as hex bytes."""
+    entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     items = []
     for e in entries:
         name = sources.shown(e.rel)

@@ -22,9 +22,17 @@ from stages.etl import sample_key
 from stages.images import BadImage
 from workflow.core import storage
 
-__all__ = ["Reader", "decode_batch", "pixels", "DECODED", "MAX_FILE_BYTES"]
+__all__ = ["Reader", "decode_batch", "pixels", "read_rules", "DECODED", "MAX_FILE_BYTES"]
 
-MAX_FILE_BYTES = 64 * 10**6  # same limit as etl.max_file_mb's default: larger files are not read
+MAX_FILE_BYTES = 64 * 10**6  # etl.max_file_mb's default: larger files are not read
+# How a raw folder is read when model.json has no `read` (models published before it): ETL's defaults
+READ_DEFAULTS = {"allowed_formats": ["JPEG", "PNG", "WEBP", "BMP"], "max_image_pixels": 89_478_485,
+                 "max_file_mb": MAX_FILE_BYTES / 1e6, "follow_symlinks": "inside_source"}
+
+
+def read_rules(info: dict) -> dict[str, Any]:
+    """The ETL read settings of the model's training data (model.json `read`)."""
+    return {**READ_DEFAULTS, **(info.get("read") or {})}
 
 
 class Reader:
@@ -35,13 +43,14 @@ class Reader:
         self.info, self.mode, self.raw = info, mode, raw
         self.etl_classes, self.known = list(etl_classes or []), set(info["classes"])
         self.fs, self.root = storage.filesystem(source, s3) if source else (None, None)
+        self.rules = read_rules(info)
         self.cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
 
     def samples(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         if self.mode == "images":
             rel = bytes.fromhex(item["name_hex"]).decode("utf-8", "surrogateescape") if item["name_hex"] \
                 else item["path"]
-            parent = item["path"].split("/")[-2] if "/" in item["path"] else None
+            parent = item["path"].split("/", 1)[0] if "/" in item["path"] else None  # the class folder, as ETL
             return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
                      "reason": item["reason"], "detail": item["detail"],
                      "true_class": parent if parent in self.known else None}]
@@ -57,10 +66,12 @@ class Reader:
                 return streaming.decode_sample(sample["image"], self.info["image_size"], self.raw), None, None
             if sample["reason"]:  # a link out of the folder, a FIFO, a device: never read
                 return None, sample["reason"], sample["detail"]
-            if sample["size"] > MAX_FILE_BYTES:  # not even read: one huge file must not sink the worker
-                return None, "too_large", f"{sample['size']} bytes > {MAX_FILE_BYTES}"
-            data = sources.read_capped(self.fs, self.root, sample["rel"], MAX_FILE_BYTES, "inside_source")
-            return predict.preprocess(data, self.info), None, None
+            rules, cap = self.rules, int(self.rules["max_file_mb"] * 1e6)
+            if sample["size"] > cap:  # not even read: one huge file must not sink the worker
+                return None, "too_large", f"{sample['size']} bytes > {cap}"
+            data = sources.read_capped(self.fs, self.root, sample["rel"], cap, rules["follow_symlinks"])
+            return predict.preprocess(data, self.info, tuple(rules["allowed_formats"]),
+                                      rules["max_image_pixels"]), None, None
         except BadImage as e:
             return None, e.reason, e.detail
         except OSError as e:  # decoding turns its own errors into BadImage; this is the read

@@ -91,12 +91,17 @@ def curves(history: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+READ_KEYS = ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")
+
+
 def model_info(train_cfg, data: Artifact, extra: dict) -> dict[str, Any]:
     etl_cfg = data.manifest["config"]
     return {"architecture": train_cfg.model, "width": train_cfg.width, "dropout": train_cfg.dropout,
             "classes": data.manifest["classes"], "image_size": etl_cfg["image_size"],
             "resize": etl_cfg["resize"], "mean": list(train_cfg.augment.mean),
             "std": list(train_cfg.augment.std), "data": data.path,
+            # how ETL read the training images: `raymill infer` on a raw folder reads the same way
+            "read": {k: etl_cfg[k] for k in READ_KEYS if k in etl_cfg},
             "data_manifest_hash": config_hash(data.manifest), **extra}
 
 

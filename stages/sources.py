@@ -77,26 +77,39 @@ def _list_object_store(fs, root: str) -> tuple[list[Entry], int]:
 
 
 def _list_local(root: str, policy: str) -> tuple[list[Entry], int]:
+    """Real folders first, then folders reached through links: a link to a folder that is also in
+    the tree is the alias (quarantined), never the real folder, whatever order the OS lists them."""
     real_root = os.path.realpath(root)
-    entries, hidden, pending, visited = [], 0, [""], {real_root}
-    while pending:
+    entries, hidden, pending, visited, links = [], 0, [""], {real_root}, []
+    while pending or links:
+        if not pending:  # every real folder is listed: now the folders only links lead to
+            rel, real, mtime = links.pop(0)
+            if real in visited:  # a link back up the tree, or to a folder listed already
+                entries.append(Entry(rel, 0, mtime, ("symlink_loop", f"-> {shown(real)}")))
+            else:
+                visited.add(real)
+                pending.append(rel)
+            continue
         folder = pending.pop()
         with os.scandir(os.path.join(root, folder) if folder else root) as found:
-            children = list(found)
+            children = sorted(found, key=lambda c: name_bytes(c.name))
         for child in children:
             rel = f"{folder}/{child.name}" if folder else child.name
             if child.name.startswith("."):
                 hidden += 1
                 continue
             info = child.stat(follow_symlinks=False)
-            if stat.S_ISLNK(info.st_mode):
+            linked = stat.S_ISLNK(info.st_mode)
+            if linked:
                 problem, info = _follow(os.path.join(root, rel), real_root, policy, info)
                 if problem:
                     entries.append(Entry(rel, 0, info.st_mtime, problem))
                     continue
             if stat.S_ISDIR(info.st_mode):
                 real = os.path.realpath(os.path.join(root, rel))
-                if real in visited:  # a link back up the tree, or to a folder listed already
+                if linked:
+                    links.append((rel, real, info.st_mtime))
+                elif real in visited:  # a bind mount of a folder listed already
                     entries.append(Entry(rel, 0, info.st_mtime, ("symlink_loop", f"-> {shown(real)}")))
                 else:
                     visited.add(real)

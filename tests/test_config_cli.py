@@ -26,10 +26,17 @@ def test_every_shipped_config_loads(path):
     ("train.epochs=two", "config key 'train.epochs'"),
     ("etl.formats=[zip]", "config key 'etl.formats.0'"),
     ("tune.search_space.lr.type=gaussian", "config key 'tune.search_space.lr.type'"),
+    ("etl.formats=[]", "config key 'etl.formats'"),  # would publish a dataset of no shards
+    ("etl.formats=[parquet,parquet]", "list each shard format once"),  # would list every shard twice
+    ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
         load_config(REPO / "configs/smoke.yaml", [override])
+
+
+def test_allowed_formats_are_pillow_names_in_any_case():
+    assert load_config(None, ["etl.allowed_formats=[jpeg,Png,JPEG]"]).etl.allowed_formats == ("JPEG", "PNG")
 
 
 def test_config_is_frozen():

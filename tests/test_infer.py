@@ -5,6 +5,7 @@ beyond the shared Ray start-up.
 """
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 from stages import streaming
 from stages import etl, infer
@@ -110,6 +112,11 @@ def test_raw_folder_with_broken_files_every_file_once(setup, tmp_path):
     (src / "loose.jpg").write_bytes(image_bytes(5))  # flat file: predicted, label unknown
     written["loose.jpg"] = "ok"
     (src / ".DS_Store").write_bytes(b"\0")  # hidden: skipped and counted
+    (src / "circle" / "sub").mkdir()  # the class is the first folder, as ETL labels it
+    (src / "circle" / "sub" / "deep.jpg").write_bytes(image_bytes(6))
+    written["circle/sub/deep.jpg"] = "ok"
+    (src / "manifest.json").write_text('{"made_by": "another tool"}')  # not a raymill manifest: a file row
+    written["manifest.json"] = "not_an_image"
     cfg = InferConfig(batch_size=4, num_actors=2, cpus_per_actor=0.5)
     art = infer.run(cfg, model_path, str(src), str(tmp_path / "out"))
     rows, metrics = _outputs(art)
@@ -124,10 +131,31 @@ def test_raw_folder_with_broken_files_every_file_once(setup, tmp_path):
             assert r["class_name"] == direct["class_name"]
         else:
             assert r["error"] == written[r["path"]] and r["class_name"] is None, r
-    assert metrics["errors"] == len(BAD_FILES) and metrics["rows"] == len(written)
-    assert metrics["error_reasons"] == dict(sorted(Counter(w for _, w in BAD_FILES.values()).items()))
-    assert metrics["labelled"] == 12 and metrics["accuracy"] == pytest.approx(_accuracy(rows))
+    bad = Counter(w for w in written.values() if w != "ok")
+    assert metrics["errors"] == sum(bad.values()) and metrics["rows"] == len(written)
+    assert metrics["error_reasons"] == dict(sorted(bad.items()))
+    assert metrics["labelled"] == 13 and metrics["accuracy"] == pytest.approx(_accuracy(rows))
     assert art.manifest["inputs"]["hidden_skipped"] == 1 and art.manifest["source_kind"] == "images"
+
+
+def test_a_raw_folder_is_read_with_the_rules_of_the_models_training_data(setup, tmp_path):
+    from stages.infer_decode import Reader
+    from stages.publish import model_info
+    from workflow.core.config import TrainConfig
+
+    data, model_path = setup
+    _, info = load_model(model_path)  # a model.json without `read` (published before it): ETL's defaults
+    assert model_info(TrainConfig(), data, {})["read"] == {
+        k: data.manifest["config"][k] for k in ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")}
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(buf, format="GIF")
+    (tmp_path / "a.gif").write_bytes(buf.getvalue())
+    sample = {"rel": "a.gif", "size": len(buf.getvalue()), "reason": "", "detail": ""}
+    as_trained = Reader(info, {}, mode="images", source=str(tmp_path)).decode(sample)
+    assert as_trained[1] == "unsupported_format"
+    gif_data = {**info, "read": {"allowed_formats": ["JPEG", "GIF"]}}  # the rest stays at the defaults
+    pixels, reason, _ = Reader(gif_data, {}, mode="images", source=str(tmp_path)).decode(sample)
+    assert reason is None and pixels.shape == (info["image_size"], info["image_size"], 3)
 
 
 def test_model_folder_without_model_json_is_a_clear_error(tmp_path):

@@ -228,3 +228,27 @@ def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(t
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     # The replaced run's files are gone; another run's shard, named by no manifest we replaced, is not ours.
     assert on_disk == named | {"manifest.json", str(foreign.relative_to(out))}
+
+
+def test_a_link_to_a_class_folder_is_the_alias_whatever_the_listing_order(tmp_path):
+    # "a_alias" sorts (and may be listed) before the real "zz_real": the real folder keeps its class
+    make_tree(tmp_path / "src", per_class=2, bad=False, classes=("zz_real", "other"))
+    (tmp_path / "src" / "a_alias").symlink_to("zz_real")
+    listing = etl.discover(str(tmp_path / "src"))
+    assert listing.classes == ["other", "zz_real"]
+    assert [(r["path"], r["reason"]) for r in listing.rejected] == [("a_alias", "symlink_loop")]
+
+
+def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_session):
+    src = tmp_path / "src"
+    make_tree(src, per_class=2, bad=False)
+    cases = {str(src / "etl-out"): "is inside the input", str(src): "is inside the input"}
+    for out, words in cases.items():
+        with pytest.raises(etl.ConfigError, match=words):
+            etl.run(EtlConfig(image_size=16), str(src), out)
+    with pytest.raises(etl.InputNotFoundError, match="is a file, not a folder"):
+        etl.run(EtlConfig(image_size=16), str(src / "bird" / "bird_000.jpg"), str(tmp_path / "o1"))
+    with pytest.raises(etl.ConfigError, match="etl.cpus_per_task=64 exceeds the CPUs of every node"):
+        etl.run(EtlConfig(image_size=16, cpus_per_task=64), str(src), str(tmp_path / "o2"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert not (src / "etl-out").exists()

@@ -12,15 +12,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from workflow.core.overrides import ConfigError, merge, parse_overrides
+
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
     "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "TrackingConfig", "load_config",
     "parse_overrides",
 ]
-
-
-class ConfigError(ValueError):
-    """A config problem the user must fix; the message names the key and the fix."""
 
 
 class Section(BaseModel):
@@ -94,6 +92,26 @@ class EtlConfig(Section):
     # never quarantines every link; always follows any (reads whatever they point at).
     follow_symlinks: Literal["inside_source", "never", "always"] = "inside_source"
     cpus_per_task: float = Field(1.0, gt=0)
+
+    @field_validator("formats")
+    @classmethod
+    def _one_of_each(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or len(set(v)) != len(v):  # none publishes no shards; a repeat lists each shard twice
+            raise ValueError("list each shard format once, at least one: [parquet], [tar] or [parquet, tar]")
+        return v
+
+    @field_validator("allowed_formats")
+    @classmethod
+    def _pillow_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        from PIL import Image  # Pillow's own list of the formats it can open, once its plugins load
+
+        Image.init()
+        names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as serve reads them
+        unknown = [n for n in names if n not in Image.OPEN]
+        if not names or unknown:
+            raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
+                             "[JPEG, PNG, WEBP, BMP]")
+        return names
 
 
 class AugmentConfig(Section):
@@ -324,33 +342,6 @@ class Config(Section):
     tracking: TrackingConfig = TrackingConfig()
 
 
-def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Turn ["etl.image_size=64", ...] into a nested dict; values are parsed as YAML scalars."""
-    nested: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override '{item}' is not key=value; write e.g. --set etl.image_size=64")
-        node = nested
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return nested
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def _explain(err: ValidationError) -> str:
     lines = []
     for item in err.errors():
@@ -388,7 +379,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping of sections (ray, etl, train, ...)")
-    data = _merge(data, parse_overrides(overrides))
+    data = merge(data, parse_overrides(overrides))
     try:
         return Config.model_validate(data)
     except ValidationError as e:
