@@ -139,6 +139,14 @@ def test_verify_names_every_damaged_shard(published, tmp_path):
     assert f"altered: {flipped}" in problems
     assert f"missing: {deleted}" in problems
     assert len(problems.splitlines()) == 3
+    # a manifest that lists a shard twice, and one that points outside the output
+    manifest = json.loads((copy / "manifest.json").read_text())
+    good = next(s for s in manifest["shards"] if s["path"] not in (truncated, flipped, deleted))
+    manifest["shards"] += [good, {**good, "path": "../../etc/hostname"}]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    problems = "\n".join(etl.verify(str(copy)))
+    assert f"the {good['format']} shards hold {manifest['totals']['rows_out'] + 2 * good['rows']} rows" in problems
+    assert "outside the output: '../../etc/hostname'" in problems
 
 
 def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_session):
