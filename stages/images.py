@@ -95,7 +95,8 @@ def _to_rgb(img: Image.Image, sixteen_bit: bool = False) -> Image.Image:
         grey = np.asarray(img, dtype=np.uint32) // 257
         return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")
     # Transparent pixels become white, not whatever colour the encoder left under alpha 0.
-    if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):
+    # L, RGB and P PNGs may name a transparent colour (tRNS) instead of carrying an alpha channel.
+    if img.mode in ("RGBA", "LA") or (img.mode in ("P", "L", "RGB") and "transparency" in img.info):
         rgba = img.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
