@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ REPLICA_BASE_MB = 512
 _DEFAULT_BATCH_SIZE, _DEFAULT_BATCH_WAIT_S = 16, 0.005
 # Longest wait for other work to free room for a replica before `start` refuses the plan.
 ROOM_WAIT_S = 30.0
+SHUTDOWN_WAIT_S = 30.0  # how long stopping `raymill serve` waits for the app's replicas to go
 
 
 def decode_slots(cfg: ServeConfig) -> int:
@@ -295,11 +297,28 @@ def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pr
     return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
 
 
-def shutdown(cfg: ServeConfig) -> None:
-    """Delete the app; Serve itself (proxy, controller) keeps running for other apps."""
+def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+    """Delete the app; Serve itself (proxy, controller) keeps running for other apps.
+
+    `serve.delete` asks the controller at once, then polls until the replicas are gone. A replica
+    that drains slowly (a loaded node) must not keep Ctrl-C or SIGTERM from ending the process, so
+    the poll is bounded: past `wait_s` the controller goes on deleting without this process.
+    """
     from ray.serve.exceptions import RayServeException
 
-    try:
-        serve.delete(cfg.app_name)
-    except RayServeException:  # Serve isn't running: nothing to delete
-        pass
+    done = threading.Event()
+
+    def delete() -> None:
+        try:
+            serve.delete(cfg.app_name)
+        except RayServeException:  # Serve isn't running: nothing to delete
+            pass
+        except Exception:  # logged: this runs on the way out, after the caller's own error if any
+            log.exception("serve: deleting app %r failed", cfg.app_name)
+        finally:
+            done.set()
+
+    threading.Thread(target=delete, name="raymill-serve-delete", daemon=True).start()
+    if not done.wait(wait_s):
+        log.warning("serve: app %r is still stopping after %.0f s; Serve's controller finishes deleting it",
+                    cfg.app_name, wait_s)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import REPO, free_port
 from workflow.core import exposure
 
@@ -90,7 +92,12 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     finally:
         proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=120)[0]
+        try:
+            output = proc.communicate(timeout=120)[0]
+        except subprocess.TimeoutExpired:  # fail, but leave no endpoint (and its Ray) behind for later tests
+            proc.kill()
+            output = proc.communicate()[0]
+            pytest.fail(f"raymill serve did not stop within 120 s of Ctrl-C:\n{output[-3000:]}")
     assert ready, output[-4000:]
     assert any(r["port"] == port and r["kind"] == "loopback" for r in seen.values()), seen
     assert not _off_loopback(seen), _off_loopback(seen)
