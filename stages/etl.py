@@ -325,6 +325,10 @@ def _log_summary(m: dict[str, Any]) -> None:
     t, x = m["totals"], m["metrics"]
     log.info("etl: files_in=%d rows_out=%d quarantined=%d images/s=%.1f MB_written=%.2f seconds=%.1f",
              t["files_in"], t["rows_out"], t["quarantined"], x["images_per_s"], x["mb_written"], x["seconds"])
+    empty = [c for c in m["classes"] if not any(counts.get(c) for counts in m["counts"].values())]
+    if empty:  # still a class (the label space is the folders), but a model never sees one of it
+        log.warning("etl: class(es) %s have no usable image (every file quarantined); a model trained on this "
+                    "data never learns them: fix or remove those folders", empty)
 
 
 def verify(out: str, s3: Any | None = None) -> list[str]:

@@ -260,3 +260,13 @@ def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_se
         etl.run(EtlConfig(image_size=16, cpus_per_task=64), str(src), str(tmp_path / "o2"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert not (src / "etl-out").exists()
+
+
+def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_session, caplog):
+    make_tree(tmp_path / "src", per_class=3, bad=False, classes=("bird", "cat"))
+    (tmp_path / "src" / "broken").mkdir()
+    (tmp_path / "src" / "broken" / "x.jpg").write_bytes(b"not an image")
+    with caplog.at_level("WARNING", logger="stages.etl"):
+        art = etl.run(EtlConfig(image_size=16, max_bad_fraction=0.5), str(tmp_path / "src"), str(tmp_path / "out"))
+    assert "broken" in art.manifest["classes"]  # the label space is the folders
+    assert "['broken'] have no usable image" in caplog.text
