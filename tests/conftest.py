@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -18,6 +19,13 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def ctrl_c_reaches_the_child() -> None:
+    """Popen preexec_fn for a child a test stops with SIGINT: a suite started in the background
+    (`nohup make test &`) ignores SIGINT, children inherit that across exec, and Python then
+    installs no KeyboardInterrupt handler, so the child would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

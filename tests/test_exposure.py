@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, ctrl_c_reaches_the_child, free_port
 from workflow.core import exposure
 
 
@@ -20,7 +20,7 @@ def _cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the product decides, as for a user
     return subprocess.Popen([sys.executable, "-m", "workflow", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=ctrl_c_reaches_the_child)
 
 
 def _sample_while(proc: subprocess.Popen, until, timeout_s: float) -> dict[tuple, dict]:

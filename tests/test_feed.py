@@ -19,7 +19,7 @@ from PIL import Image
 from stages import decoded_tier, meters, streaming
 from stages.decode_pool import DecodePool, DecodeSpec
 from stages.feed import PoolFeed, ThreadFeed
-from tests.conftest import REPO
+from tests.conftest import REPO, ctrl_c_reaches_the_child
 
 SPEC = DecodeSpec(size=32, raw=False, seed=3, epoch=1, augment=True, scale_min=0.3, crop=True, flip=True)
 
@@ -119,7 +119,8 @@ def test_no_orphans_when_the_owner_is_killed_or_interrupted(tmp_path, how):
     script = tmp_path / "owner.py"
     script.write_text(_CHILD)
     owner = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE,
-                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+                             preexec_fn=ctrl_c_reaches_the_child)
     assert owner.stdout.readline().strip() == b"ready"
     decoders = [p for p in psutil.Process(owner.pid).children(recursive=True)
                 if p.ppid() != owner.pid]
