@@ -21,18 +21,19 @@ from stages import predict, sources, streaming
 from stages.etl import sample_key
 from stages.images import BadImage
 from workflow.core import storage
+from workflow.core.config import EtlConfig
 
-__all__ = ["Reader", "decode_batch", "pixels", "read_rules", "DECODED", "MAX_FILE_BYTES"]
+__all__ = ["Reader", "decode_batch", "pixels", "read_rules", "READ_KEYS", "DECODED"]
 
-MAX_FILE_BYTES = 64 * 10**6  # etl.max_file_mb's default: larger files are not read
-# How a raw folder is read when model.json has no `read` (models published before it): ETL's defaults
-READ_DEFAULTS = {"allowed_formats": ["JPEG", "PNG", "WEBP", "BMP"], "max_image_pixels": 89_478_485,
-                 "max_file_mb": MAX_FILE_BYTES / 1e6, "follow_symlinks": "inside_source"}
+# The etl.* keys that say how source files are read; model.json `read` records them (stages.publish)
+READ_KEYS = ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")
 
 
 def read_rules(info: dict) -> dict[str, Any]:
-    """The ETL read settings of the model's training data (model.json `read`)."""
-    return {**READ_DEFAULTS, **(info.get("read") or {})}
+    """The ETL read settings of the model's training data (model.json `read`); a model published
+    before `read` existed reads with ETL's defaults."""
+    defaults = EtlConfig().model_dump(mode="json", include=set(READ_KEYS))
+    return {**defaults, **(info.get("read") or {})}
 
 
 class Reader:

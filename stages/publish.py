@@ -15,6 +15,7 @@ import torch
 
 from stages import streaming
 from stages.checkpoint_io import load_plain
+from stages.infer_decode import READ_KEYS
 from stages.predict import evaluate_split, load_model
 from workflow.core import storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, write_manifest
@@ -89,9 +90,6 @@ def curves(history: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-READ_KEYS = ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")
 
 
 def model_info(train_cfg, data: Artifact, extra: dict) -> dict[str, Any]:
