@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import tune_rank
 from benchmarks.common import fmt, loadavg, md_table, ratio, targets_table
 
 __all__ = ["add_arguments", "run", "render"]
@@ -207,12 +208,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         seeds = [int(x) for x in args.seeds.split(",")]
         _warm_up(args, data, work)
         searches = {s: _search(s, args, data, work, seeds[0]) for s in SCHEDULERS}
-        by_seed = {seeds[0]: _versus(searches["asha"], searches["fifo"])}
+        by_seed = {seeds[0]: _versus(searches["asha"], searches["fifo"], args)}
         for i, seed in enumerate(seeds[1:], start=1):
             # ASHA first on even seeds, FIFO first on odd: no scheduler always runs on the warmer Ray
             order = ("asha", "fifo") if i % 2 == 0 else ("fifo", "asha")
             pair = {s: _search(s, args, data, work, seed) for s in order}
-            by_seed[seed] = _versus(pair["asha"], pair["fifo"])
+            by_seed[seed] = _versus(pair["asha"], pair["fifo"], args)
     fifo = searches["fifo"]
     floor = _floor(fifo["concurrent_trials"], fifo["cpus_per_worker"], args.samples)
     goal = round(fifo["best_val_acc"] - 0.01, 4)  # FIFO's best accuracy minus 1 point
@@ -230,7 +231,7 @@ def _warm_up(args, data, work: Path) -> None:
     _search("fifo", warm, data, work / "warm-up", 99)
 
 
-def _versus(asha: dict[str, Any], fifo: dict[str, Any]) -> dict[str, Any]:
+def _versus(asha: dict[str, Any], fifo: dict[str, Any], args) -> dict[str, Any]:
     """ASHA against FIFO on one seed's configurations: time to FIFO's best minus 1 point."""
     goal = round(fifo["best_val_acc"] - 0.01, 4)
     a, f = _time_to(asha["reports"], goal), _time_to(fifo["reports"], goal)
@@ -244,7 +245,9 @@ def _versus(asha: dict[str, Any], fifo: dict[str, Any]) -> dict[str, Any]:
             "asha_wall_s": asha["wall_s"],
             "fifo_wall_s": fifo["wall_s"], "asha_best": round(asha["best_val_acc"], 4),
             "fifo_best": round(fifo["best_val_acc"], 4),
-            "points_behind": round(100 * (fifo["best_val_acc"] - asha["best_val_acc"]), 2)}
+            "points_behind": round(100 * (fifo["best_val_acc"] - asha["best_val_acc"]), 2),
+            "ranking": tune_rank.early_ranking([[acc for _, acc in t["curve"]] for t in fifo["trials"]], goal,
+                                               args.max_epochs, args.grace, args.reduction)}
 
 
 def _targets(args) -> list[float]:
@@ -252,7 +255,7 @@ def _targets(args) -> list[float]:
 
 
 def render(result: dict[str, Any]) -> str:
-    if "floor" not in result or any("goal_trials" not in x for x in result.get("by_seed", {}).values()):
+    if "floor" not in result or not result.get("by_seed") or any("goal_trials" not in x for x in result["by_seed"].values()):
         return "An older format of this benchmark's results: rerun `python -m benchmarks tune`."
     c, s, floor = result["config"], result["searches"], result["floor"]
     a, f, p = s["asha"], s["fifo"], s["pbt"]
@@ -279,6 +282,7 @@ def render(result: dict[str, Any]) -> str:
               f"({f['tune_startup_s']} s from Tune's `on_trial_start`), against {f['epoch_s']} s per later epoch. "
               f"The start-up columns above are that own part."]
     lines += _by_seed(result)
+    lines += tune_rank.render(result.get("by_seed", {}), c["reduction"])
     lines += _cluster(result)
     lines += ["", *targets_table(_verdicts(result))]
     lines += ["", f"Load average before/after: {result['loadavg_before']} / {result['loadavg_after']}."]
@@ -290,7 +294,7 @@ def _verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     a, f, p = s["asha"], s["fifo"], s["pbt"]
     own = max(x["startup_s"] if x["startup_s"] is not None else math.inf for x in s.values())
     startup = round(floor["slot_s"] + own, 2)  # Tune's per-trial floor + the trial's own start-up
-    seeds = list(result.get("by_seed", {}).values()) or [_versus(a, f)]
+    seeds = list(result["by_seed"].values())
     speeds = [x["ratio"] if x["ratio"] is not None else math.inf for x in seeds]
     speed = round(statistics.median(speeds), 2) if speeds else None
     gap = round(statistics.median(x["points_behind"] for x in seeds), 2)
