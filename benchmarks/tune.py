@@ -246,8 +246,9 @@ def _versus(asha: dict[str, Any], fifo: dict[str, Any], args) -> dict[str, Any]:
             "fifo_wall_s": fifo["wall_s"], "asha_best": round(asha["best_val_acc"], 4),
             "fifo_best": round(fifo["best_val_acc"], 4),
             "points_behind": round(100 * (fifo["best_val_acc"] - asha["best_val_acc"]), 2),
-            "ranking": tune_rank.early_ranking([[acc for _, acc in t["curve"]] for t in fifo["trials"]], goal,
-                                               args.max_epochs, args.grace, args.reduction)}
+            "ranking": tune_rank.early_ranking(
+                [[acc for _, acc in t["curve"]] for t in fifo["trials"]], goal, args.max_epochs, args.grace,
+                args.reduction, ran=[ran.get(json.dumps(t["config"], sort_keys=True)) for t in fifo["trials"]])}
 
 
 def _targets(args) -> list[float]:

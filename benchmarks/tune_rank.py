@@ -46,21 +46,29 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return round(float(np.corrcoef(ra, rb)[0, 1]), 2)
 
 
-def early_ranking(curves: list[list[float]], goal: float, max_t: int, grace: int, rf: int) -> dict[str, Any]:
+def early_ranking(curves: list[list[float]], goal: float, max_t: int, grace: int, rf: int,
+                  ran: list[int | None] | None = None) -> dict[str, Any]:
     """Per rung: how many of the trials that reach `goal` stand in the rung's top 1/rf (ASHA's
     rule, against every trial at the rung), and the rank correlation of rung val_acc with final
-    val_acc over all trials and over the contenders."""
-    full = [c for c in curves if len(c) >= max_t]
-    if not full:
+    val_acc over all trials and over the contenders. `ran`: the epochs ASHA let each of the same
+    configurations run; a goal trial it stopped at a rung is checked against that whole rung."""
+    ran = ran or [None] * len(curves)
+    kept = [i for i, c in enumerate(curves) if len(c) >= max_t]  # a diverged trial ends early
+    if not kept:
         return {}
+    full, ran = [curves[i] for i in kept], [ran[i] for i in kept]
     finals = [c[-1] for c in full]
     best = max(finals)
     contenders = [i for i, f in enumerate(finals) if 100 * (best - f) <= CONTENDER_POINTS]
     reach = [i for i, c in enumerate(full) if max(c) >= goal - 1e-9]
-    out: dict[str, Any] = {"rungs": [], "contenders": len(contenders), "reach": len(reach)}
+    out: dict[str, Any] = {"rungs": [], "contenders": len(contenders), "reach": len(reach),
+                           "asha_stopped": 0, "asha_stopped_in_top": 0}
     for milestone in rungs(max_t, grace, rf):
         at = [c[milestone - 1] for c in full]
         cutoff = float(np.percentile(at, (1 - 1 / rf) * 100))
+        stopped = [i for i in reach if ran[i] == milestone]
+        out["asha_stopped"] += len(stopped)
+        out["asha_stopped_in_top"] += sum(1 for i in stopped if at[i] >= cutoff)
         out["rungs"].append({
             "epoch": milestone, "reach_in_top": sum(1 for i in reach if at[i] >= cutoff),
             "rho_all": spearman(at, finals),
@@ -90,8 +98,20 @@ def render(by_seed: dict[str, Any], rf: int) -> list[str]:
             f"{CONTENDER_POINTS:g} points of the best).", "", *md_table(head, rows), "",
             "Across seeds, " + "; ".join(f"at epoch {e} {kept[e][0]} of {kept[e][1]} goal trials were in the top "
                                          f"1/{rf} and ρ among contenders was {_f(med[e])} (median)" for e in epochs)
-            + ". Where ρ among contenders is near 0, early accuracy separates the bad configurations from "
-              "the good ones but not the good ones from each other, and the goal sits among the good ones."]
+            + f". {_stopped(seeds.values(), rf)}"]
+
+
+def _stopped(seeds, rf: int) -> str:
+    seeds = list(seeds)
+    if any("asha_stopped" not in x for x in seeds):  # results from before 2026-11-26 02:40
+        return "A low ρ among contenders means early accuracy tells the bad configurations from the good ones but not the good ones from each other."
+    stopped = sum(x.get("asha_stopped", 0) for x in seeds)
+    in_top = sum(x.get("asha_stopped_in_top", 0) for x in seeds)
+    return (f"ASHA stopped {stopped} goal trials at a rung; {in_top} of them stood in the top 1/{rf} of that "
+            "whole rung. Ray's ASHA cuts a trial against the trials that reached the rung before it (it "
+            "cannot wait for the rest), and early in a search those are few, so its cut-off is not the "
+            "whole rung's. A low ρ among contenders means early accuracy tells the bad configurations "
+            "from the good ones but not the good ones from each other.")
 
 
 def _median(values: list[float | None]) -> float | None:

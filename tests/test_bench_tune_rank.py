@@ -28,3 +28,13 @@ def test_early_ranking_counts_goal_trials_in_the_top_third():
     assert first["rho_contenders"] == -1.0 and second["rho_contenders"] == 1.0
     # trials that did not run the whole budget (stopped ones) are left out
     assert tune_rank.early_ranking([[0.5]], goal=0.5, max_t=4, grace=1, rf=3) == {}
+
+
+def test_a_goal_trial_asha_stopped_is_checked_against_the_whole_rung():
+    curves = [[0.1, 0.1, 0.1, 0.1], [0.2, 0.2, 0.2, 0.2], [0.3, 0.3, 0.3, 0.3],
+              [0.6, 0.8, 0.85, 0.95], [0.5, 0.7, 0.9, 0.96], [0.05, 0.5, 0.95, 0.99]]
+    # ASHA stopped trial 3 after epoch 1 (top third of the whole rung there) and trial 5 after
+    # epoch 1 (below it); trial 4 ran to the end; a short curve (diverged) is left out.
+    out = tune_rank.early_ranking(curves + [[0.9]], goal=0.95, max_t=4, grace=1, rf=3,
+                                  ran=[1, 1, 1, 1, 4, 1, 1])
+    assert out["reach"] == 3 and out["asha_stopped"] == 2 and out["asha_stopped_in_top"] == 1
