@@ -204,12 +204,14 @@ def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monke
 
 # --- good requests ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["jpeg", "png", "multipart", "multipart-png-any-field"])
+@pytest.mark.parametrize("kind", ["jpeg", "png", "bmp", "multipart", "multipart-png-any-field"])
 def test_predict_ok(client, kind):
     if kind == "jpeg":
         r = client.post("/predict", content=image_bytes(1), headers=JPEG)
     elif kind == "png":
         r = client.post("/predict", content=image_bytes(2, fmt="png"), headers={"content-type": "image/png"})
+    elif kind == "bmp":  # ETL trains on BMP files by default, so serve takes them too
+        r = client.post("/predict", content=_image("BMP"), headers={"content-type": "image/bmp"})
     elif kind == "multipart":
         r = client.post("/predict", files={"file": ("x.jpg", image_bytes(3), "image/jpeg")})
     else:  # a text field first, the file under an arbitrary name

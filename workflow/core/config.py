@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workflow.core.overrides import ConfigError, merge, parse_overrides
 
@@ -57,6 +57,22 @@ class RunSection(Section):
     force: bool = False  # recompute stages even when their inputs and config are unchanged
 
 
+def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:
+    from PIL import Image  # Pillow's own list of the formats it can open, once its plugins load
+
+    Image.init()
+    names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as images.open_image reads them
+    unknown = [n for n in names if n not in Image.OPEN]
+    if not names or unknown:
+        raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
+                         "[JPEG, PNG, WEBP, BMP]")
+    return names
+
+
+# Pillow format names (etl.allowed_formats, serve.allowed_formats): upper-cased, each one Pillow opens
+ImageFormats = Annotated[tuple[str, ...], AfterValidator(_pillow_names)]
+
+
 class SplitFractions(Section):
     train: float = Field(0.8, ge=0, le=1)
     val: float = Field(0.1, ge=0, le=1)
@@ -87,7 +103,7 @@ class EtlConfig(Section):
     max_bad_fraction: float = Field(0.5, ge=0, le=1)  # more bad files than this fails the job
     max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
     max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread
-    allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP")  # Pillow format names
+    allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
     # Symlinks in the source: inside_source follows only links that resolve inside the source tree;
     # never quarantines every link; always follows any (reads whatever they point at).
     follow_symlinks: Literal["inside_source", "never", "always"] = "inside_source"
@@ -99,19 +115,6 @@ class EtlConfig(Section):
         if not v or len(set(v)) != len(v):  # none publishes no shards; a repeat lists each shard twice
             raise ValueError("list each shard format once, at least one: [parquet], [tar] or [parquet, tar]")
         return v
-
-    @field_validator("allowed_formats")
-    @classmethod
-    def _pillow_names(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        from PIL import Image  # Pillow's own list of the formats it can open, once its plugins load
-
-        Image.init()
-        names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as serve reads them
-        unknown = [n for n in names if n not in Image.OPEN]
-        if not names or unknown:
-            raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
-                             "[JPEG, PNG, WEBP, BMP]")
-        return names
 
 
 class AugmentConfig(Section):
@@ -293,7 +296,8 @@ class ServeConfig(Section):
     request_timeout_s: float = Field(10.0, gt=0)
     max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
     max_image_pixels: int = Field(40_000_000, ge=1)
-    allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP")
+    # ETL's default list: a model trained on BMP files answers for BMP uploads too
+    allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
     top_k: int = Field(3, ge=1)
     app_name: str = "raymill"
     # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve_v2.py).
