@@ -72,7 +72,10 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     if not files:
         raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
                        f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
-    return Listing(sorted(classes), files, rejected, hidden, sources.tree_fingerprint(entries))
+    # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
+    # is the folders (_log_summary names every class without a usable image)
+    empty = sorted(set(sources.top_folders(fs, root)) - classes)
+    return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty))
 
 
 def sample_key(relpath: str) -> str:
@@ -327,8 +330,8 @@ def _log_summary(m: dict[str, Any]) -> None:
              t["files_in"], t["rows_out"], t["quarantined"], x["images_per_s"], x["mb_written"], x["seconds"])
     empty = [c for c in m["classes"] if not any(counts.get(c) for counts in m["counts"].values())]
     if empty:  # still a class (the label space is the folders), but a model never sees one of it
-        log.warning("etl: class(es) %s have no usable image (every file quarantined); a model trained on this "
-                    "data never learns them: fix or remove those folders", empty)
+        log.warning("etl: class(es) %s have no usable image (the folder is empty or every file was quarantined); "
+                    "a model trained on this data never learns them: fix or remove those folders", empty)
 
 
 def verify(out: str, s3: Any | None = None) -> list[str]:

@@ -21,7 +21,8 @@ from typing import Any
 from workflow.core import storage
 from stages.images import BadImage
 
-__all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "entry_row"]
+__all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "top_folders",
+           "entry_row"]
 
 CHUNK_BYTES = 1 << 20
 
@@ -44,10 +45,22 @@ def shown(rel: str) -> str:
     return name_bytes(rel).decode("utf-8", "backslashreplace")
 
 
-def tree_fingerprint(entries: list[Entry]) -> str:
-    """Cheap identity of a listing (names, sizes, mtimes): a changed or added file changes it."""
-    rows = sorted((shown(e.rel), e.size, round(e.mtime, 6)) for e in entries)
+def tree_fingerprint(entries: list[Entry], empty_folders: list[str] = ()) -> str:
+    """Cheap identity of a listing (names, sizes, mtimes): a changed or added file changes it, and
+    so does an added empty class folder (a class of its own)."""
+    rows: list = sorted((shown(e.rel), e.size, round(e.mtime, 6)) for e in entries)
+    if empty_folders:  # absent otherwise, so the identity of every other tree stays as it was
+        rows.append(["empty folders", sorted(empty_folders)])
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def top_folders(fs, root: str) -> list[str]:
+    """The real (not linked) folders right under a local root, hidden ones left out: the class
+    folders, empty ones included. An object store has no empty folders, so there: none."""
+    if not _is_local(fs):
+        return []
+    with os.scandir(root) as found:
+        return [shown(c.name) for c in found if not c.name.startswith(".") and c.is_dir(follow_symlinks=False)]
 
 
 def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:

@@ -266,7 +266,12 @@ def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_sessio
     make_tree(tmp_path / "src", per_class=3, bad=False, classes=("bird", "cat"))
     (tmp_path / "src" / "broken").mkdir()
     (tmp_path / "src" / "broken" / "x.jpg").write_bytes(b"not an image")
+    (tmp_path / "src" / "empty").mkdir()  # as torchvision's ImageFolder counts it: a class
+    (tmp_path / "src" / ".hidden").mkdir()  # hidden: not a class
     with caplog.at_level("WARNING", logger="stages.etl"):
         art = etl.run(EtlConfig(image_size=16, max_bad_fraction=0.5), str(tmp_path / "src"), str(tmp_path / "out"))
-    assert "broken" in art.manifest["classes"]  # the label space is the folders
-    assert "['broken'] have no usable image" in caplog.text
+    assert art.manifest["classes"] == ["bird", "broken", "cat", "empty"]  # the label space is the folders
+    assert "['broken', 'empty'] have no usable image" in caplog.text
+    before = etl.discover(str(tmp_path / "src"), None, "inside_source").fingerprint
+    (tmp_path / "src" / "empty2").mkdir()  # another class: the source changed, no cached answer holds
+    assert etl.discover(str(tmp_path / "src"), None, "inside_source").fingerprint != before
