@@ -104,7 +104,8 @@ def render(by_seed: dict[str, Any], rf: int) -> list[str]:
 def _stopped(seeds, rf: int) -> str:
     seeds = list(seeds)
     if any("asha_stopped" not in x for x in seeds):  # results from before 2026-11-26 02:40
-        return "A low ρ among contenders means early accuracy tells the bad configurations from the good ones but not the good ones from each other."
+        return ("A low ρ among contenders means early accuracy tells the bad configurations from the good "
+                "ones but not the good ones from each other.")
     stopped = sum(x.get("asha_stopped", 0) for x in seeds)
     in_top = sum(x.get("asha_stopped_in_top", 0) for x in seeds)
     return (f"ASHA stopped {stopped} goal trials at a rung; {in_top} of them stood in the top 1/{rf} of that "
