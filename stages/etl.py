@@ -59,7 +59,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
         raise InputNotFoundError(f"input '{source}' {what}; pass --input with a folder or s3:// prefix "
                                  f"laid out as <input>/<class_name>/<image file>")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
-    files, rejected, classes = [], [], set()
+    files, rejected, classes, spellings = [], [], set(), {}
     for entry in entries:
         if entry.problem:
             rejected.append(sources.entry_row(entry))
@@ -67,11 +67,17 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
             rejected.append(sources.entry_row(replace(entry, problem=(
                 "outside_class_folder", "file is not inside a <class_name>/ folder"))))
         else:
-            classes.add(sources.shown(entry.rel.split("/", 1)[0]))
+            name = sources.class_of(entry.rel)
+            classes.add(name)
+            spellings.setdefault(name, set()).add(entry.rel.split("/", 1)[0])
             files.append((entry.rel, entry.size))
     if not files:
         raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
                        f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
+    for name, folders in spellings.items():
+        if len(folders) > 1:
+            log.warning("etl: folders %s spell one class name in two Unicode forms (NFC, NFD): one class, '%s'",
+                        ", ".join(map(ascii, sorted(folders))), name)
     # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
     # is the folders (_log_summary names every class without a usable image)
     empty = sorted(set(sources.top_folders(fs, root)) - classes)
@@ -102,7 +108,7 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
     label_of = {name: i for i, name in enumerate(listing.classes)}
     by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
     for rel, size in listing.files:
-        label = label_of[sources.shown(rel.split("/", 1)[0])]
+        label = label_of[sources.class_of(rel)]
         by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label, size))
     rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
     tasks = []

@@ -12,6 +12,7 @@ exception, and both use the project's one eval transform (`predict.preprocess`,
 from __future__ import annotations
 
 import itertools
+import unicodedata
 from typing import Any, Iterator
 
 import numpy as np
@@ -42,7 +43,9 @@ class Reader:
     def __init__(self, info: dict, s3: dict, *, mode: str, source: str | None = None, raw: bool = False,
                  etl_classes: list | None = None):
         self.info, self.mode, self.raw = info, mode, raw
-        self.etl_classes, self.known = list(etl_classes or []), set(info["classes"])
+        self.etl_classes = list(etl_classes or [])
+        # a class folder's name -> the model's class: both in NFC, as ETL names classes
+        self.known = {unicodedata.normalize("NFC", c): c for c in info["classes"]}
         self.fs, self.root = storage.filesystem(source, s3) if source else (None, None)
         self.rules = read_rules(info)
         self.cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
@@ -51,10 +54,9 @@ class Reader:
         if self.mode == "images":
             rel = bytes.fromhex(item["name_hex"]).decode("utf-8", "surrogateescape") if item["name_hex"] \
                 else item["path"]
-            parent = item["path"].split("/", 1)[0] if "/" in item["path"] else None  # the class folder, as ETL
             return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
                      "reason": item["reason"], "detail": item["detail"],
-                     "true_class": parent if parent in self.known else None}]
+                     "true_class": self.known.get(sources.class_of(item["path"]))}]  # as ETL names it
         ref = streaming.ShardRef(**item)
         return [{"key": key, "path": path, "image": image, "true_class": self.etl_classes[label]}
                 for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format,

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import stat
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from workflow.core import storage
 from stages.images import BadImage
 
 __all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "top_folders",
-           "entry_row"]
+           "class_name", "class_of", "entry_row"]
 
 CHUNK_BYTES = 1 << 20
 
@@ -45,6 +46,17 @@ def shown(rel: str) -> str:
     return name_bytes(rel).decode("utf-8", "backslashreplace")
 
 
+def class_name(folder: str) -> str:
+    """A class folder's name as a class: printable, and in Unicode NFC, so that a folder copied from
+    macOS (NFD: 'e' + combining accent) and one made elsewhere (NFC: one code point) are one class."""
+    return unicodedata.normalize("NFC", shown(folder))
+
+
+def class_of(rel: str) -> str | None:
+    """The class of a file at `rel` (its first folder), or None for a file outside any folder."""
+    return class_name(rel.split("/", 1)[0]) if "/" in rel else None
+
+
 def tree_fingerprint(entries: list[Entry], empty_folders: list[str] = ()) -> str:
     """Cheap identity of a listing (names, sizes, mtimes): a changed or added file changes it, and
     so does an added empty class folder (a class of its own)."""
@@ -60,7 +72,7 @@ def top_folders(fs, root: str) -> list[str]:
     if not _is_local(fs):
         return []
     with os.scandir(root) as found:
-        return [shown(c.name) for c in found if not c.name.startswith(".") and c.is_dir(follow_symlinks=False)]
+        return [class_name(c.name) for c in found if not c.name.startswith(".") and c.is_dir(follow_symlinks=False)]
 
 
 def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:

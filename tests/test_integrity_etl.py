@@ -275,3 +275,24 @@ def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_sessio
     before = etl.discover(str(tmp_path / "src"), None, "inside_source").fingerprint
     (tmp_path / "src" / "empty2").mkdir()  # another class: the source changed, no cached answer holds
     assert etl.discover(str(tmp_path / "src"), None, "inside_source").fingerprint != before
+
+
+def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path, ray_session, caplog):
+    """A folder copied from macOS is named in NFD ('e' + a combining accent), one made elsewhere in
+    NFC: the same name to a person, so one class, and infer's true class matches either spelling."""
+    from stages.infer_decode import Reader
+
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    make_tree(tmp_path / "src", per_class=4, bad=False, classes=("bird", nfc))
+    (tmp_path / "src" / nfd).mkdir()
+    for f in sorted((tmp_path / "src" / nfc).iterdir())[:2]:
+        (tmp_path / "src" / nfd / f"mac-{f.name}").write_bytes(f.read_bytes())
+    with caplog.at_level("WARNING", logger="stages.etl"):
+        art = etl.run(EtlConfig(image_size=16), str(tmp_path / "src"), str(tmp_path / "out"))
+    assert art.manifest["classes"] == ["bird", nfc]
+    assert sum(c.get(nfc, 0) for c in art.manifest["counts"].values()) == 6
+    assert "two Unicode forms" in caplog.text and ascii(nfd) in caplog.text
+    reader = Reader({"classes": ["bird", nfd]}, {}, mode="images", raw=True)  # a model named in NFD
+    for folder in (nfc, nfd):
+        item = {"path": f"{folder}/x.jpg", "name_hex": "", "size": 1, "reason": None, "detail": None}
+        assert reader.samples(item)[0]["true_class"] == nfd  # the model's own spelling
