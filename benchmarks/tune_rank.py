@@ -106,8 +106,8 @@ def _stopped(seeds, rf: int) -> str:
     if any("asha_stopped" not in x for x in seeds):  # results from before 2026-11-26 02:40
         return ("A low ρ among contenders means early accuracy tells the bad configurations from the good "
                 "ones but not the good ones from each other.")
-    stopped = sum(x.get("asha_stopped", 0) for x in seeds)
-    in_top = sum(x.get("asha_stopped_in_top", 0) for x in seeds)
+    stopped = sum(x["asha_stopped"] for x in seeds)
+    in_top = sum(x["asha_stopped_in_top"] for x in seeds)
     return (f"ASHA stopped {stopped} goal trials at a rung; {in_top} of them stood in the top 1/{rf} of that "
             "whole rung. Ray's ASHA cuts a trial against the trials that reached the rung before it (it "
             "cannot wait for the rest), and early in a search those are few, so its cut-off is not the "
