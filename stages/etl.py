@@ -67,9 +67,10 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
             rejected.append(sources.entry_row(replace(entry, problem=(
                 "outside_class_folder", "file is not inside a <class_name>/ folder"))))
         else:
-            name = sources.class_of(entry.rel)
+            folder = entry.rel.split("/", 1)[0]
+            name = sources.class_name(folder)
             classes.add(name)
-            spellings.setdefault(name, set()).add(entry.rel.split("/", 1)[0])
+            spellings.setdefault(name, set()).add(folder)
             files.append((entry.rel, entry.size))
     if not files:
         raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "

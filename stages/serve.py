@@ -69,7 +69,7 @@ class Classifier:
                         os.environ.get("CUDA_VISIBLE_DEVICES"))
         model, self.info = load_model(model_path, s3)
         self.model = model.to(self.device)
-        self.formats = tuple(f.upper() for f in cfg.allowed_formats)
+        self.formats = cfg.allowed_formats  # upper-case Pillow names (config.ImageFormats)
         self._slot = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL  # one worst-case decode
         self.decodes = DecodeBudget(decode_slots(cfg) * self._slot)
         self._in_flight = 0  # classify() calls in progress on this replica

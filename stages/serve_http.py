@@ -215,8 +215,8 @@ class Ingress:
             self.model = {name: _Local(getattr(local, name)) for name in _MODEL_METHODS}
         else:  # one handle per model method, made once (each attribute access builds a new handle)
             self.model = {name: getattr(model, name) for name in _MODEL_METHODS}
-        formats = tuple(f.upper() for f in cfg.allowed_formats)
-        self.media_types = {MEDIA_TYPES[f] for f in formats if f in MEDIA_TYPES}
+        # upper-case Pillow names already (config.ImageFormats), as MEDIA_TYPES keys them
+        self.media_types = {MEDIA_TYPES[f] for f in cfg.allowed_formats if f in MEDIA_TYPES}
 
     @app.post("/predict", summary="Classify one image (raw body or multipart file)")
     async def predict(self, request: Request) -> JSONResponse:
