@@ -21,10 +21,11 @@ from typing import Optional
 __all__ = ["create_app", "main", "floor_app"]
 
 
-def floor_app(cfg):
+def floor_app(cfg, hops: int = 2):
     """Ray Serve's floor for `raymill serve` with ServeConfig `cfg`: the same two hops (a FastAPI
     ingress deployment -> a model deployment), the same queue limits and CPU requests, and the
-    body read and passed on, but the model deployment returns a constant: no decode, no model."""
+    body read and passed on, but the model deployment returns a constant: no decode, no model.
+    `hops=1` is the floor of serve.model_deployment=false: the ingress answers the constant itself."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
     from ray import serve
@@ -35,23 +36,31 @@ def floor_app(cfg):
     @serve.deployment(ray_actor_options={"num_cpus": cfg.cpus_per_replica}, **limits)
     class Constant:
         async def classify(self, data: bytes) -> dict:
-            return {"class_name": "c0", "class_index": 0, "bytes": len(data)}
+            return _constant(data)
 
     @serve.deployment(ray_actor_options={"num_cpus": cfg.ingress_cpus}, **limits)
     @serve.ingress(app)
     class FloorIngress:
-        def __init__(self, model):
-            self.classify = model.classify
+        def __init__(self, model=None):
+            self.classify = model.classify if model is not None else None
 
         @app.post("/predict")
         async def predict(self, request: Request) -> JSONResponse:
-            return JSONResponse(await self.classify.remote(await request.body()))
+            body = await request.body()
+            return JSONResponse(_constant(body) if self.classify is None else await self.classify.remote(body))
 
         @app.get("/healthz")
         async def healthz(self) -> dict:
             return {"status": "ok"}
 
-    return FloorIngress.bind(Constant.bind())
+    if hops == 2:
+        return FloorIngress.bind(Constant.bind())
+    # one hop: the ingress is the model replica, with its CPUs (stages.serve.build_app)
+    return FloorIngress.options(ray_actor_options={"num_cpus": cfg.cpus_per_replica}).bind()
+
+
+def _constant(data: bytes) -> dict:
+    return {"class_name": "c0", "class_index": 0, "bytes": len(data)}
 
 
 def create_app(model_dir: str, threads: int = 1):

@@ -4,14 +4,16 @@
 
   model     resnet50, 10 classes, 224 px, random weights (stages.publish.save_model), fp32.
   bodies    --bodies JPEGs of --size px (benchmarks/serve._jpegs), raw `image/jpeg` to /predict.
-  variants  apps on one Ray, each on its own route, every model replica on a third of a GPU
-            (serve.gpus_per_replica=0.33) so that the idle ones sit beside the measured one:
+  variants  apps on one Ray, each on its own route, every model replica on a fifth of a GPU
+            (serve.gpus_per_replica=0.2) so that the idle ones sit beside the measured one:
               batching on    `raymill serve` defaults with serve.use_gpu=true;
               batching off   the same with serve.batching=false;
               2 ingress      batching on with serve.ingress_replicas=2;
-              ray floor      Ray Serve's floor (benchmarks/serve_apps.floor_app): the same hops, limits
-                             and CPUs, returning a constant. Its c=32 requests/s over batching off's is
-                             the most that batching can gain through /predict on this node.
+              one hop, on/off  batching on / off with serve.model_deployment=false (the model
+                             in the ingress replica: no ingress -> model hop a request);
+              ray floor[, one hop]  Ray Serve's floor (benchmarks/serve_apps.floor_app) of each
+                             topology: the same hops, limits and CPUs, returning a constant. Its c=32
+                             requests/s over batching off's is the most that batching can gain.
   GPU       nvidia-smi utilisation, sampled every 200 ms while each level runs.
   batch     images/s through /v2 (binary tensors) with N images a request, 8 clients, against
             `raymill infer` with infer.use_gpu=true on the same model and JPEGs; then again on one
@@ -33,9 +35,12 @@ from benchmarks.common import targets_table, wait_for_quiet
 
 __all__ = ["add_arguments", "available", "run", "render"]
 
-VARIANTS = {"batching on": {}, "batching off": {"batching": False}, "2 ingress": {"ingress_replicas": 2}}
+VARIANTS = {"batching on": {}, "batching off": {"batching": False}, "2 ingress": {"ingress_replicas": 2},
+            "one hop, on": {"model_deployment": False}, "one hop, off": {"model_deployment": False, "batching": False}}
+# Ray's floor apps (benchmarks/serve_apps.floor_app) by hops: the no-model bound of each topology
+FLOORS = {"ray floor": 2, "ray floor, one hop": 1}
 BATCH_TARGET = 1.5  # issue 22: c=32 requests/s, batching on / off, resnet50 on the GPU
-GPU_SHARE = 0.33  # every variant's model replica on one GPU at once (3 x 0.33 <= 1)
+GPU_SHARE = 0.2  # every variant's model replica on one GPU at once (5 x 0.2 <= 1)
 # /v2 again on one app of 3 model replicas (3 processes) sharing the GPU: a replica's decodes are
 # threads under one GIL, so this shows how far /v2 scales with decoding processes.
 V2_REPLICAS = 3
@@ -85,8 +90,9 @@ def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
         for i, (name, change) in enumerate(VARIANTS.items()):
             cfg = base.model_copy(update={**change, "app_name": f"gpu{i}"})
             urls[name] = serve_stage.start(cfg, model_dir, route_prefix=f"/g{i}")
-        serve.run(floor_app(base), name="floor", route_prefix="/floor")
-        urls["ray floor"] = serve_stage.base_url(base) + "/floor"
+        for name, hops in FLOORS.items():
+            serve.run(floor_app(base, hops), name=f"floor{hops}", route_prefix=f"/floor{hops}")
+            urls[name] = serve_stage.base_url(base) + f"/floor{hops}"
         best: dict[str, dict[str, Any]] = {name: {} for name in urls}
         for _ in range(args.rounds):
             for k in (int(x) for x in args.levels.split(",")):
@@ -152,26 +158,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             import ray
             ray.shutdown()
     targets = _targets(best)
-    return {"device": torch.cuda.get_device_name(), "quiet": quiet, "bodies": args.bodies, "size": args.size,
+    return {"device": torch.cuda.get_device_name(), "quiet": quiet, "gpu_share": GPU_SHARE, "bodies": args.bodies,
+            "size": args.size,
             "levels": args.levels.split(","), "modes": best, "batch": batch, "infer": infer, "targets": targets}
 
 
 def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 22's batching row, and beside it the bound the node sets: Ray's floor app over batching
-    off, both at c=32. Batching cannot lift /predict past the proxy and ingress that the floor
-    measures, so where the bound is below the target, the target cannot be met on this node."""
-    on, off, floor = (best.get(v, {}).get("32", {}).get("rps") for v in ("batching on", "batching off", "ray floor"))
-    ratio = round(on / off, 2) if on and off else None
-    bound = round(floor / off, 2) if floor and off else None
-    return [{"target": f"c=32 req/s, batching on / off ≥ {BATCH_TARGET} (resnet50, GPU)", "measured": ratio,
-             "pass": ratio is not None and ratio >= BATCH_TARGET},
-            {"target": "bound: c=32 req/s, Ray's floor / batching off (the most batching can gain)",
-             "measured": bound, "pass": None}]
+    """Issue 22's batching row per topology, and beside each the bound that the node sets: Ray's
+    floor app of the same hops over batching off, both at c=32. Batching cannot lift /predict past
+    the proxy and ingress work that the floor measures, so a bound below the target means that
+    the target cannot be met with that topology on this node."""
+    rps = {name: per_level.get("32", {}).get("rps") for name, per_level in best.items()}
+    rows = []
+    for label, on, off, floor in (("two hops", "batching on", "batching off", "ray floor"),
+                                  ("one hop", "one hop, on", "one hop, off", "ray floor, one hop")):
+        on, off, floor = rps.get(on), rps.get(off), rps.get(floor)
+        ratio = round(on / off, 2) if on and off else None
+        rows += [{"target": f"c=32 req/s, batching on / off ≥ {BATCH_TARGET} (resnet50, GPU, {label})",
+                  "measured": ratio, "pass": ratio is not None and ratio >= BATCH_TARGET},
+                 {"target": f"bound: c=32 req/s, Ray's floor / batching off ({label})",
+                  "measured": round(floor / off, 2) if floor and off else None, "pass": None}]
+    return rows
 
 
 def render(r: dict[str, Any]) -> str:
-    levels = r["levels"]
-    lines = [f"resnet50, 224 px, fp32 on {r['device']}, model replicas of {GPU_SHARE} GPU; {r['bodies']} JPEGs of "
+    levels, share = r["levels"], r.get("gpu_share", 0.33)  # runs before 2026-11-26 used 0.33
+    lines = [f"resnet50, 224 px, fp32 on {r['device']}, model replicas of {share} GPU; {r['bodies']} JPEGs of "
              f"{r['size']} px as raw `image/jpeg`. Cells: client p50 ms / requests/s / GPU utilisation "
              "(nvidia-smi) (non-200 count if any).", "",
              "| variant | " + " | ".join(f"c={k}" for k in levels) + " |", "|---|" + "---:|" * len(levels)]
@@ -188,7 +200,7 @@ def render(r: dict[str, Any]) -> str:
     lines += [f"| {n} | {m['images_per_s']} | {m['p50_ms']} | {m['errors']} |" for n, m in b.items() if n.isdigit()]
     if spread := b.get("replicas"):  # runs before 2026-11-25 evening measured one replica only
         lines += ["", f"The same /v2 load on one app of {V2_REPLICAS} model replicas ({V2_REPLICAS} processes "
-                  f"decoding) of {GPU_SHARE} GPU each (GPU {(spread.get('gpu_util_smi') or 0):.0%} busy): "
+                  f"decoding) of {share} GPU each (GPU {(spread.get('gpu_util_smi') or 0):.0%} busy): "
                   + ", ".join(f"N={n} {m['images_per_s']} images/s" for n, m in spread.items() if n.isdigit())
                   + "."]
     return "\n".join(lines + [""] + targets_table(r["targets"]))

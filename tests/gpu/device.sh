@@ -4,10 +4,11 @@
 #   bash tests/gpu/device.sh check   # tests/gpu, then the acceptance `raymill run` on the GPU (~300 s)
 #   bash tests/gpu/device.sh one     # where the device time allows one call: serve_gpu, the acceptance
 #                                    # run, then tests/gpu (~500 s; benchmarks gpu is left out)
+#   bash tests/gpu/device.sh serve   # serve_gpu alone (~230 s)
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
 # timeout, so one that hangs leaves the others their time and its log still comes back.
 set -uo pipefail
-case "${1:-}" in bench|check|one) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one" >&2; exit 2 ;; esac
+case "${1:-}" in bench|check|one|serve) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/s/site ] || { mkdir -p /tmp/s && tar -xJf .gpusite/site.tar.xz -C /tmp/s; }
 export PYTHONPATH=/tmp/s/site:$PWD PATH=/tmp/s/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -44,5 +45,6 @@ case "${1:-}" in
     cp benchmarks/out/gpu.json "$OUT/" 2>/dev/null
     serve_gpu 190 ;;
   check) pytest_gpu 330; run_gpu 200 ;;
-  one) serve_gpu 200; run_gpu 120; pytest_gpu 230 ;;
+  one) serve_gpu 240; run_gpu 120; pytest_gpu 230 ;;
+  serve) serve_gpu 300 ;;
 esac
