@@ -82,19 +82,19 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     _, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
     resources = session.cluster_resources()
     decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
-    plan = _plan(cfg, source, info, s3, max(cfg.num_actors, decode["decode_tasks"]))
+    plan = _plan(cfg, source, info, s3, max(decode["num_actors"], decode["decode_tasks"]))
     out_fs, out_root = storage.filesystem(out, s3)
     if out_fs.exists(storage.join(out_root, MANIFEST)):
         out_fs.rm_file(storage.join(out_root, MANIFEST))  # unpublish: never old manifest + new files
     log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
-             plan.blocks, cfg.num_actors, decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
+             plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
                                                                if decode["decode_tasks"] else ""))
     table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
     table = table.sort_by([("path", "ascending"), ("key", "ascending")])
     if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
         raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
     metrics = _metrics(table, info["classes"], time.perf_counter() - started)
-    metrics.update(_device_metrics(cfg, decode["decode"], metrics["rows"] - metrics["errors"], busy_s, wall_s))
+    metrics.update(_device_metrics(cfg, decode, metrics["rows"] - metrics["errors"], busy_s, wall_s))
     inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
               "model_version": info.get("version"), **plan.inputs}
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
@@ -201,7 +201,7 @@ def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]
 
     res = session.plan_infer(cfg, resources)
     items = {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow"}
-    pool = {"compute": ray.data.ActorPoolStrategy(size=cfg.num_actors), "num_cpus": res["num_cpus"],
+    pool = {"compute": ray.data.ActorPoolStrategy(size=res["num_actors"]), "num_cpus": res["num_cpus"],
             "num_gpus": res["num_gpus"]}
     if res["decode"] == "actor":
         return {"predict": {**items, **pool}}
@@ -325,14 +325,14 @@ def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, A
     return metrics
 
 
-def _device_metrics(cfg: InferConfig, decode: str, predicted: int, busy_s: float, wall_s: float) -> dict[str, Any]:
+def _device_metrics(cfg: InferConfig, plan: dict, predicted: int, busy_s: float, wall_s: float) -> dict[str, Any]:
     """The device's share of the run, as training reports it (stages.meters): busy seconds summed
     over the actors (CUDA events around each forward pass; on a CPU, the forward pass's wall time)
-    against the actors' wall (`predict_wall_s` x infer.num_actors, from the plan's start to its
-    last row: model loads and waits for decoded images count as idle)."""
-    return {"decode": decode, "device": "cuda" if cfg.use_gpu else "cpu", "predict_wall_s": round(wall_s, 3),
-            "device_busy_s": round(busy_s, 4),
-            "device_utilisation": round(min(1.0, busy_s / max(wall_s * cfg.num_actors, 1e-9)), 4),
+    against the actors' wall (`predict_wall_s` x `actors`, the planned pool, from the plan's start
+    to its last row: model loads and waits for decoded images count as idle)."""
+    return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "actors": plan["num_actors"],
+            "predict_wall_s": round(wall_s, 3), "device_busy_s": round(busy_s, 4),
+            "device_utilisation": round(min(1.0, busy_s / max(wall_s * plan["num_actors"], 1e-9)), 4),
             "device_images_per_s": round(predicted / max(busy_s, 1e-9), 1)}
 
 

@@ -24,6 +24,7 @@ from stages.publish import save_model
 from stages.models import build_model
 from stages.predict import to_batch
 from workflow import demo_data
+from workflow.core import session
 from workflow.core.config import ConfigError, EtlConfig, InferConfig
 from tests.conftest import BAD_FILES, image_bytes, make_tree
 
@@ -228,6 +229,13 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     assert list(actor) == ["predict"] and actor["predict"]["batch_size"] == 4 and actor["predict"]["num_gpus"] == 1
     cpu = infer.map_batches_kwargs(InferConfig(), plan, {"CPU": 2.0, "GPU": 0.0})  # the CPU default: actors decode
     assert list(cpu) == ["predict"] and cpu["predict"]["num_gpus"] == 0
+    # infer.num_actors unset: one actor per GPU, as many as leave a decode task its CPU, else 1 on a CPU
+    eight = infer.map_batches_kwargs(InferConfig(use_gpu=True), plan, {"CPU": 16.0, "GPU": 8.0})
+    assert eight["predict"]["compute"].max_size == 8 and eight["decode"]["compute"].size == 8
+    assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 6.0, "GPU": 8.0})["num_actors"] == 5
+    assert session.plan_infer(InferConfig(), {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 1
+    with pytest.raises(ConfigError, match=r"1 actor\(s\) \(infer.num_actors unset\) needs 1 GPUs but the cluster has 0"):
+        session.plan_infer(InferConfig(use_gpu=True), {"CPU": 16.0, "GPU": 0.0})
     with pytest.raises(ConfigError, match="infer.num_actors=2 needs 2 GPUs but the cluster has 1"):
         infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 1.0})
     with pytest.raises(ConfigError, match=r"infer.decode=tasks: .* leave 0 of 2 CPUs, less than one decode task"):

@@ -147,7 +147,7 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
     a cluster (nodes use instance profiles / their own env); the S3 endpoint only for a cluster."""
     import ray
 
-    from workflow.core import session
+    from workflow.core import ray_start, session
     from workflow.core.config import RayConfig
 
     seen: dict = {}
@@ -155,7 +155,7 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
-    monkeypatch.setattr(session, "cluster_resources", lambda: {"CPU": 1.0, "GPU": 0.0})
+    monkeypatch.setattr(ray_start, "cluster_resources", lambda: {"CPU": 1.0, "GPU": 0.0})
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     monkeypatch.setenv("AWS_SESSION_TOKEN", "t0ken")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")

@@ -13,7 +13,7 @@ import logging
 from collections import defaultdict
 from typing import Iterator
 
-__all__ = ["node_resources", "free_node_resources", "units_that_fit"]
+__all__ = ["node_resources", "free_node_resources", "units_that_fit", "cluster_resources"]
 
 log = logging.getLogger(__name__)
 _COUNTED = ("CPU", "GPU", "memory")  # what the plans need; custom resources are left as totals
@@ -91,3 +91,18 @@ def _account(held: dict[str, dict[str, float]], most: int = 4) -> str:
         amounts += [f"{res['memory'] / 2**20:.0f} MB"] if res.get("memory") else []
         parts.append(f"{holder} {' '.join(amounts)}")
     return "; ".join(parts)
+
+
+def cluster_resources() -> dict[str, float]:
+    """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, and the fewest
+    CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node)."""
+    import ray
+
+    res = ray.cluster_resources()
+    nodes = node_resources()
+    gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
+    out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
+           "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0)))}
+    if gpu_nodes:
+        out["node_cpus_per_gpu"] = min(float(n.get("CPU", 0)) / float(n["GPU"]) for n in gpu_nodes)
+    return out

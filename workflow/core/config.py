@@ -265,7 +265,7 @@ def default_search_space(max_epochs: int) -> dict[str, Distribution]:
 class InferConfig(Section):
     split: Literal["train", "val", "test"] = "test"
     batch_size: int = Field(128, ge=1)
-    num_actors: int = Field(1, ge=1)
+    num_actors: int | None = Field(None, ge=1)  # unset: one per GPU with use_gpu, else 1 (session.plan_infer)
     cpus_per_actor: float = Field(1.0, gt=0)
     use_gpu: bool = False
     top_k: int = Field(3, ge=1)

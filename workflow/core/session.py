@@ -1,4 +1,4 @@
-"""The one place Ray is started, and where CPUs/GPUs are planned so no stage can deadlock.
+"""Where CPUs/GPUs are planned so no stage can deadlock, and Ray is started (workflow.core.ray_start).
 
 The trap this module exists for: TorchTrainer with 2 workers x 1 CPU on a 2-CPU Ray holds every
 CPU, and Ray Data's read tasks then wait forever. Every plan here keeps `data_reserved_cpus` free.
@@ -7,109 +7,20 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import asdict, dataclass
 
-from workflow.core.cluster import node_resources, units_that_fit
-from workflow.core.config import ConfigError, InferConfig, RayConfig, ServeConfig, TrainConfig, TuneConfig
-from workflow.core.exposure import LOCAL_ONLY_ENV, check_loopback, keep_local_on_loopback  # noqa: F401 (re-exported)
+from workflow.core.cluster import cluster_resources, units_that_fit
+from workflow.core.config import ConfigError, InferConfig, ServeConfig, TrainConfig, TuneConfig
+from workflow.core.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noqa: F401 (re-exported)
+from workflow.core.ray_start import dashboard_url, start  # noqa: F401 (re-exported)
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
            "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
-           "ServePlan", "plan_serve", "plan_infer"]
+           "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
 DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
 
-# Settings (not secrets) a cluster's workers need to reach the same S3 endpoint. Never credentials:
-# Ray logs the runtime env (README, "Credentials on a cluster"); local workers inherit the env.
-_FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                  "RAYMILL_VERBOSE",  # workflow.core.console: --verbose reaches workers
-                  "TORCH_CPP_LOG_LEVEL")  # console.quiet_torch_cpp
-_DASHBOARD: dict[str, str] = {}
-
-
-def start(cfg: RayConfig) -> dict[str, float]:
-    """Start (or join) Ray once per process and return the cluster's resources.
-
-    Embedded local Ray by default; `ray.address` joins a running cluster. Token authentication
-    is Ray 2.60's default and is left on. The dashboard (on unless `ray.include_dashboard=false`)
-    binds to `ray.dashboard_host`, 127.0.0.1 by default: it also hosts the State API that Ray
-    Train uses to free the placement groups of stopped runs. A local run keeps every Ray server
-    on loopback (`keep_local_on_loopback`).
-    """
-    if cfg.address is None:
-        keep_local_on_loopback()
-    import ray
-
-    from workflow.core import console
-
-    first = not ray.is_initialized()
-    if first:
-        kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
-                        "logging_level": logging.INFO if console.verbose() else logging.WARNING}
-        os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
-        runtime_env: dict = {"worker_process_setup_hook": console.WORKER_SETUP_HOOK}
-        if cfg.address:
-            env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-            kwargs.update(address=cfg.address, runtime_env={**runtime_env, **({"env_vars": env} if env else {})})
-        else:
-            kwargs["runtime_env"] = runtime_env
-            # The dashboard agent's Prometheus endpoint listens on every interface without the
-            # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
-            os.environ.setdefault("RAY_enable_metrics_collection", "0")
-            if cfg.include_dashboard:
-                kwargs["dashboard_port"] = _point_state_api_at_own_dashboard(cfg.dashboard_host)
-            # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever
-            # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
-            kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
-                          object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
-        context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
-        if not cfg.address:
-            check_loopback()
-        if getattr(context, "dashboard_url", None):
-            _DASHBOARD["url"] = f"http://{context.dashboard_url}"
-            log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
-        console.quiet_ray()
-    resources = cluster_resources()
-    log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
-            resources["CPU"], resources["GPU"], cfg.address or "local")
-    return resources
-
-
-def _point_state_api_at_own_dashboard(host: str) -> int:
-    """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
-    for the API server) before Ray starts, so every Ray process inherits it. Without it a State
-    API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
-    machine's processes and fails with "Found multiple active Ray instances" beside another
-    local Ray; the placement groups of stopped trials then stay reserved, and new trials wait."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
-    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
-    return port
-
-
-def dashboard_url() -> str | None:
-    """The dashboard this process started (None if Ray was started elsewhere or without one)."""
-    return _DASHBOARD.get("url")
-
-
-def cluster_resources() -> dict[str, float]:
-    """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, and the fewest
-    CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node)."""
-    import ray
-
-    res = ray.cluster_resources()
-    nodes = node_resources()
-    gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
-    out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
-           "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0)))}
-    if gpu_nodes:
-        out["node_cpus_per_gpu"] = min(float(n.get("CPU", 0)) / float(n["GPU"]) for n in gpu_nodes)
-    return out
 
 
 @dataclass(frozen=True)
@@ -381,19 +292,33 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
 
 
 def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
-    """Batch inference's plan: `decode` (tasks|actor), each actor's num_cpus/num_gpus, and with
+    """Batch inference's plan: `decode` (tasks|actor), the actors and each one's num_cpus/num_gpus, and with
     decode=tasks each decode task's CPUs and how many run at once. Decode tasks get only the CPUs
     the actor pool leaves, and a pool that leaves none is refused: it would starve Ray Data."""
     gpus, total, per_task = (1.0 if infer.use_gpu else 0.0), resources["CPU"], infer.decode_cpus_per_task
-    if infer.num_actors * gpus > resources["GPU"] + 1e-9:
-        raise ConfigError(f"infer.use_gpu with infer.num_actors={infer.num_actors} needs {infer.num_actors:g} GPUs "
-                          f"but the cluster has {resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
     decode = infer.decode if infer.decode != "auto" else "tasks" if infer.use_gpu else "actor"
-    left = total - infer.num_actors * infer.cpus_per_actor
+    actors = planned_actors(infer, resources, decode)
+    named = f"infer.num_actors={actors}" if infer.num_actors else f"{actors} actor(s) (infer.num_actors unset)"
+    if actors * gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"infer.use_gpu with {named} needs {actors:g} GPUs but the cluster has "
+                          f"{resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
+    left = total - actors * infer.cpus_per_actor
     if decode == "tasks" and left < per_task - 1e-9:
-        raise ConfigError(f"infer.decode=tasks: infer.num_actors={infer.num_actors} x infer.cpus_per_actor="
+        raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
                           f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
                           f"task (infer.decode_cpus_per_task={per_task:g}); lower them, or set infer.decode=actor")
     tasks = int(left / per_task + 1e-9) if decode == "tasks" else 0
-    return {"decode": decode, "num_cpus": infer.cpus_per_actor, "num_gpus": gpus,
+    return {"decode": decode, "num_actors": actors, "num_cpus": infer.cpus_per_actor, "num_gpus": gpus,
             "decode_cpus": per_task if tasks else 0.0, "decode_tasks": tasks}
+
+
+def planned_actors(infer: InferConfig, resources: dict[str, float], decode: str) -> int:
+    """`infer.num_actors`, or where unset: with use_gpu one actor per GPU the cluster has (as
+    training plans its workers: an 8-GPU node predicts on all 8), as many as leave one decode task
+    its CPUs (decode=tasks); on a CPU, 1."""
+    if infer.num_actors or not infer.use_gpu:
+        return infer.num_actors or 1
+    actors = int(resources["GPU"] + 1e-9)
+    if decode == "tasks":
+        actors = min(actors, int((resources["CPU"] - infer.decode_cpus_per_task) / infer.cpus_per_actor + 1e-9))
+    return max(1, actors)
