@@ -181,6 +181,11 @@ def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _marginal(infer: dict[str, Any]) -> str:
+    rate = infer.get("marginal_images_per_s")
+    return f"{rate} marginal" if rate else "no marginal rate (the quarter-size run took at least as long: start-up dominates)"
+
+
 def render(r: dict[str, Any]) -> str:
     levels, share = r["levels"], r.get("gpu_share", 0.33)  # runs before 2026-11-26 used 0.33
     lines = [f"resnet50, 224 px, fp32 on {r['device']}, model replicas of {share} GPU; {r['bodies']} JPEGs of "
@@ -195,7 +200,7 @@ def render(r: dict[str, Any]) -> str:
     lines += ["", f"/v2 images/s by images a request (8 clients, batching on; GPU {(b.get('gpu_util_smi') or 0):.0%} "
               f"busy over all sizes), against `raymill infer` with infer.use_gpu=true: {infer['images_per_s']} "
               f"images/s end to end ({infer['images']} images in {infer['seconds']} s), "
-              f"{infer['marginal_images_per_s']} marginal:", "",
+              f"{_marginal(infer)}:", "",
               "| images a request | images/s | request p50 ms | non-200 |", "|---:|---:|---:|---:|"]
     lines += [f"| {n} | {m['images_per_s']} | {m['p50_ms']} | {m['errors']} |" for n, m in b.items() if n.isdigit()]
     if spread := b.get("replicas"):  # runs before 2026-11-25 evening measured one replica only

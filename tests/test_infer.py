@@ -233,6 +233,9 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     eight = infer.map_batches_kwargs(InferConfig(use_gpu=True), plan, {"CPU": 16.0, "GPU": 8.0})
     assert eight["predict"]["compute"].max_size == 8 and eight["decode"]["compute"].size == 8
     assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 6.0, "GPU": 8.0})["num_actors"] == 5
+    big = InferConfig(use_gpu=True, decode="actor", cpus_per_actor=4)  # 16 CPUs hold 4 such actors, not 8
+    assert session.plan_infer(big, {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 4
+    assert session.plan_infer(big, {"CPU": 64.0, "GPU": 8.0, "node_cpus_per_gpu": 2.0})["num_actors"] == 4
     assert session.plan_infer(InferConfig(), {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 1
     with pytest.raises(ConfigError, match=r"1 actor\(s\) \(infer.num_actors unset\) needs 1 GPUs but the cluster has 0"):
         session.plan_infer(InferConfig(use_gpu=True), {"CPU": 16.0, "GPU": 0.0})

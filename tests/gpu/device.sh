@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of tests/gpu/README.md, sized for the device's 10-minute call limit.
-#   bash tests/gpu/device.sh bench   # benchmarks gpu + serve_gpu (~400 s), results under $OUT
+#   bash tests/gpu/device.sh bench   # benchmarks gpu + serve_gpu (~370 s), results under $OUT
 #   bash tests/gpu/device.sh check   # tests/gpu, then the acceptance `raymill run` on the GPU (~300 s)
 #   bash tests/gpu/device.sh one     # where the device time allows one call: serve_gpu, the acceptance
 #                                    # run, then tests/gpu (~500 s; benchmarks gpu is left out)
@@ -43,8 +43,8 @@ case "${1:-}" in
   bench)
     step bench_gpu 200 python3 -m benchmarks gpu --wait-for-quiet 20
     cp benchmarks/out/gpu.json "$OUT/" 2>/dev/null
-    serve_gpu 190 ;;
+    serve_gpu 260 ;;
   check) pytest_gpu 330; run_gpu 200 ;;
-  one) serve_gpu 240; run_gpu 120; pytest_gpu 230 ;;
+  one) serve_gpu 240; run_gpu 120; pytest_gpu 200 ;;
   serve) serve_gpu 300 ;;
 esac

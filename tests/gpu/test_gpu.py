@@ -11,6 +11,7 @@ import torch
 
 from stages import decoded_tier, infer, meters, train
 from tests.conftest import REPO, demo_dataset
+from workflow.core import session
 from workflow.core.config import load_config
 
 # train.num_workers unset: planned, one worker per GPU (the acceptance run's default on any GPU node)
@@ -58,7 +59,9 @@ def test_raymill_infer_with_use_gpu(trained, tmp_path):
     m = out.manifest["metrics"]
     assert m["rows"] > 0 and m["errors"] == 0 and m["decode"] == "tasks" and m["device"] == "cuda"
     assert 0 < m["device_utilisation"] <= 1 and m["device_images_per_s"] > 0
-    assert m["actors"] == max(1, torch.cuda.device_count())  # infer.num_actors unset: one per GPU
+    # infer.num_actors unset: the planned pool, one actor per GPU as far as the CPUs hold them
+    assert 1 <= m["actors"] <= torch.cuda.device_count()
+    assert m["actors"] == session.plan_infer(cfg.infer, session.cluster_resources())["num_actors"]
     assert 0 < m["device_busy_s"] <= m["predict_wall_s"] * m["actors"] + 1e-6
 
 

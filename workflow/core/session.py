@@ -314,11 +314,12 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
 
 def planned_actors(infer: InferConfig, resources: dict[str, float], decode: str) -> int:
     """`infer.num_actors`, or where unset: with use_gpu one actor per GPU the cluster has (as
-    training plans its workers: an 8-GPU node predicts on all 8), as many as leave one decode task
-    its CPUs (decode=tasks); on a CPU, 1."""
+    training plans its workers: an 8-GPU node predicts on all 8), as many as the CPUs hold (those
+    of a GPU node, and with decode=tasks one decode task's left beside them); on a CPU, 1. Made
+    on the cluster's totals, as training's plan is: beside other GPU work, set infer.num_actors."""
     if infer.num_actors or not infer.use_gpu:
         return infer.num_actors or 1
-    actors = int(resources["GPU"] + 1e-9)
-    if decode == "tasks":
-        actors = min(actors, int((resources["CPU"] - infer.decode_cpus_per_task) / infer.cpus_per_actor + 1e-9))
-    return max(1, actors)
+    cpus = resources["CPU"] - (infer.decode_cpus_per_task if decode == "tasks" else 0.0)
+    # a GPU node's CPUs may hold fewer actors than it has GPUs
+    per_gpu = min(1.0, resources.get("node_cpus_per_gpu", math.inf) / infer.cpus_per_actor)
+    return max(1, min(int(resources["GPU"] * per_gpu + 1e-9), int(cpus / infer.cpus_per_actor + 1e-9)))
