@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ray.shutdown()
     targets = _targets(best)
     return {"device": torch.cuda.get_device_name(), "quiet": quiet, "gpu_share": GPU_SHARE, "bodies": args.bodies,
-            "size": args.size,
-            "levels": args.levels.split(","), "modes": best, "batch": batch, "infer": infer, "targets": targets}
+            "size": args.size, "levels": args.levels.split(","), "modes": best, "batch": batch, "infer": infer,
+            "targets": targets}
 
 
 def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -183,7 +183,9 @@ def _targets(best: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _marginal(infer: dict[str, Any]) -> str:
     rate = infer.get("marginal_images_per_s")
-    return f"{rate} marginal" if rate else "no marginal rate (the quarter-size run took at least as long: start-up dominates)"
+    if rate:
+        return f"{rate} marginal"
+    return "no marginal rate (the quarter-size run took at least as long: start-up dominates)"
 
 
 def render(r: dict[str, Any]) -> str:

@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
 
 
-
 @dataclass(frozen=True)
 class WorkerPlan:
     """Resources for one TorchTrainer run: what each worker holds, and what stays free."""
@@ -292,9 +291,10 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
 
 
 def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
-    """Batch inference's plan: `decode` (tasks|actor), the actors and each one's num_cpus/num_gpus, and with
-    decode=tasks each decode task's CPUs and how many run at once. Decode tasks get only the CPUs
-    the actor pool leaves, and a pool that leaves none is refused: it would starve Ray Data."""
+    """Batch inference's plan: `decode` (tasks|actor), the actors (`num_actors`) and each one's
+    num_cpus/num_gpus, and with decode=tasks each decode task's CPUs and how many run at once.
+    Decode tasks get only the CPUs the actor pool leaves, and a pool that leaves none is refused:
+    it would starve Ray Data."""
     gpus, total, per_task = (1.0 if infer.use_gpu else 0.0), resources["CPU"], infer.decode_cpus_per_task
     decode = infer.decode if infer.decode != "auto" else "tasks" if infer.use_gpu else "actor"
     actors = planned_actors(infer, resources, decode)
