@@ -242,9 +242,17 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
 
 
 def root_cause(e: BaseException) -> str:
+    """The deepest exception of the chain that says something. A Ray task or actor error's text is
+    the remote traceback: its last line is the remote error (Ray Data's SystemException under it
+    is empty, and once was all an actor that failed to start left in the message)."""
+    said = e
     while e.__cause__ is not None:
         e = e.__cause__
-    return f"{type(e).__name__}: {e}"
+        said = e if str(e).strip() else said
+    text = str(said).strip()
+    if '\n  File "' in text:  # a remote traceback: its last line names the error
+        text = text.splitlines()[-1]
+    return f"{type(said).__name__}: {text}"
 
 
 def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:

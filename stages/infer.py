@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import math
+import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -242,6 +243,11 @@ class BatchPredictor:
 
     def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
         torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
+        if use_gpu and not torch.cuda.is_available():  # Ray declared a GPU that torch cannot use
+            raise RuntimeError(f"infer.use_gpu: this actor holds a GPU in Ray, but torch {torch.__version__} sees no "
+                               f"CUDA device (CUDA build: {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); set infer.use_gpu=false, or give the "
+                               "GPU nodes a CUDA build of torch and working drivers")
         self.model, self.info = predict.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model.to(self.device)

@@ -207,6 +207,18 @@ def _echo(batch):
     return batch
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there: tests/gpu runs this plan")
+def test_use_gpu_where_ray_declares_a_gpu_torch_cannot_use_fails_saying_so(setup, tmp_path):
+    """The session's Ray declares a GPU with no device behind it: the GPU pool's actor cannot start.
+    The error names the key and the fix (it used to end in Ray Data's empty 'SystemException: '),
+    and nothing is published."""
+    data, model_path = setup
+    with pytest.raises(infer.InferError, match=r"ActorDiedError: RuntimeError: infer.use_gpu: this actor holds a GPU "
+                                               r"in Ray, but torch .* sees no CUDA device .* set infer.use_gpu=false"):
+        infer.run(InferConfig(use_gpu=True), model_path, data.path, str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_session):
     """infer.use_gpu on a CPU machine: the arguments each stage of the GPU plan hands map_batches,
     which Ray Data checks when the stage is declared (a missing batch_size with GPUs raised
