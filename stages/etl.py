@@ -56,8 +56,8 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root) or not fs.isdir(root):
         what = "is a file, not a folder" if fs.exists(root) else "does not exist"
-        raise InputNotFoundError(f"input '{source}' {what}; pass --input with a folder or s3:// prefix "
-                                 f"laid out as <input>/<class_name>/<image file>")
+        raise InputNotFoundError(f"input '{source}' {what}; pass --input (run.source for `raymill run`) "
+                                 f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file>")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     files, rejected, classes, spellings = [], [], set(), {}
     for entry in entries:
