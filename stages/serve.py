@@ -55,6 +55,20 @@ def decode_slots(cfg: ServeConfig) -> int:
     return max(1, min(cfg.max_ongoing_requests, free // per_decode))
 
 
+def _past_request_cap(costs: list[int], cfg: ServeConfig) -> dict[str, Any] | None:
+    """The error naming the first image past serve.max_request_pixels, or None. Without the cap a
+    /v2 request of 64 tiny 40 MP PNGs decoded for seconds while later requests queued behind it."""
+    cap = max(cfg.max_request_pixels, cfg.max_image_pixels) * DECODE_BYTES_PER_PIXEL
+    total = 0
+    for index, cost in enumerate(costs):
+        total += cost
+        if total > cap:
+            return {"error": "too_large", "index": index,
+                    "detail": f"the request's images hold more than serve.max_request_pixels="
+                              f"{max(cfg.max_request_pixels, cfg.max_image_pixels)} px together; split the request"}
+    return None
+
+
 class Classifier:
     """One model replica: loads the model once, then decodes, batches and classifies images."""
 
@@ -105,7 +119,11 @@ class Classifier:
     async def classify_many(self, images: list[bytes]) -> dict[str, Any]:
         """One request's images, answered in one forward pass: {results, model_version}, or
         {error, detail, index} naming the first unusable image (the request's fault, no answers)."""
-        decoded = await asyncio.gather(*(self._decode(data) for data in images))
+        costs = [self._cost(data) for data in images]  # headers only: nothing decodes yet
+        if (over := _past_request_cap(costs, self.cfg)) is not None:
+            return over
+        decoded = await asyncio.gather(*(self.decodes.run(cost, self._decode_now, data)
+                                         for cost, data in zip(costs, images)))
         for index, (_, error) in enumerate(decoded):
             if error:
                 return {**error, "index": index}

@@ -36,7 +36,7 @@ from stages import serve_v2
 from stages.serve_v2 import V2Error
 from workflow.core.config import ServeConfig
 
-__all__ = ["Ingress", "HTTPError", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
+__all__ = ["Ingress", "HTTPError", "printable", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
            "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "
                "GIF": "image/gif", "TIFF": "image/tiff"}
 # BadImage.reason -> HTTP status; reasons not listed are 400 (the bytes are not a usable image).
 IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large": 413}
+_GZIP_MEMBERS = 16  # members of one gzip body (a streaming compressor writes a few)
 # A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
 _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
@@ -62,7 +63,13 @@ class HTTPError(Exception):
         self.status, self.error, self.detail, self.headers = status, error, detail, headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.error, "detail": self.detail}, self.status, self.headers)
+        return JSONResponse({"error": self.error, "detail": printable(self.detail)}, self.status, self.headers)
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a client's lone surrogate ('\\ud800' is legal JSON) quoted
+    in an error message made the error response itself fail to encode, a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 async def guarded(work: Awaitable[JSONResponse]) -> JSONResponse:
@@ -81,9 +88,9 @@ async def guarded_v2(work: Awaitable[Response]) -> Response:
     try:
         return await work
     except V2Error as e:
-        return JSONResponse({"error": e.message}, e.status)
+        return JSONResponse({"error": printable(e.message)}, e.status)
     except HTTPError as e:  # the shared checks (body size, model failure) in the protocol's shape
-        return JSONResponse({"error": f"{e.error}: {e.detail}"}, e.status, e.headers)
+        return JSONResponse({"error": printable(f"{e.error}: {e.detail}")}, e.status, e.headers)
     except Exception:
         log.exception("v2 request failed inside the app")
         return JSONResponse({"error": "the server failed on this request; retry later"}, 503)
@@ -155,17 +162,33 @@ def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:
         raise HTTPError(415, "unsupported_content_encoding",
                         f"Content-Encoding '{encoding[:40]}'; send the body as gzip, deflate or identity")
     for wbits in tries:
-        inflate = zlib.decompressobj(wbits)
         try:
-            plain = inflate.decompress(body, limit + 1)
+            plain = _inflate(body, wbits, limit, encoding)
         except zlib.error:
             continue
-        if len(plain) > limit or inflate.unconsumed_tail:
-            raise HTTPError(413, "too_large", f"the {encoding} body inflates past serve.max_body_bytes={limit}; "
-                                              "send a smaller image")
-        if inflate.eof:
+        if plain is not None:
             return plain
     raise HTTPError(400, "bad_content_encoding", f"the body is not a complete {encoding} stream")
+
+
+def _inflate(body: bytes, wbits: int, limit: int, encoding: str) -> bytes | None:
+    """Every member of a gzip body (RFC 1952 allows several; Python's gzip reads them all), or
+    the one zlib/deflate stream; None when the body ends inside a stream or goes on after it."""
+    parts, size, rest = [], 0, body
+    for _ in range(_GZIP_MEMBERS):  # each member copies the rest of the body: a cap, not 200k members
+        inflate = zlib.decompressobj(wbits)
+        parts.append(inflate.decompress(rest, limit + 1 - size))
+        size += len(parts[-1])
+        if size > limit or inflate.unconsumed_tail:
+            raise HTTPError(413, "too_large", f"the {encoding} body inflates past serve.max_body_bytes={limit}; "
+                                              "send a smaller image")
+        rest = inflate.unused_data
+        if not inflate.eof or (rest and wbits != 16 + zlib.MAX_WBITS):
+            return None
+        if not rest.strip(b"\0"):  # gzip(1) accepts zero padding after the last member
+            return b"".join(parts)
+    raise HTTPError(400, "bad_content_encoding", f"the body holds more than {_GZIP_MEMBERS} gzip members; "
+                                                 "compress it as one")
 
 
 async def first_file(body: bytes, request: Request) -> bytes:

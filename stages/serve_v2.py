@@ -102,12 +102,13 @@ def parse_infer(body: bytes, header_length: str | None, max_images: int) -> Infe
         raise V2Error(400, f"'inputs' must hold exactly one tensor, '{INPUT}' (BYTES, shape [N])")
     tensor = inputs[0]
     if tensor.get("name") != INPUT:
-        raise V2Error(400, f"unknown input '{tensor.get('name')}'; the model's one input is '{INPUT}'")
+        raise V2Error(400, f"unknown input {tensor.get('name')!r:.80}; the model's one input is '{INPUT}'")
     if tensor.get("datatype") != "BYTES":
-        raise V2Error(400, f"input '{INPUT}' has datatype {tensor.get('datatype')}; send BYTES (encoded images)")
+        raise V2Error(400, f"input '{INPUT}' has datatype {tensor.get('datatype')!r:.80}; send BYTES (encoded images)")
     shape = tensor.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and shape[0] >= 1):
-        raise V2Error(400, f"input '{INPUT}' has shape {shape}; send shape [N], N >= 1 images")
+    # a JSON true is a Python int too: [true] is no shape
+    if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 1):
+        raise V2Error(400, f"input '{INPUT}' has shape {shape!r:.80}; send shape [N], N >= 1 images")
     if shape[0] > max_images:
         raise V2Error(413, f"{shape[0]} images in one request exceed serve.max_images_per_request="
                            f"{max_images}; split the request")
@@ -142,8 +143,8 @@ def _tensor_images(tensor: dict, binary: bytes) -> list[bytes]:
     if size is not None:
         if "data" in tensor:
             raise V2Error(400, f"input '{INPUT}' has both 'data' and binary_data_size; send one")
-        if not isinstance(size, int) or size != len(binary):
-            raise V2Error(400, f"input '{INPUT}' declares binary_data_size {size} but {len(binary)} "
+        if type(size) is not int or size != len(binary):
+            raise V2Error(400, f"input '{INPUT}' declares binary_data_size {size!r:.40} but {len(binary)} "
                                f"bytes follow the JSON header")
         return split_bytes(binary)
     if binary:
@@ -162,7 +163,8 @@ def _tensor_images(tensor: dict, binary: bytes) -> list[bytes]:
 def _requested_outputs(header: dict) -> dict[str, bool]:
     """Which outputs to answer and in which form (all, as JSON, unless the request says)."""
     parameters = header.get("parameters") or {}
-    default_binary = bool(isinstance(parameters, dict) and parameters.get("binary_data_output", False))
+    default_binary = _flag(parameters.get("binary_data_output", False) if isinstance(parameters, dict) else False,
+                           "parameters.binary_data_output")
     requested = header.get("outputs")
     if requested is None or requested == []:  # Triton reads an empty list as "all outputs" too
         return {name: default_binary for name in OUTPUTS}
@@ -173,11 +175,22 @@ def _requested_outputs(header: dict) -> dict[str, bool]:
         name, params = output.get("name"), output.get("parameters") or {}
         if not isinstance(name, str) or name not in OUTPUTS:
             raise V2Error(400, f"unknown output {name!r:.80}; the model answers {', '.join(OUTPUTS)}")
-        if not isinstance(params, dict) or params.get("classification"):
+        if name in outputs:
+            raise V2Error(400, f"output '{name}' is requested twice; name each output once")
+        if not isinstance(params, dict):
+            raise V2Error(400, f"output '{name}': 'parameters' must be an object, e.g. {{\"binary_data\": true}}")
+        if params.get("classification"):
             raise V2Error(400, f"output '{name}': the classification extension is not supported; "
                                f"read top_k_index and top_k_probability")
-        outputs[name] = bool(params.get("binary_data", default_binary))
+        outputs[name] = _flag(params.get("binary_data", default_binary), f"output '{name}': binary_data")
     return outputs
+
+
+def _flag(value: Any, what: str) -> bool:
+    """A JSON boolean; the string "false" would otherwise read as true."""
+    if not isinstance(value, bool):
+        raise V2Error(400, f"{what} is {value!r:.40}; send true or false")
+    return value
 
 
 def encode_infer(results: list[dict], request: InferRequest, name: str,

@@ -100,6 +100,17 @@ def bomb_png() -> bytes:
     return buf.getvalue()
 
 
+def many_scans_jpeg(repeats: int = 120) -> bytes:
+    """A valid progressive JPEG whose last scan repeats: decode time grows with every scan."""
+    buf = io.BytesIO()
+    y, x = np.mgrid[0:150, 0:200]
+    gradient = np.stack([x, y, x + y], -1).astype(np.uint8)
+    Image.fromarray(gradient).save(buf, format="JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    last = data[data.rindex(b"\xff\xda"):-2]  # the last scan's header and data, without EOI
+    return data[:-2] + last * repeats + b"\xff\xd9"
+
+
 BAD_FILES = {
     # relative path -> (bytes, expected quarantine reason)
     "cat/zero.jpg": (b"", "empty_file"),
@@ -108,6 +119,7 @@ BAD_FILES = {
     "dog/notes.jpg": (b"this is a text file, not a photo\n" * 20, "not_an_image"),
     "bird/bomb.png": (None, "decompression_bomb"),
     "bird/scan.tiff": (None, "unsupported_format"),
+    "dog/scans.jpg": (None, "decompression_bomb"),  # a JPEG of 130 scans
 }
 
 
@@ -127,7 +139,7 @@ def make_tree(root: Path, per_class: int = 8, bad: bool = True, classes=("bird",
         tiff = io.BytesIO()
         Image.new("RGB", (30, 30)).save(tiff, format="TIFF")
         fill = {"cat/truncated.jpg": good_jpeg[: len(good_jpeg) // 2], "bird/bomb.png": bomb_png(),
-                "bird/scan.tiff": tiff.getvalue()}
+                "bird/scan.tiff": tiff.getvalue(), "dog/scans.jpg": many_scans_jpeg()}
         for rel, (data, reason) in BAD_FILES.items():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_bytes(fill.get(rel, data))

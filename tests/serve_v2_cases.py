@@ -7,11 +7,13 @@ module-scoped `app` fixture): no Serve start of their own.
 from __future__ import annotations
 
 import base64
+import io
 import json
 
 import httpx
 import numpy as np
 import pytest
+from PIL import Image
 
 from stages import serve_v2
 from tests.conftest import image_bytes
@@ -99,7 +101,7 @@ def test_v2_tritonclient_gets_4xx(app):
     client, good = _client(app[1]), [image_bytes(410), image_bytes(411)]
     cases = {  # what: (model, input, status, words in the error)
         "wrong shape": (MODEL, _images_input([good], shape=[1, 2]), "400", "shape [N]"),
-        "wrong datatype": (MODEL, _images_input(np.ones(2, np.float32), "FP32"), "400", "datatype FP32"),
+        "wrong datatype": (MODEL, _images_input(np.ones(2, np.float32), "FP32"), "400", "datatype 'FP32'"),
         "wrong model name": ("nope", _images_input(good), "404", "unknown model 'nope'"),
         "non-image bytes": (MODEL, _images_input([good[0], b"not an image at all"]), "400",
                             "element 1: not_an_image"),
@@ -110,6 +112,12 @@ def test_v2_tritonclient_gets_4xx(app):
         assert raised.value.status() == status and words in raised.value.message(), (what, raised.value)
 
 
+def _png_of(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", (width, height), 128).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _body(header: dict, binary: bytes = b"") -> tuple[bytes, dict]:
     text = json.dumps(header).encode()
     return text + binary, ({serve_v2.HEADER: str(len(text))} if binary else {})
@@ -118,6 +126,7 @@ def _body(header: dict, binary: bytes = b"") -> tuple[bytes, dict]:
 _JPEG = image_bytes(420)
 _B64 = base64.b64encode(_JPEG).decode()
 _ONE = {"name": "images", "datatype": "BYTES", "shape": [1]}
+_FLAT_4MP = base64.b64encode(_png_of(2000, 2000)).decode()
 V2_BAD = {  # id: ((body, headers), status, words in the error)
     "bad json": ((b"{not json", {}), 400, "does not parse"),
     "no inputs": (_body({"outputs": []}), 400, "exactly one tensor"),
@@ -137,6 +146,22 @@ V2_BAD = {  # id: ((body, headers), status, words in the error)
                                  "unknown output ['x']"),
     "non-ASCII digit header length": ((b"{}", {serve_v2.HEADER: "\u00b2".encode("latin-1")}), 400,
                                       "not a length within"),
+    # a lone surrogate is legal JSON: quoted in the error, it once made the error itself a 500
+    "lone surrogate as input name": (_body({"inputs": [{**_ONE, "name": "\ud800", "data": [_B64]}]}), 400,
+                                     "unknown input '\\ud800'"),
+    "lone surrogate as datatype": (_body({"inputs": [{**_ONE, "datatype": "\ud800", "data": [_B64]}]}), 400,
+                                   "has datatype"),
+    "shape [true]": (_body({"inputs": [{**_ONE, "shape": [True], "data": [_B64]}]}), 400, "send shape [N]"),
+    "output named twice": (_body({"inputs": [{**_ONE, "data": [_B64]}],
+                                  "outputs": [{"name": "class_name"}, {"name": "class_name"}]}), 400, "requested twice"),
+    "binary_data as a string": (_body({"inputs": [{**_ONE, "data": [_B64]}], "outputs": [
+        {"name": "class_name", "parameters": {"binary_data": "false"}}]}), 400, "send true or false"),
+    "output parameters not an object": (_body({"inputs": [{**_ONE, "data": [_B64]}],
+                                               "outputs": [{"name": "class_name", "parameters": "x"}]}), 400,
+                                        "must be an object"),
+    # 4 x 2000x2000 px (tiny PNGs): the 4th passes the app's serve.max_request_pixels=12 M (headers only)
+    "past the request's pixels": (_body({"inputs": [{**_ONE, "shape": [4], "data": [_FLAT_4MP] * 4}]}), 413,
+                                  "element 3: too_large"),
     "brotli body": ((b"{}", {"content-encoding": "br"}), 415, "unsupported_content_encoding"),
 }
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from stages import serve as serve_stage
 from stages import serve_http
-from tests.conftest import bomb_png, free_port, image_bytes
+from tests.conftest import bomb_png, free_port, image_bytes, many_scans_jpeg
 # The /v2 (Open Inference Protocol) tests run here, against this module's served app: no second Serve start.
 from tests.serve_v2_cases import *  # noqa: F401,F403
 from workflow.core.config import ServeConfig
@@ -54,7 +54,8 @@ def app(ray_session, model_dir):
 
     # 5 MP at most, 768 MB per replica: (768 - 512) MB / (5 MP x 16 B) = 3 concurrent decodes.
     cfg = ServeConfig(port=free_port(), app_name="test-serve", max_body_bytes=MAX_BODY,
-                      max_image_pixels=5_000_000, replica_memory_mb=768, request_timeout_s=30.0)
+                      max_image_pixels=5_000_000, max_request_pixels=12_000_000, replica_memory_mb=768,
+                      request_timeout_s=30.0)
     url = serve_stage.start(cfg, model_dir)
     pid = httpx.get(f"{url}/healthz").json()["pid"]
     yield cfg, url, pid
@@ -230,7 +231,8 @@ def test_same_image_same_answer_raw_multipart_and_compressed(client):
     raw = client.post("/predict", content=data, headers=JPEG).json()
     form = client.post("/predict", files={"f": ("a.jpg", data, "image/jpeg")}).json()
     assert raw["top_k"] == form["top_k"]
-    for encoding, body in (("gzip", _gzip(data)), ("deflate", zlib.compress(data))):
+    two_members = _gzip(data[:100]) + _gzip(data[100:])  # RFC 1952: one body, several members
+    for encoding, body in (("gzip", _gzip(data)), ("deflate", zlib.compress(data)), ("gzip", two_members)):
         r = client.post("/predict", content=body, headers={**JPEG, "content-encoding": encoding})
         assert r.status_code == 200 and r.json()["top_k"] == raw["top_k"], (encoding, r.text)
 
@@ -301,6 +303,10 @@ BAD = {
     "gzip-corrupt": (dict(content=_gzip(_good)[:-40], headers={**JPEG, "content-encoding": "gzip"}), 400,
                      "bad_content_encoding"),
     "brotli": (dict(content=_good, headers={**JPEG, "content-encoding": "br"}), 415, "unsupported_content_encoding"),
+    "gzip-then-junk": (dict(content=_gzip(_good) + b"junk", headers={**JPEG, "content-encoding": "gzip"}), 400,
+                       "bad_content_encoding"),
+    # 200x150 px, 130 scans: decode time grows with each (a 36 MP one of 2,000 took 24 s)
+    "jpeg-many-scans": (dict(content=many_scans_jpeg(), headers=JPEG), 413, "decompression_bomb"),
 }
 
 

@@ -304,6 +304,8 @@ class ServeConfig(Section):
     model_name: str = Field("raymill", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     # Images one /v2 infer request may carry; they go through one forward pass together.
     max_images_per_request: int = Field(64, ge=1)
+    # Their pixels together (headers, before any decode; at least max_image_pixels): decode time is pixels.
+    max_request_pixels: int = Field(100_000_000, ge=1)
     # Memory Ray reserves per model replica; concurrent decodes are capped to fit in it
     # (stages.serve.decode_slots: 2 at the defaults, each up to max_image_pixels x 16 B).
     replica_memory_mb: int = Field(2048, ge=256)
