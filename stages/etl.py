@@ -25,7 +25,7 @@ from stages import shards, sources
 from stages.shards import count_rows
 
 __all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
-           "root_cause"]
+           "root_cause", "check_apart"]
 
 log = logging.getLogger(__name__)
 
@@ -126,21 +126,21 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
 
     The output is locked for the run (workflow.core.locks): a second run on it exits 2 naming this one.
     """
-    _check_apart(source, out)
+    check_apart(source, out)
     _check_task_fits(cfg)
     with output_lock(out, "etl", s3):
         return _run_locked(cfg, source, out, s3, overwrite)
 
 
-def _check_apart(source: str, out: str) -> None:
-    """Refuse an output inside the input (or the input itself): its shards would become images of a
-    class named after it on the next run, and --overwrite would write into the source."""
+def check_apart(source: str, out: str) -> None:
+    """Refuse an output inside the input (or the input itself): its files would become images of a
+    class named after it on the next run, and --overwrite would write into the source (ETL, infer)."""
     def norm(uri: str) -> str:
         return (uri.rstrip("/") if storage.is_remote(uri) else storage.local_path(uri).rstrip("/")) + "/"
 
     if norm(out).startswith(norm(source)):
         raise ConfigError(f"output '{out}' is inside the input '{source}'; choose an --output outside the "
-                          "image folder")
+                          "input folder")
 
 
 def _check_task_fits(cfg: EtlConfig) -> None:
@@ -324,8 +324,8 @@ def _remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, A
     named = set()
     if previous:
         named = {s["path"] for s in previous.get("shards", [])} | {previous.get("quarantine", {}).get("path")}
-    for relative in sorted(named - keep - {None}):
-        if fs.exists(storage.join(root, relative)):
+    for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
+        if _is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
             fs.rm_file(storage.join(root, relative))
     fs.invalidate_cache(root)
     leftovers = [p for p in fs.find(root) if _is_shard_file(p[len(root):].lstrip("/"))

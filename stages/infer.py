@@ -36,7 +36,7 @@ from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_arti
 from workflow.core.config import InferConfig, section_dict
 from workflow.core.locks import output_lock
 from stages import infer_decode, meters, predict, sources, streaming
-from stages.etl import InputNotFoundError, root_cause
+from stages.etl import InputNotFoundError, check_apart, root_cause
 
 __all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
 
@@ -72,6 +72,7 @@ def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | N
 
     `out` is locked for the run, and refused when it holds another stage's output (exit 2).
     """
+    check_apart(source, out)  # predictions written among the images would be read as images next time
     with output_lock(out, "infer", s3):
         return _run_locked(cfg, model_path, source, out, s3)
 

@@ -116,14 +116,16 @@ def _list_local(root: str, policy: str) -> tuple[list[Entry], int]:
                 pending.append(rel)
             continue
         folder = pending.pop()
-        with os.scandir(os.path.join(root, folder) if folder else root) as found:
-            children = sorted(found, key=lambda c: name_bytes(c.name))
-        for child in children:
+        for child in _children(root, folder, entries):
             rel = f"{folder}/{child.name}" if folder else child.name
             if child.name.startswith("."):
                 hidden += 1
                 continue
-            info = child.stat(follow_symlinks=False)
+            try:
+                info = child.stat(follow_symlinks=False)
+            except OSError as e:
+                entries.append(Entry(rel, 0, 0.0, ("read_error", f"not listed: {e.strerror or e}")))
+                continue
             linked = stat.S_ISLNK(info.st_mode)
             if linked:
                 problem, info = _follow(os.path.join(root, rel), real_root, policy, info)
@@ -144,6 +146,19 @@ def _list_local(root: str, policy: str) -> tuple[list[Entry], int]:
             else:
                 entries.append(Entry(rel, 0, info.st_mtime, ("not_a_regular_file", _kind(info.st_mode))))
     return entries, hidden
+
+
+def _children(root: str, folder: str, entries: list[Entry]) -> list[os.DirEntry]:
+    """`folder`'s entries in byte order. A folder this user may not list (or one past PATH_MAX) is
+    quarantined as a read_error, its files unread: one such folder must not fail the whole job."""
+    try:
+        with os.scandir(os.path.join(root, folder) if folder else root) as found:
+            return sorted(found, key=lambda c: name_bytes(c.name))
+    except OSError as e:
+        if not folder:
+            raise
+        entries.append(Entry(folder, 0, 0.0, ("read_error", f"folder not listed: {e.strerror or e}")))
+        return []
 
 
 def _follow(path: str, real_root: str, policy: str, link_info: os.stat_result):

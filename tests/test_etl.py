@@ -101,7 +101,14 @@ def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_
     out = tmp_path / "ds"
     first = etl.run(CFG, str(tree[0]), str(out))
     (out / "notes.txt").write_text("the user's, not ours")
+    # a manifest edited to name a file outside the output: the overwrite must not delete it
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not in the output")
+    planted = json.loads((out / "manifest.json").read_text())
+    planted["shards"].append({**planted["shards"][0], "path": "../victim.txt"})
+    (out / "manifest.json").write_text(json.dumps(planted))
     second = etl.run(CFG.model_copy(update={"image_size": 16}), str(tree[0]), str(out), overwrite=True)
+    assert victim.exists()
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     expected = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"],
                                                                   "manifest.json", "notes.txt"}

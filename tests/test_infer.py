@@ -280,3 +280,13 @@ def test_decode_in_tasks_predicts_as_the_actors_do_with_the_same_error_rows(setu
     for a, t in zip(actor_rows, task_rows):
         assert t["top_k_probs"] == (pytest.approx(a["top_k_probs"], abs=1e-6) if a["top_k_probs"] else None)
     assert task_m["error_reasons"] == actor_m["error_reasons"] and task_m["accuracy"] == actor_m["accuracy"]
+
+
+def test_an_output_inside_the_input_is_refused_before_anything_is_written(tmp_path):
+    # predictions written among the images would be read back as a class of images on the next run
+    src = tmp_path / "src"
+    make_tree(src, per_class=1, bad=False)
+    for out in (src, src / "preds"):
+        with pytest.raises(ConfigError, match="is inside the input"):
+            infer.run(InferConfig(), str(tmp_path / "any-model"), str(src), str(out))
+    assert sorted(p.name for p in src.iterdir()) == ["bird", "cat", "dog"]

@@ -247,6 +247,22 @@ def test_a_link_to_a_class_folder_is_the_alias_whatever_the_listing_order(tmp_pa
     assert [(r["path"], r["reason"]) for r in listing.rejected] == [("a_alias", "symlink_loop")]
 
 
+def test_a_folder_that_cannot_be_listed_is_quarantined_not_fatal(tmp_path):
+    # A path past PATH_MAX fails to list for root too (a chmod-000 folder does only for other users)
+    make_tree(tmp_path / "src", per_class=2, bad=False, classes=("a", "b"))
+    fd = os.open(tmp_path / "src" / "a", os.O_RDONLY)
+    for _ in range(20):  # 20 names of 250 bytes: past 4,096 bytes of path
+        os.mkdir("d" * 250, dir_fd=fd)
+        deeper = os.open("d" * 250, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = deeper
+    os.close(fd)
+    listing = etl.discover(str(tmp_path / "src"))
+    assert len(listing.files) == 4 and listing.classes == ["a", "b"]
+    [row] = listing.rejected
+    assert row["reason"] == "read_error" and row["path"].startswith("a/ddd") and "not listed" in row["detail"]
+
+
 def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_session):
     src = tmp_path / "src"
     make_tree(src, per_class=2, bad=False)
@@ -260,6 +276,17 @@ def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_se
         etl.run(EtlConfig(image_size=16, cpus_per_task=64), str(src), str(tmp_path / "o2"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert not (src / "etl-out").exists()
+
+
+def test_an_output_that_is_a_file_or_holds_another_tools_manifest_is_a_config_error(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(locks.OutputKindError, match="is a file; --output names a folder"):
+        locks.check_output_kind(str(tmp_path / "a-file"), "etl")
+    for i, text in enumerate(("[1, 2]", "{not json")):  # once AttributeError and JSONDecodeError: exit 1
+        (tmp_path / f"o{i}").mkdir()
+        (tmp_path / f"o{i}" / "manifest.json").write_text(text)
+        with pytest.raises(locks.OutputKindError, match="non-raymill output"):
+            locks.check_output_kind(str(tmp_path / f"o{i}"), "etl")
 
 
 def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_session, caplog):

@@ -58,10 +58,15 @@ class OutputKindError(ConfigError):
 def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     """Refuse an output whose manifest.json is another stage's: publishing would unpublish it."""
     fs, root = storage.filesystem(out, s3)
+    if fs.isfile(root):
+        raise OutputKindError(f"output '{out}' is a file; --output names a folder (new, or this stage's own)")
     path = storage.join(root, MANIFEST)
     if not fs.exists(path):
         return
-    found = storage.read_json(fs, path).get("kind", "unknown")
+    try:
+        found = storage.read_json(fs, path).get("kind", "unknown")
+    except (ValueError, AttributeError):  # not JSON, or JSON but not an object: some other tool's file
+        found = "non-raymill"
     if found != f"raymill.{kind}":
         raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")
