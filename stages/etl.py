@@ -75,10 +75,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     if not files:
         raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
                        f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
-    for name, folders in spellings.items():
-        if len(folders) > 1:
-            log.warning("etl: folders %s spell one class name in two Unicode forms (NFC, NFD): one class, '%s'",
-                        ", ".join(map(ascii, sorted(folders))), name)
+    sources.check_spellings(spellings)
     # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
     # is the folders (_log_summary names every class without a usable image)
     empty = sorted(set(sources.top_folders(fs, root)) - classes)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import stat
 import unicodedata
@@ -20,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from workflow.core import storage
+from workflow.core.config import ConfigError
 from stages.images import BadImage
 
-__all__ = ["Entry", "list_tree", "read_capped", "shown", "name_bytes", "tree_fingerprint", "top_folders",
-           "class_name", "class_of", "entry_row"]
+__all__ = ["Entry", "list_tree", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
+           "top_folders", "class_name", "class_of", "entry_row"]
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 
@@ -50,6 +54,19 @@ def class_name(folder: str) -> str:
     """A class folder's name as a class: printable, and in Unicode NFC, so that a folder copied from
     macOS (NFD: 'e' + combining accent) and one made elsewhere (NFC: one code point) are one class."""
     return unicodedata.normalize("NFC", shown(folder))
+
+
+def check_spellings(spellings: dict[str, set[str]]) -> None:
+    """One class per name. Folders that differ only in Unicode form (NFC, NFD) are one class, with
+    a warning; folders that only print alike (b'caf\\xe9', not UTF-8, and a folder literally named
+    'caf\\xe9') would silently share a label: refused, naming both."""
+    for name, folders in spellings.items():
+        if len({unicodedata.normalize("NFC", f) for f in folders}) > 1:
+            raise ConfigError(f"folders {', '.join(map(ascii, sorted(folders)))} both show as class '{name}' "
+                              f"(a name that is not UTF-8 prints escaped); rename one of them")
+        if len(folders) > 1:
+            log.warning("etl: folders %s spell one class name in two Unicode forms (NFC, NFD): one class, '%s'",
+                        ", ".join(map(ascii, sorted(folders))), name)
 
 
 def class_of(rel: str) -> str | None:

@@ -278,6 +278,16 @@ def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_se
     assert not (src / "etl-out").exists()
 
 
+def test_two_folders_that_print_alike_are_refused_not_merged(tmp_path):
+    # b'caf\xe9' (Latin-1, not UTF-8) prints as 'caf\\xe9', which a folder may also be named
+    for name in (b"caf\xe9", b"caf\\xe9"):
+        folder = os.path.join(os.fsencode(tmp_path / "src"), name)
+        os.makedirs(folder)
+        Path(os.fsdecode(os.path.join(folder, b"a.jpg"))).write_bytes(image_bytes(1))
+    with pytest.raises(etl.ConfigError, match="both show as class"):
+        etl.discover(str(tmp_path / "src"))
+
+
 def test_an_output_that_is_a_file_or_holds_another_tools_manifest_is_a_config_error(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(locks.OutputKindError, match="is a file; --output names a folder"):
