@@ -58,7 +58,9 @@ class Reader:
                      "reason": item["reason"], "detail": item["detail"],
                      "true_class": self.known.get(sources.class_of(item["path"]))}]  # as ETL names it
         ref = streaming.ShardRef(**item)
-        return [{"key": key, "path": path, "image": image, "true_class": self.etl_classes[label]}
+        # ETL's class names through the model's, as for a raw folder: a class the model lacks is no label
+        return [{"key": key, "path": path, "image": image,
+                 "true_class": self.known.get(unicodedata.normalize("NFC", self.etl_classes[label]))}
                 for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format,
                                                                     with_path=True)]
 

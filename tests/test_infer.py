@@ -290,3 +290,19 @@ def test_an_output_inside_the_input_is_refused_before_anything_is_written(tmp_pa
         with pytest.raises(ConfigError, match="is inside the input"):
             infer.run(InferConfig(), str(tmp_path / "any-model"), str(src), str(out))
     assert sorted(p.name for p in src.iterdir()) == ["bird", "cat", "dog"]
+
+
+def test_a_class_the_model_lacks_is_unlabelled_from_an_etl_output_as_from_a_raw_folder(setup, tmp_path):
+    _, model_path = setup  # a model of the demo's classes (circle, square, ...): no "zebra"
+    src = tmp_path / "raw"
+    make_tree(src, per_class=2, bad=False, classes=("circle", "zebra"))
+    data = etl.run(EtlConfig(image_size=32, split={"train": 1.0, "val": 0.0, "test": 0.0}), str(src),
+                   str(tmp_path / "ds"))
+    cfg = InferConfig(split="train")
+    rows = {}
+    for kind, source in (("raw", str(src)), ("etl", data.path)):
+        rows[kind], metrics = _outputs(infer.run(cfg, model_path, source, str(tmp_path / f"out-{kind}")))
+        assert metrics["labelled"] == 2 and metrics["rows"] == 4, (kind, metrics)
+        assert {r["true_class"] for r in rows[kind]} == {"circle", None}, kind
+    key = {r["key"]: r["true_class"] for r in rows["raw"]}
+    assert {r["key"]: r["true_class"] for r in rows["etl"]} == key
