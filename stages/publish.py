@@ -17,7 +17,7 @@ from stages import streaming
 from stages.checkpoint_io import load_plain
 from stages.infer_decode import READ_KEYS
 from stages.predict import evaluate_split, load_model
-from workflow.core import storage
+from workflow.core import console, storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, write_manifest
 from workflow.core.config import section_dict
 
@@ -60,14 +60,14 @@ def test_metrics(best_metrics: dict, out: str, loop_config: dict, cache_dir: str
     """The published model's test accuracy: scored by the training workers on their devices
     (stages.train_loop) when the best checkpoint carries it, else here on the driver's CPU
     (a checkpoint written by an older raymill), which the manifest says."""
-    if "test_acc" in best_metrics:
-        return {"acc": best_metrics["test_acc"], "rows": best_metrics["test_rows"], "where": "workers",
-                "seconds": best_metrics.get("test_seconds")}
+    if "test_acc" in best_metrics:  # no test image scores nothing: None, not an accuracy of 0
+        return {"acc": best_metrics["test_acc"] if best_metrics["test_rows"] else None,
+                "rows": best_metrics["test_rows"], "where": "workers", "seconds": best_metrics.get("test_seconds")}
     model, info = load_model(out, s3)
     refs = [streaming.ShardRef(**r) for r in loop_config["shards"]["test"]]
     log.warning("train: the best checkpoint has no test score; scoring the test split on the driver's CPU")
-    return {**evaluate_split(model, refs, info, loop_config["raw"], loop_config["s3"], cache_dir),
-            "where": "driver"}
+    scored = evaluate_split(model, refs, info, loop_config["raw"], loop_config["s3"], cache_dir)
+    return {**scored, "acc": scored["acc"] if scored["rows"] else None, "where": "driver"}
 
 
 def curves(history: list[dict], path: Path) -> None:
@@ -139,8 +139,8 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
         "files": sorted(files) + ["model.pt", "model.json"]})
     write_manifest(out, manifest, s3)
     m = manifest["metrics"]
-    log.info(f"train: test_acc {m['test_acc']:.3f} on {m['test_rows']} images, best val_acc "
-          f"{m['best_val_acc']:.3f}, {m['seconds']:.0f}s; bottleneck: stall {m['stall_fraction'] or 0:.1%}, "
+    log.info(f"train: test_acc {console.score(m['test_acc'])} on {m['test_rows']} images, best val_acc "
+          f"{console.score(m['best_val_acc'])}, {m['seconds']:.0f}s; bottleneck: stall {m['stall_fraction'] or 0:.1%}, "
           f"{m['verdict']}")
     return Artifact("train", str(out).rstrip("/"), manifest)
 

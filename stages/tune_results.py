@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.publish import curves, model_info, read_checkpoint, save_model, state_hash, test_metrics
-from workflow.core import storage
+from workflow.core import console, storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
 
@@ -323,7 +323,7 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     log.info(f"tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
           f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
           f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
-          f"test_acc {test['acc']:.3f}; {metrics['seconds']:.0f}s")
+          f"test_acc {console.score(test['acc'])}; {metrics['seconds']:.0f}s")
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray

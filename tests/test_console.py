@@ -116,3 +116,14 @@ def test_ray_trains_coordinator_timeout_is_one_line_in_every_worker(ray_session)
 
     lines = ray.get(warn_like_the_controller.remote())
     assert len(lines) == 1 and "\n" not in lines[0] and "goes on" in lines[0]
+
+
+def test_an_empty_test_split_reports_no_accuracy_not_zero():
+    # a tiny or one-class data set can leave the test split empty: "test_acc 0.000 on 0 images" was untrue
+    from stages.publish import test_metrics
+    from workflow.core import console
+
+    scored = test_metrics({"test_acc": 0.0, "test_rows": 0}, "unused", {}, "unused")
+    assert scored["acc"] is None and scored["rows"] == 0
+    assert test_metrics({"test_acc": 0.5, "test_rows": 4}, "unused", {}, "unused")["acc"] == 0.5
+    assert [console.score(x) for x in (None, float("nan"), 0.0, 0.98765)] == ["n/a", "n/a", "0.000", "0.988"]

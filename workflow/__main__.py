@@ -152,7 +152,7 @@ def cmd_train(args) -> int:
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
         cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
         tracking=run))
-    print(f"train: test_acc={artifact.manifest['metrics']['test_acc']:.3f} -> {artifact.path}")
+    print(f"train: test_acc={console.score(artifact.manifest['metrics']['test_acc'])} -> {artifact.path}")
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflow.core import storage, tracking
+from workflow.core import console, storage, tracking
 from workflow.core.artifacts import Artifact
 from workflow.core.config import Config
 
@@ -20,10 +20,10 @@ def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, f
          "note": f"{etl_m['totals']['quarantined']} quarantined"},
         {"stage": train_stage, "rows": sum(etl_m["counts"]["train"].values()),
          "seconds": timings[train_stage], "images_per_s": train_m.get("images_per_s"),
-         "note": f"test_acc {train_m.get('test_acc', float('nan')):.3f}, stall "
+         "note": f"test_acc {console.score(train_m.get('test_acc'))}, stall "
                  f"{(train_m.get('stall_fraction') or 0):.1%}"},
         {"stage": "infer", "rows": infer_m.get("rows"), "seconds": timings["infer"],
-         "images_per_s": infer_m.get("images_per_s"), "note": f"accuracy {infer_m.get('accuracy', float('nan')):.3f}"},
+         "images_per_s": infer_m.get("images_per_s"), "note": f"accuracy {console.score(infer_m.get('accuracy'))}"},
     ]
 
 
@@ -68,7 +68,7 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
               "serve": serve, "outputs": {"etl": data.path, "model": model.path, "predictions": preds.path},
               "mlflow": tracked, "table": _table(rows, serve)}
     md = (f"# raymill run `{cfg.run.name}`\n\n{report['table']}\n\n"
-          f"- test accuracy: **{report['test_accuracy']:.3f}**\n"
+          f"- test accuracy: **{console.score(report['test_accuracy'])}**\n"
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"
           f"{_tracking_md(tracked)}"
@@ -83,7 +83,7 @@ def summary(report: dict[str, Any]) -> str:
     """The console summary of a run: the stage table, accuracy, bottleneck, where to look next."""
     mlflow = report.get("mlflow")
     lines = [f"raymill run {report['run']}: {report['seconds']:.0f} s", report["table"],
-             f"test accuracy {report['test_accuracy']:.3f}; bottleneck: {report['bottleneck']}",
+             f"test accuracy {console.score(report['test_accuracy'])}; bottleneck: {report['bottleneck']}",
              f"report: {storage.join(report['dir'], 'report.md')}"]
     if mlflow:
         lines.append(f"mlflow: run {mlflow['run_id']}; browse with: {mlflow['ui']}")

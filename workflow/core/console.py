@@ -122,6 +122,11 @@ def quiet_train_worker() -> None:
         logging.getLogger(name).setLevel(logging.INFO)
 
 
+def score(value: float | None) -> str:
+    """An accuracy for a console line: 'n/a' when nothing was scored (an empty split), never 0.000."""
+    return "n/a" if value is None or value != value else f"{value:.3f}"
+
+
 def epoch(row: dict[str, Any], epochs: int) -> None:
     """The one console line of an epoch; call it on rank 0 only.
 
