@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from workflow.core import storage
-from workflow.core.artifacts import Artifact, base_manifest, load_artifact, new_run_id, write_manifest
+from workflow.core.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, new_run_id, write_manifest
 from workflow.core.config import ConfigError, EtlConfig, section_dict
 from workflow.core.locks import LOCK_NAME, output_lock
 from stages import shards, sources
@@ -124,6 +124,8 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
     The output is locked for the run (workflow.core.locks): a second run on it exits 2 naming this one.
     """
     check_apart(source, out)
+    if (kind := manifest_kind(*storage.filesystem(source, s3))) is not None:  # once "100% bad files"
+        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
     _check_task_fits(cfg)
     with output_lock(out, "etl", s3):
         return _run_locked(cfg, source, out, s3, overwrite)

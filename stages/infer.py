@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow.core import session, storage
-from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, write_manifest
+from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, manifest_kind, write_manifest
 from workflow.core.config import InferConfig, section_dict
 from workflow.core.locks import output_lock
 from stages import infer_decode, meters, predict, sources, streaming
@@ -130,26 +130,20 @@ def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None, parallel: i
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root):
         raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
-    if _raymill_kind(fs, storage.join(root, MANIFEST)) == "raymill.etl":
+    if _raymill_kind(fs, root) == "raymill.etl":
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
     if not fs.isdir(root):
         raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
     return _plan_files(fs, root, source, parallel, infer_decode.read_rules(info)["follow_symlinks"])
 
 
-def _raymill_kind(fs, path: str) -> str | None:
+def _raymill_kind(fs, folder: str) -> str | None:
     """The kind a raymill manifest names; None for no manifest, or a manifest.json that is some
     other tool's file among the images (the folder is then read as images)."""
-    if not fs.exists(path):
-        return None
-    try:
-        kind = storage.read_json(fs, path).get("kind")
-    except (ValueError, AttributeError):  # not JSON, or not an object
-        return None
-    if isinstance(kind, str) and kind.startswith("raymill.") and kind != "raymill.etl":
-        raise InputNotFoundError(f"'{path.rsplit('/', 1)[0]}' is a {kind} output; pass an ETL output or an "
-                                 "image folder")
-    return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
+    kind = manifest_kind(fs, folder)
+    if kind not in (None, "raymill.etl"):
+        raise InputNotFoundError(f"'{folder}' is a {kind} output; pass an ETL output or an image folder")
+    return kind
 
 
 def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:

@@ -168,14 +168,18 @@ def test_model_folder_without_model_json_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_output_holding_another_stages_manifest_is_refused_with_exit_2(setup, capsys):
+def test_output_holding_another_stages_manifest_is_refused_with_exit_2(setup, tmp_path, capsys):
     from workflow.__main__ import main
 
     data, model_path = setup
     before = (Path(data.path) / "manifest.json").read_bytes()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "manifest.json").write_bytes(before)  # another ETL output
     with pytest.raises(ConfigError, match="holds a published raymill.etl output"):
+        infer.run(InferConfig(), model_path, data.path, str(tmp_path / "other"))
+    with pytest.raises(ConfigError, match="is inside the input"):  # the data set itself
         infer.run(InferConfig(), model_path, data.path, data.path)
-    assert main(["infer", "--model", model_path, "--data", data.path, "--output", data.path]) == 2
+    assert main(["infer", "--model", model_path, "--data", data.path, "--output", str(tmp_path / "other")]) == 2
     assert "raymill.etl" in capsys.readouterr().err
     assert (Path(data.path) / "manifest.json").read_bytes() == before and etl.verify(data.path) == []
 

@@ -272,9 +272,13 @@ def test_paths_etl_cannot_use_exit_2_before_anything_is_written(tmp_path, ray_se
             etl.run(EtlConfig(image_size=16), str(src), out)
     with pytest.raises(etl.InputNotFoundError, match="is a file, not a folder"):
         etl.run(EtlConfig(image_size=16), str(src / "bird" / "bird_000.jpg"), str(tmp_path / "o1"))
+    (tmp_path / "o0").mkdir()  # an ETL output given as the input: once "100% bad files", exit 1
+    (tmp_path / "o0" / "manifest.json").write_text('{"kind": "raymill.etl"}')
+    with pytest.raises(etl.ConfigError, match="is a raymill.etl output, not an image folder"):
+        etl.run(EtlConfig(image_size=16), str(tmp_path / "o0"), str(tmp_path / "o1"))
     with pytest.raises(etl.ConfigError, match="etl.cpus_per_task=64 exceeds the CPUs of every node"):
         etl.run(EtlConfig(image_size=16, cpus_per_task=64), str(src), str(tmp_path / "o2"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o0", "src"]
     assert not (src / "etl-out").exists()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from workflow.core import locks, storage
 
 __all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
-           "base_manifest", "config_hash", "data_fingerprint"]
+           "base_manifest", "config_hash", "data_fingerprint", "manifest_kind"]
 
 MANIFEST = storage.MANIFEST
 
@@ -84,6 +84,19 @@ def write_manifest(out: str, manifest: dict[str, Any], s3: Any | None = None) ->
     fs, path = storage.filesystem(out, s3)
     data = json.dumps(manifest, indent=2, sort_keys=False).encode()
     storage.write_bytes_atomic(fs, storage.join(path, MANIFEST), data)
+
+
+def manifest_kind(fs, folder: str) -> str | None:
+    """The kind ('raymill.etl', ...) that `folder`'s manifest.json names; None for no manifest, or
+    one that is some other tool's file (not JSON, not an object, no raymill kind)."""
+    path = storage.join(folder, MANIFEST)
+    if not fs.exists(path):
+        return None
+    try:
+        kind = storage.read_json(fs, path).get("kind")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return None
+    return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
 
 
 def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) -> Artifact:
