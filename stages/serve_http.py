@@ -36,8 +36,8 @@ from stages import serve_v2
 from stages.serve_v2 import V2Error
 from workflow.core.config import ServeConfig
 
-__all__ = ["Ingress", "HTTPError", "printable", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2", "IMAGE_STATUS",
-           "MEDIA_TYPES"]
+__all__ = ["Ingress", "HTTPError", "printable", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2",
+           "IMAGE_STATUS", "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "
                "GIF": "image/gif", "TIFF": "image/tiff"}
 # BadImage.reason -> HTTP status; reasons not listed are 400 (the bytes are not a usable image).
 IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large": 413}
+# Health routes answer HEAD too, as HTTP asks of every GET route: load balancers probe with it.
+_PROBE = ["GET", "HEAD"]
 _GZIP_MEMBERS = 16  # members of one gzip body (a streaming compressor writes a few)
 # A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
 _MODEL_ATTEMPTS = 3
@@ -245,7 +247,7 @@ class Ingress:
     async def predict(self, request: Request) -> JSONResponse:
         return await guarded(self._predict(request))
 
-    @app.get("/healthz", summary="Liveness, with a model replica's pid and the model version")
+    @app.api_route("/healthz", methods=_PROBE, summary="Liveness, with a model replica's pid and the model version")
     async def healthz(self) -> JSONResponse:
         async def work() -> JSONResponse:
             health = await self._call("health")
@@ -264,15 +266,15 @@ class Ingress:
 
         return JSONResponse(serve_v2.server_metadata(version("raymill")))
 
-    @app.get("/v2/health/live", summary="Open Inference Protocol: the server is live")
+    @app.api_route("/v2/health/live", methods=_PROBE, summary="Open Inference Protocol: the server is live")
     async def v2_live(self) -> JSONResponse:
         return JSONResponse({"live": True})
 
-    @app.get("/v2/health/ready", summary="Open Inference Protocol: a model replica answers")
+    @app.api_route("/v2/health/ready", methods=_PROBE, summary="Open Inference Protocol: a model replica answers")
     async def v2_ready(self) -> Response:
         return await guarded_v2(self._v2_ready(self.cfg.model_name))
 
-    @app.get("/v2/models/{name}/ready", summary="Open Inference Protocol: the model is ready")
+    @app.api_route("/v2/models/{name}/ready", methods=_PROBE, summary="Open Inference Protocol: the model is ready")
     async def v2_model_ready(self, name: str) -> Response:
         return await guarded_v2(self._v2_ready(name))
 
@@ -290,7 +292,8 @@ class Ingress:
     async def v2_model_version(self, name: str, version: str) -> Response:
         return await guarded_v2(self._v2_metadata(name, version))
 
-    @app.get("/v2/models/{name}/versions/{version}/ready", summary="Open Inference Protocol: the version is ready")
+    @app.api_route("/v2/models/{name}/versions/{version}/ready", methods=_PROBE,
+                   summary="Open Inference Protocol: the version is ready")
     async def v2_version_ready(self, name: str, version: str) -> Response:
         return await guarded_v2(self._v2_ready(name, version))
 

@@ -240,6 +240,9 @@ def test_same_image_same_answer_raw_multipart_and_compressed(client):
 def test_healthz_and_metadata(client, app):
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["pid"] == app[2]
+    for path in ("/healthz", "/v2/health/live", "/v2/health/ready", "/v2/models/raymill/ready"):
+        head = client.head(path)  # what a load balancer's probe sends: the GET's status, no body
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
     meta = client.get("/metadata").json()
     assert meta["classes"] == CLASSES and meta["image_size"] == 32
     assert meta["architecture"] == "small_cnn" and meta["version"] == "test-1"
