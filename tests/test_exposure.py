@@ -49,6 +49,16 @@ def test_a_planted_listener_is_caught(tmp_path):
     assert mine and mine[0]["kind"] == "exposed", rows
 
 
+def test_doctor_finds_rays_python_processes_too(ray_session):
+    """The dashboard head (HTTP, the Jobs API) runs as plain `python .../ray/dashboard/dashboard.py`:
+    `raymill doctor` without --pid once skipped it, and a dashboard on 0.0.0.0 got a clean report."""
+    import psutil
+
+    dashboards = {p.pid for p in psutil.process_iter(["cmdline"])
+                  if any(a.endswith(os.path.join("ray", "dashboard", "dashboard.py")) for a in p.info["cmdline"] or ())}
+    assert dashboards and dashboards <= exposure.ray_processes()
+
+
 def test_a_local_run_exposes_nothing_beyond_loopback(smoke_run):
     """`raymill run` (ETL, a 2-worker DDP train, batch inference), sampled while it ran."""
     seen = smoke_run.listeners

@@ -107,15 +107,28 @@ def process_tree(pid: int) -> set[int]:
 def ray_processes() -> set[int]:
     """This user's Ray processes on this machine, and the drivers that started them."""
     me = psutil.Process().username()
-    pids = set()
-    for p in psutil.process_iter(["pid", "name", "username"]):
-        if p.info["username"] == me and (p.info["name"] or "").startswith(("gcs_server", "raylet", "ray::", "ray-")):
+    pids, scripts = set(), _ray_package()
+    for p in psutil.process_iter(["pid", "name", "username", "cmdline"]):
+        # Named processes, and Python ones running a script of Ray's package: the dashboard head
+        # (HTTP and the Jobs API) and the autoscaler monitor are plain "python" processes
+        ours = (p.info["name"] or "").startswith(("gcs_server", "raylet", "ray::", "ray-")) or \
+            any(arg.startswith(scripts) for arg in p.info["cmdline"] or ())
+        if p.info["username"] == me and ours:
             pids.add(p.info["pid"])
             try:
                 pids |= {a.pid for a in p.parents()[:1]}  # the driver or raylet that started it
             except psutil.NoSuchProcess:
                 pass
     return pids
+
+
+def _ray_package() -> str:
+    """Ray's package folder, found without importing Ray (doctor must not start or join one)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    return os.path.join(locations[0], "") if locations else "\0"  # "\0" starts no argument
 
 
 def _loopback(address: str) -> bool:
