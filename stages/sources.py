@@ -114,7 +114,12 @@ def _list_object_store(fs, root: str) -> tuple[list[Entry], int]:
             continue
         modified = info.get("LastModified") or info.get("mtime") or 0
         mtime = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
-        entries.append(Entry(rel, int(info.get("size") or 0), mtime))
+        size = int(info.get("size") or 0)
+        if rel.endswith("/"):  # "cat/": a console's or sync tool's folder marker, listed as a file
+            if size:  # data under a folder's name: no image file can be read by that key
+                entries.append(Entry(rel, size, mtime, ("not_a_regular_file", "an object whose key ends in '/'")))
+            continue
+        entries.append(Entry(rel, size, mtime))
     return entries, hidden
 
 

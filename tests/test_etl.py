@@ -178,8 +178,11 @@ def test_s3_round_trip(tree, s3_bucket, ray_session):
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.put(str(tree[0]) + "/", f"{bucket}/raw/", recursive=True)
+    for marker in ("raw/", "raw/cat/", "raw/cat/2024/"):  # what the console's "Create folder" writes
+        fs.pipe(f"{bucket}/{marker}", b"")
     art = etl.run(CFG, f"s3://{bucket}/raw", f"s3://{bucket}/ds", s3=s3)
-    assert art.manifest["totals"]["quarantined"] == len(BAD_FILES)
+    assert art.manifest["totals"]["quarantined"] == len(BAD_FILES)  # markers are no files, not bad ones
+    assert art.manifest["totals"]["files_in"] == len(tree[1])
     assert etl.verify(f"s3://{bucket}/ds", s3) == []
     shard = next(s for s in art.manifest["shards"] if s["format"] == "parquet")
     with fs.open(f"{bucket}/ds/{shard['path']}", "rb") as f:
