@@ -23,7 +23,7 @@ from stages.predict import preprocess
 from stages.images import decode_rgb
 from workflow.core import locks, storage
 from workflow.core.config import EtlConfig, S3Config
-from tests.conftest import REPO, image_bytes, make_tree
+from tests.conftest import REPO, free_port, image_bytes, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
 
@@ -213,6 +213,24 @@ def test_a_run_that_lost_its_s3_lock_publishes_nothing(s3_bucket):
             write_manifest(out, {"stage": "etl", "run": 2}, s3)
     assert json.loads(fs.cat_file(key.replace(locks.LOCK_NAME, "manifest.json")))["run"] == 1
     assert json.loads(fs.cat_file(key))["owner"] == "bob", "the new holder's lock must stay"
+
+
+def test_a_run_that_fails_as_its_s3_endpoint_dies_reports_its_own_error(caplog):
+    """The endpoint gone mid-run: releasing the lock fails too, and that error once replaced the
+    run's own (the user read about '.raymill.lock', not about the write that failed)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="gone")
+    with pytest.raises(OSError, match="the shard write failed"):
+        with locks.output_lock("s3://gone/ds", "etl", S3Config(endpoint_url=endpoint)):
+            server.stop()
+            raise OSError("the shard write failed")
+    assert "could not release the lock on 's3://gone/ds'" in caplog.text
 
 
 def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(tmp_path, ray_session,

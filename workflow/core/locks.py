@@ -115,13 +115,23 @@ def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
     lock.acquire()
     with _held_guard:
         _held[key], _locks[key] = 1, lock
+    failed = False
     try:
         check_output_kind(out, kind, s3)  # again: the folder may have changed while we waited
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         with _held_guard:
             del _held[key], _locks[key]
-        lock.release()
+        try:
+            lock.release()
+        except Exception as e:  # an S3 endpoint gone mid-run: report the run's own error, not this
+            if not failed:
+                raise
+            log.warning("could not release the lock on '%s' (%s: %s); a later run takes it over once it "
+                        "is stale", out, type(e).__name__, e)
 
 
 def _lock_path(out: str, s3: Any | None) -> tuple[Any, str, str]:
