@@ -99,3 +99,12 @@ def test_a_model_that_cannot_take_the_image_size_exits_2_before_any_work(tmp_pat
                  "--set", "etl.image_size=8"]) == 2
     assert "etl.image_size>=15" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_session, capsys):
+    endpoint, _ = s3_bucket
+    make_tree(tmp_path / "src", per_class=2, bad=False)
+    code = main(["etl", "--input", str(tmp_path / "src"), "--output", "s3://no-such-bucket-here/ds",
+                 "--set", f"s3.endpoint_url={endpoint}", "--set", "etl.image_size=16"])
+    err = capsys.readouterr().err
+    assert code == 1 and "bucket does not exist" in err and "create the bucket, or fix the s3:// path" in err

@@ -87,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _object_store_hint(e: Exception) -> str:
+    """s3fs turns a refused request into a bare PermissionError('Forbidden') (no errno, no path;
+    a local file's has both) and a missing bucket into FileNotFoundError: say where to look."""
+    if isinstance(e, PermissionError) and e.errno is None:
+        return ("; the object store refused the request: check its credentials (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY, or the s3.* keys) and the bucket's policy for the s3:// paths given")
+    if isinstance(e, FileNotFoundError) and "bucket does not exist" in str(e):
+        return "; create the bucket, or fix the s3:// path that names it"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console.setup(args.verbose)
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # the message carries the fix; --verbose adds the traceback
         log.debug("traceback", exc_info=True)
-        hint = "" if args.verbose else " (--verbose shows the traceback)"
+        hint = _object_store_hint(e) + ("" if args.verbose else " (--verbose shows the traceback)")
         print(f"raymill {args.command}: failed: {type(e).__name__}: {e}{hint}", file=sys.stderr)
         return 1
 
