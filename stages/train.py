@@ -164,9 +164,13 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     if result.error:
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries: "
                          f"{result.error}") from result.error
-    if result.metrics.get("stopped") == "nan_loss":
+    # The loop ends early only when the loss (or val loss) stops being finite. Its report of that
+    # carries no checkpoint, and Train V2's result keeps only checkpointed metrics: the sign is a
+    # last checkpoint short of train.epochs (or none at all when epoch 1 diverged).
+    done = (result.metrics or {}).get("epoch", 0)
+    if (result.metrics or {}).get("stopped") == "nan_loss" or done < cfg.epochs:
         last = result.checkpoint.path if result.checkpoint else "none"
-        raise TrainError(f"loss became NaN/inf at epoch {result.metrics['epoch'] + 1}; stopped. Last good "
+        raise TrainError(f"loss became NaN/inf in epoch {done + 1}; stopped, nothing published. Last good "
                          f"checkpoint: {last}. Lower train.lr or use precision=fp32")
     artifact = publish.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
     return ingest_ray.annotate(artifact, ingest, s3)

@@ -348,10 +348,13 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
         if start >= w.steps:
             continue
         metrics = w.train_epoch(epoch, start)
-        if metrics is None:
+        val = w.evaluate("val") if metrics is not None else None
+        # a finite training loss can still leave NaN weights (the epoch's last steps): a val loss
+        # that is not finite stops the run too, before this epoch's checkpoint can be the best
+        if metrics is None or not math.isfinite(val["val_loss"]):
             w.hooks.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val}, None)
             return
-        w.val = w.evaluate("val")
+        w.val = val
         row = {"epoch": epoch + 1, **metrics, **w.val, **w.startup()}
         # The test split is scored here, in the workers on their device, whenever this epoch's
         # checkpoint may be the one published (the best val_acc so far, ties included): publish
