@@ -153,6 +153,10 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     try:
         result = trainer.fit()
+    except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
+        # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
+        raise KeyboardInterrupt(f"rerun the same command with --output {out} to resume from the last "
+                                f"checkpoint") from e
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
             raise TrainError(refusal) from e

@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # includes bad inputs/outputs named on the command line
         print(f"raymill {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"raymill {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        print(f"raymill {args.command}: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # the message carries the fix; --verbose adds the traceback
         log.debug("traceback", exc_info=True)
