@@ -107,6 +107,7 @@ class Worker:
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.cache = streaming.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
+        self.carried: dict[str, Any] | None = None  # this rank's sums so far in a mid-epoch checkpoint
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
                                  self.steps, self.open_rows)
@@ -144,8 +145,11 @@ class Worker:
         """Run the rest of `epoch`; returns epoch metrics, or None if the loss went non-finite."""
         self.model.train()
         feed, meter = self.input.train_feed(epoch, start_step), meters.StepMeter(self.device)
-        # loss and correct stay on the device: a float()/int() per step would sync the GPU
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        # loss and correct stay on the device: a float()/int() per step would sync the GPU. A run
+        # resumed mid-epoch starts from the sums its checkpoint carried: the row covers the epoch.
+        carried = self.carried if self.carried and self.carried["epoch"] == epoch and start_step else {}
+        sums = torch.tensor([carried.get("loss_sum", 0.0), carried.get("correct", 0.0)], dtype=torch.float64,
+                            device=self.device)
         seen, started, self.report_s = 0, time.perf_counter(), 0.0
         try:
             for step, fed in enumerate(feed, start=start_step):
@@ -164,6 +168,8 @@ class Worker:
                     if not self.all_finite(sums):
                         return None
                     t1 = time.perf_counter()
+                    self.carried = {"epoch": epoch, "loss_sum": float(sums[0]), "correct": float(sums[1]),
+                                    "seen": carried.get("seen", 0) + seen}
                     self.report(epoch, self.step, {"epoch": epoch, "samples_seen": seen, "val_acc": -1.0})
                     self.report_s += time.perf_counter() - t1
         finally:
@@ -171,7 +177,8 @@ class Worker:
         if not self.all_finite(sums):
             return None
         wall = time.perf_counter() - started - self.report_s  # checkpoint I/O is not training
-        return self.epoch_metrics(feed, meter, sums, seen, wall)
+        self.carried = None  # the epoch is done: its end-of-epoch checkpoint carries no sums
+        return self.epoch_metrics(feed, meter, sums, seen, wall, carried.get("seen", 0))
 
     def step_once(self, fed: feeds.FedBatch, step: int, sums: torch.Tensor) -> None:
         """One optimiser step on `fed`; adds its summed loss and correct count to `sums`."""
@@ -199,15 +206,17 @@ class Worker:
             sums[1] += (logits.argmax(1) == y).sum()
 
     def epoch_metrics(self, feed, meter: meters.StepMeter, sums: torch.Tensor, seen: int,
-                      wall: float) -> dict[str, Any]:
-        """The epoch's row: rates, the three clocks (stages.meters) and the verdict, over all ranks."""
+                      wall: float, carried_seen: int = 0) -> dict[str, Any]:
+        """The epoch's row: rates, the three clocks (stages.meters) and the verdict, over all ranks.
+        Loss and accuracy count the rows a resumed epoch carried; rates only this attempt's."""
         loss_sum, correct = sums.tolist()
-        totals = self.all_sum([loss_sum, correct, seen, feed.wait_s, meter.busy_s(), wall])
-        per_rank = [v / self.world for v in totals[2:]]
+        totals = self.all_sum([loss_sum, correct, seen, feed.wait_s, meter.busy_s(), wall, carried_seen])
+        per_rank = [v / self.world for v in totals[2:6]]
         times = meters.EpochTimes(int(per_rank[0]), *per_rank[1:])
         capacity = feed.capacity()
         device = "GPU" if self.device.type == "cuda" else "CPU"
-        row = {"train_loss": totals[0] / max(1, totals[2]), "train_acc": totals[1] / max(1, totals[2]),
+        rows = max(1, totals[2] + totals[6])
+        row = {"train_loss": totals[0] / rows, "train_acc": totals[1] / rows,
                "images_per_s": totals[2] / max(wall, 1e-9), "wait_s": times.wait_s,
                "compute_s": times.busy_s, "wall_s": times.wall_s, "stall_fraction": times.stall,
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
@@ -263,6 +272,7 @@ class Worker:
                            folder / "state.pt")
             torch.save(rng_state(self.device), folder / f"rng-rank{self.rank}.pt")
             (folder / f"ledger-rank{self.rank}.json").write_text(json.dumps(self.ledger))
+            (folder / f"sums-rank{self.rank}.json").write_text(json.dumps(self.carried))  # mid-epoch only
             if self.rank == 0:  # written last: a checkpoint without meta.json is incomplete
                 meta = {"epoch": epoch, "step": step, "world": self.world, "history": self.history,
                         "val": self.val, "fingerprint": self.fingerprint}
@@ -291,6 +301,8 @@ class Worker:
                 set_rng_state(load_plain(folder / f"rng-rank{self.rank}.pt"), self.device)
                 self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
                 self.step = meta["step"]
+                sums = folder / f"sums-rank{self.rank}.json"  # absent in checkpoints of older raymill
+                self.carried = json.loads(sums.read_text()) if sums.exists() else None
             else:
                 # Elastic restart with another world size: rank row ranges move, so the exact
                 # position can't carry over. Restart the epoch; the weights and optimizer do.

@@ -96,6 +96,11 @@ def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_p
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), f"{name} differs from the uninterrupted run"
+    # the epoch resumed mid-way reports the whole epoch's loss and accuracy, as the uninterrupted
+    # run did (its row once covered only the steps after the checkpoint)
+    rows = [[v for h in map(json.loads, (Path(a.path) / "metrics.jsonl").read_text().splitlines())
+             for v in (h["train_loss"], h["train_acc"])] for a in (artifact, reference)]
+    assert rows[0] == pytest.approx(rows[1], rel=1e-9), rows
 
 
 def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_path):
