@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from workflow.core import storage
+from workflow.core import locks, storage
 from workflow.core.artifacts import Artifact, code_version, config_hash
 from workflow.core.config import Config, TrackingConfig, section_dict
 
@@ -257,16 +257,19 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
              section: dict[str, Any], body: Callable[[Handle | None], Artifact]) -> Artifact:
     if not cfg.tracking.enabled:
         return body(None)
-    handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}",
-                   {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
-    log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
-                        "code": code_version()})
-    try:
-        artifact = body(handle)
-    except BaseException:
-        end(handle, "FAILED")
-        raise
-    _finish(cfg, handle, artifact, cfg.s3)
+    # The stage's output lock first (the stage takes it again, re-entrantly): a second run refused
+    # for a busy output had resumed the running job's MLflow run and marked it FAILED.
+    with locks.output_lock(out, stage, cfg.s3):
+        handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}",
+                       {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
+        log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
+                            "code": code_version()})
+        try:
+            artifact = body(handle)
+        except BaseException:
+            end(handle, "FAILED")
+            raise
+        _finish(cfg, handle, artifact, cfg.s3)
     return artifact
 
 
