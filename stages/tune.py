@@ -237,8 +237,10 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     best = tune_results.pick_best(trials, cfg, ray_dir, s3)
     if best is None:
         errors = [f"{t['trial_id']}: {t['error']}" for t in trials if t["error"]][:3]
+        diverged = sum(t["outcome"] == "diverged" for t in trials)
         raise TuneError(f"all {len(trials)} trial(s) failed or reported nothing; see {out}/trials.md. "
-                        f"First errors: {'; '.join(errors) or 'none recorded'}")
+                        + (f"{diverged} diverged (loss NaN/inf): lower tune.search_space.lr's range. "
+                           if diverged else "") + f"First errors: {'; '.join(errors) or 'none recorded'}")
     return tune_results.publish(cfg, train_cfg, data, out, seed=seed, s3=s3, plan=plan, loop=ctx["loop"],
                                 trials=trials, best=best, seconds_so_far=time.perf_counter() - started)
 

@@ -374,3 +374,11 @@ def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build(
     assert again is first, "the actor's model was rebuilt, not reused"
     assert all(torch.equal(again.state_dict()[k], v) for k, v in fresh.items())
     assert torch.equal(torch.rand(3), after_fresh)
+
+
+def test_a_search_whose_every_trial_diverges_says_so(dataset, tmp_path):
+    # one trial, lr 1e12: it diverges in epoch 1; the error said only "First errors: none recorded"
+    cfg = _cfg("tune.num_samples=1", "tune.max_epochs=1", "tune.scheduler=fifo",
+               "tune.search_space={lr: {type: choice, values: [1.0e12]}}", "train.optimizer=sgd")
+    with pytest.raises(tune.TuneError, match="1 diverged .* lower tune.search_space.lr"):
+        tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "tune"), seed=0, ray_cfg=cfg.ray)
