@@ -13,7 +13,7 @@ from stages import etl
 from stages.images import decode_rgb
 from workflow.core import storage
 from workflow.core.artifacts import data_fingerprint
-from workflow.core.config import EtlConfig, S3Config, load_config
+from workflow.core.config import EtlConfig, S3Config
 from tests.conftest import BAD_FILES, FlakyS3Proxy, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)

@@ -14,10 +14,9 @@ import pytest
 
 import torch
 
-from stages import checkpoint_io, etl, publish, train
+from stages import checkpoint_io, publish, train
 from stages import streaming
 from workflow.core import fingerprint, storage
-from workflow import demo_data
 from workflow.__main__ import main
 from workflow.core.config import ConfigError, S3Config, load_config, section_dict
 from tests.conftest import REPO, demo_dataset

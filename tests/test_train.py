@@ -5,8 +5,6 @@ Three TorchTrainer runs in total (~30 s each on 2 CPUs); keep it that way.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -16,11 +14,10 @@ import pytest
 import torch
 
 from stages import streaming
-from stages import etl, train
+from stages import train
 from stages.predict import to_batch
 from stages.train_loop import precision_plan
 from workflow.core import session
-from workflow import demo_data
 from workflow.core.config import ConfigError, S3Config, TrainConfig, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
 
