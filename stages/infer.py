@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 
 from workflow.core import session, storage
-from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, load_artifact, manifest_kind, write_manifest
+from workflow.core.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
+                                     write_manifest)
 from workflow.core.config import InferConfig, section_dict
 from workflow.core.locks import output_lock
 from stages import infer_decode, meters, predict, sources, streaming
@@ -85,9 +86,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     resources = session.cluster_resources()
     decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
     plan = _plan(cfg, source, info, s3, max(decode["num_actors"], decode["decode_tasks"]))
-    out_fs, out_root = storage.filesystem(out, s3)
-    if out_fs.exists(storage.join(out_root, MANIFEST)):
-        out_fs.rm_file(storage.join(out_root, MANIFEST))  # unpublish: never old manifest + new files
+    unpublish(out, s3)
     log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
              plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
                                                                if decode["decode_tasks"] else ""))

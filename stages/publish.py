@@ -18,7 +18,7 @@ from stages.checkpoint_io import load_plain
 from stages.infer_decode import READ_KEYS
 from stages.predict import evaluate_split, load_model
 from workflow.core import console, storage
-from workflow.core.artifacts import MANIFEST, Artifact, base_manifest, config_hash, write_manifest
+from workflow.core.artifacts import Artifact, base_manifest, config_hash, unpublish, write_manifest
 from workflow.core.config import section_dict
 
 __all__ = ["publish", "save_model", "model_info", "state_hash", "read_checkpoint", "curves", "test_metrics"]
@@ -111,9 +111,8 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
     state, best_meta, _ = read_checkpoint(best_checkpoint)
     info = model_info(cfg, data, {"val_acc": best_metrics.get("val_acc"), "epoch": best_meta["epoch"],
                                   "version": f"{best_meta['epoch']}-{config_hash(state_hash(state))}"})
+    unpublish(out, s3)
     fs, root = storage.filesystem(out, s3)
-    if fs.exists(storage.join(root, MANIFEST)):  # unpublish first: an --overwrite killed while it
-        fs.rm_file(storage.join(root, MANIFEST))  # wrote left the old run's manifest over a new model
     save_model(out, state, info, s3)
     test = test_metrics(best_metrics, out, loop_config, cfg.cache_dir, s3)
     history = meta["history"]

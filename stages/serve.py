@@ -58,14 +58,14 @@ def decode_slots(cfg: ServeConfig) -> int:
 def _past_request_cap(costs: list[int], cfg: ServeConfig) -> dict[str, Any] | None:
     """The error naming the first image past serve.max_request_pixels, or None. Without the cap a
     /v2 request of 64 tiny 40 MP PNGs decoded for seconds while later requests queued behind it."""
-    cap = max(cfg.max_request_pixels, cfg.max_image_pixels) * DECODE_BYTES_PER_PIXEL
+    pixels = max(cfg.max_request_pixels, cfg.max_image_pixels)  # one image never trips the request cap
     total = 0
     for index, cost in enumerate(costs):
         total += cost
-        if total > cap:
+        if total > pixels * DECODE_BYTES_PER_PIXEL:
             return {"error": "too_large", "index": index,
-                    "detail": f"the request's images hold more than serve.max_request_pixels="
-                              f"{max(cfg.max_request_pixels, cfg.max_image_pixels)} px together; split the request"}
+                    "detail": f"the request's images hold more than serve.max_request_pixels={pixels} px "
+                              "together; split the request"}
     return None
 
 
@@ -122,8 +122,7 @@ class Classifier:
         costs = [self._cost(data) for data in images]  # headers only: nothing decodes yet
         if (over := _past_request_cap(costs, self.cfg)) is not None:
             return over
-        decoded = await asyncio.gather(*(self.decodes.run(cost, self._decode_now, data)
-                                         for cost, data in zip(costs, images)))
+        decoded = await asyncio.gather(*(self._decode(data, cost) for cost, data in zip(costs, images)))
         for index, (_, error) in enumerate(decoded):
             if error:
                 return {**error, "index": index}
@@ -145,9 +144,10 @@ class Classifier:
                 "top_k": min(cfg.top_k, len(info["classes"])), "max_images": cfg.max_images_per_request,
                 "device": self.device.type}
 
-    async def _decode(self, data: bytes) -> tuple[np.ndarray | None, dict[str, Any] | None]:
-        """Decode off the event loop, within the replica's decode memory (stages.decode_budget)."""
-        return await self.decodes.run(self._cost(data), self._decode_now, data)
+    async def _decode(self, data: bytes, cost: int | None = None) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+        """Decode off the event loop, within the replica's decode memory (stages.decode_budget);
+        `cost` when the caller already read it from the headers."""
+        return await self.decodes.run(self._cost(data) if cost is None else cost, self._decode_now, data)
 
     def _cost(self, data: bytes) -> int:
         return decode_cost(data, self.formats, self.cfg.max_image_pixels)

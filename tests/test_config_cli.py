@@ -28,6 +28,8 @@ def test_every_shipped_config_loads(path):
     ("etl.formats=[]", "config key 'etl.formats'"),  # would publish a dataset of no shards
     ("etl.formats=[parquet,parquet]", "list each shard format once"),  # would list every shard twice
     ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
+    ("run.dir=s3://bucket//runs", "config key 'run.dir'"),  # S3 would keep the key '/runs'
+    ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
@@ -60,6 +62,8 @@ def test_help_and_usage_errors():
         assert _cli(cmd, "--help").returncode == 0
     assert _cli("etl").returncode == 2  # argparse: missing --input/--output
     assert _cli("nonsense").returncode == 2
+    proc = _cli("train", "--data", "s3://bucket/data", "--output", "s3://bucket//out")
+    assert proc.returncode == 2 and "argument --output" in proc.stderr and "single slashes" in proc.stderr
 
 
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 
-from workflow.core import console
+from workflow.core import console, storage
 from workflow.core.config import ConfigError, load_config
 
 __all__ = ["main"]
@@ -29,6 +29,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="also show Ray's own log lines and full tracebacks")
 
 
+def _location(value: str) -> str:
+    try:
+        return storage.check_location(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymill", description="Ray-based ETL -> train -> tune -> serve")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -41,37 +48,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("etl", help="images (folder or s3://) -> parquet/tar shards + manifest")
-    p.add_argument("--input", required=True, help="ImageFolder tree: <input>/<class>/<image>")
-    p.add_argument("--output", required=True, help="output folder or s3:// prefix")
+    p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>")
+    p.add_argument("--output", required=True, type=_location, help="output folder or s3:// prefix")
     p.add_argument("--format", choices=["parquet", "tar", "both"], default=None,
                    help="shard format(s) (default: etl.formats from config)")
     p.add_argument("--overwrite", action="store_true", help="replace a published output atomically")
     _common(p)
 
     p = sub.add_parser("verify", help="recheck shard sizes, checksums and row counts")
-    p.add_argument("dst")
+    p.add_argument("dst", type=_location)
     _common(p)
 
     p = sub.add_parser("train", help="DDP training on an ETL output; exports model.pt + model.json")
-    p.add_argument("--data", required=True, help="ETL output folder or s3:// prefix")
-    p.add_argument("--output", required=True, help="run folder for the model, metrics and checkpoints")
+    p.add_argument("--data", required=True, type=_location, help="ETL output folder or s3:// prefix")
+    p.add_argument("--output", required=True, type=_location, help="run folder for the model, metrics and checkpoints")
     p.add_argument("--overwrite", action="store_true",
                    help="discard the output's checkpoints (Ray run state) and train from scratch")
     _common(p)
 
     p = sub.add_parser("tune", help="hyperparameter search (ASHA, PBT or FIFO) over the trainer")
-    p.add_argument("--data", required=True)
-    p.add_argument("--output", required=True)
+    p.add_argument("--data", required=True, type=_location)
+    p.add_argument("--output", required=True, type=_location)
     _common(p)
 
     p = sub.add_parser("infer", help="batch inference with Ray Data -> predictions.parquet + metrics.json")
-    p.add_argument("--model", required=True, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--data", required=True, help="ETL output (uses infer.split) or a raw image folder")
-    p.add_argument("--output", required=True)
+    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--data", required=True, type=_location, help="ETL output (uses infer.split) or a raw image folder")
+    p.add_argument("--output", required=True, type=_location)
     _common(p)
 
     p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
-    p.add_argument("--model", required=True, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; other interfaces only when asked)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--replicas", type=int, default=None)

@@ -86,6 +86,14 @@ def write_manifest(out: str, manifest: dict[str, Any], s3: Any | None = None) ->
     storage.write_bytes_atomic(fs, storage.join(path, MANIFEST), data)
 
 
+def unpublish(out: str, s3: Any | None = None) -> None:
+    """Remove `out/manifest.json` before a run rewrites the folder's files: an --overwrite killed
+    mid-write must leave no manifest at all, never the old run's manifest over new files."""
+    fs, root = storage.filesystem(out, s3)
+    if fs.exists(storage.join(root, MANIFEST)):
+        fs.rm_file(storage.join(root, MANIFEST))
+
+
 def manifest_kind(fs, folder: str) -> str | None:
     """The kind ('raymill.etl', ...) that `folder`'s manifest.json names; None for no manifest, or
     one that is some other tool's file (not JSON, not an object, no raymill kind)."""

@@ -13,6 +13,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from workflow.core.overrides import ConfigError, merge, parse_overrides
+from workflow.core.storage import check_location
 
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
@@ -51,8 +52,8 @@ class S3Config(Section):
 
 class RunSection(Section):
     name: str = "demo"
-    dir: str = "runs/demo"  # run folder: local path or s3:// URI
-    source: str = "data/demo"  # ImageFolder tree: local path or s3:// prefix
+    dir: Annotated[str, AfterValidator(check_location)] = "runs/demo"  # run folder: local path or s3:// URI
+    source: Annotated[str, AfterValidator(check_location)] = "data/demo"  # ImageFolder tree: path or s3:// prefix
     seed: int = 0
     force: bool = False  # recompute stages even when their inputs and config are unchanged
 
@@ -172,7 +173,7 @@ class TrainConfig(Section):
     # After a node loss Ray Train waits for room for the whole group (or min_workers); past this
     # many seconds of waiting, training stops with an error naming what is missing (exit 1).
     capacity_timeout_s: float = Field(600.0, gt=0)
-    storage_path: str | None = None  # Ray Train storage (local or s3://); None: <run dir>/ray
+    storage_path: Annotated[str, AfterValidator(check_location)] | None = None  # Ray Train storage (local or s3://); None: <run dir>/ray
     cache_dir: str = "~/.cache/raymill/shards"  # local copies of remote shards
     cache_max_gb: float = Field(20.0, gt=0)
     ledger: bool = False  # record every consumed sample key (tests, audits)

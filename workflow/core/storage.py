@@ -23,6 +23,17 @@ def is_remote(uri: str) -> bool:
     return "://" in str(uri) and not str(uri).startswith("file://")
 
 
+def check_location(uri: str) -> str:
+    """`uri`, or ValueError: an s3:// URI needs a bucket and no empty path segment. S3 keeps
+    `s3://b//x` as the key '/x', so a run's lock and files would land apart from what was named."""
+    if str(uri).startswith("s3://"):
+        bucket, _, key = str(uri)[len("s3://"):].partition("/")
+        if not bucket or "//" in "/" + key.rstrip("/"):
+            raise ValueError(f"'{uri}' has an empty path segment or no bucket; write s3://bucket/prefix "
+                             "with single slashes")
+    return uri
+
+
 def local_path(uri: str) -> str:
     """Absolute local path of a non-remote URI (expands ~)."""
     uri = str(uri)
