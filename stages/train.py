@@ -13,11 +13,11 @@ from stages import capacity, etl, ingest_ray, models, publish
 from stages.checkpoint_io import refusal_in
 from stages.train_loop import train_loop
 from workflow.core import console, fingerprint, session, storage
-from workflow.core.artifacts import Artifact
+from workflow.core.artifacts import Artifact, config_hash, find_published
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, section_dict
 from workflow.core.locks import output_lock
 
-__all__ = ["run", "TrainError", "check_data", "check_image_size", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "published", "TrainError", "check_data", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,21 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
                            tracking=tracking)
 
 
+def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> Artifact | None:
+    """The model this config, seed and data already published in `out`, or None."""
+    done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_manifest_hash":
+                                                            config_hash(data.manifest)}, s3)
+    if done is not None:
+        log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
+                 "(--overwrite trains again)", out)
+    return done
+
+
 def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
                 s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
     started = time.perf_counter()
+    if not overwrite and (done := published(cfg, data, out, seed, s3)) is not None:
+        return done
     shards = check_data(cfg, data, s3)
     state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)

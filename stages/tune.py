@@ -36,10 +36,10 @@ from stages.run_hooks import TuneHooks
 from stages.train_loop import train_loop
 from stages.tune_results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
 from workflow.core import fingerprint, session, storage
-from workflow.core.artifacts import Artifact, data_fingerprint, load_artifact
+from workflow.core.artifacts import Artifact, data_fingerprint, find_published
 from workflow.core.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["run", "searched_models", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
+__all__ = ["run", "published", "searched_models", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
            "EXPERIMENT", "searched_keys", "pbt_mutations", "PBT_KEYS"]
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     """
     started = time.perf_counter()
     check_search(cfg, train_cfg)
-    if (done := _published(cfg, train_cfg, data, out, seed, s3)) is not None:
+    if (done := published(cfg, train_cfg, data, out, seed, s3)) is not None:
         return done
     shards = train.check_data(train_cfg, data, s3, searched_models(cfg, train_cfg))  # the search's one data check
     resources = session.start(ray_cfg)
@@ -245,24 +245,18 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
                                 trials=trials, best=best, seconds_so_far=time.perf_counter() - started)
 
 
-def _published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
+def published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
                s3: Any | None) -> Artifact | None:
     """The search already published in `out` by this config, seed and data, or None.
 
     A finished search is not restored and re-fitted: Tune's periodic experiment snapshot can
     predate the last trial's end, and restoring it would run that trial again.
     """
-    try:
-        done = load_artifact(out, "tune", s3)
-    except (FileNotFoundError, ValueError):
-        return None
-    inputs = done.manifest.get("inputs", {})
-    same = (done.manifest.get("config") == section_dict(cfg) and inputs.get("seed") == seed
-            and inputs.get("train") == section_dict(train_cfg)
-            and inputs.get("data_fingerprint") == data_fingerprint(data.manifest))
-    if same:
+    done = find_published(out, "tune", section_dict(cfg), {"seed": seed, "train": section_dict(train_cfg),
+                          "data_fingerprint": data_fingerprint(data.manifest)}, s3)
+    if done is not None:
         log.info("tune: %s already holds this search's result (same config, seed and data); reusing it", out)
-    return done if same else None
+    return done
 
 
 def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPlan, ray_dir: str, s3,

@@ -66,6 +66,16 @@ def test_rerun_with_another_config_is_refused_with_exit_2(first_run, dataset, ca
     assert _published(first_run) == before, "a refused run must not touch the published model"
 
 
+def test_rerun_of_a_finished_train_hands_back_its_model_and_tracks_nothing_new(first_run, dataset):
+    # It had restored the trainer, re-published the same model and registered it in MLflow again
+    before = _published(first_run)
+    sets = [a for s in BASE for a in ("--set", s)]
+    assert main(["train", "--data", dataset.path, "--output", first_run.path, "--config", str(SMOKE), *sets]) == 0
+    assert _published(first_run) == before
+    # tracking is on by default: no MLflow run finished, no model version registered (tracking.json)
+    assert not (Path(first_run.path) / "tracking.json").exists()
+
+
 def test_resumable_keys_resume_and_other_data_is_refused(first_run, dataset):
     cfg = _cfg()
     state = str(Path(first_run.path) / "ray")

@@ -169,7 +169,8 @@ def cmd_train(args) -> int:
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
         cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
-        tracking=run))
+        tracking=run), reuse=lambda: None if args.overwrite else train.published(
+        cfg.train, data, args.output, cfg.run.seed, cfg.s3))
     print(f"train: test_acc={console.score(artifact.manifest['metrics']['test_acc'])} -> {artifact.path}")
     return 0
 
@@ -183,7 +184,8 @@ def cmd_tune(args) -> int:
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
         cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
-        callbacks=callbacks))
+        callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output, cfg.run.seed,
+                                                           cfg.s3))
     print(f"tune: best {artifact.manifest['metrics']} -> {artifact.path}")
     return 0
 

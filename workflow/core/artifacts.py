@@ -119,3 +119,18 @@ def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) ->
     if stage and kind != f"raymill.{stage}":
         raise ValueError(f"'{path}' holds a {kind or 'unknown'} output, not raymill.{stage}")
     return Artifact(kind.removeprefix("raymill."), str(path).rstrip("/"), manifest)
+
+
+def find_published(out: str, stage: str, config: dict[str, Any], inputs: dict[str, Any],
+                   s3: Any | None = None) -> Artifact | None:
+    """What `stage` already published in `out` from this config and these inputs, or None.
+
+    A finished stage is handed back, not re-fitted: re-fitting re-published the same model and
+    registered it in MLflow again, and a restored Tune snapshot can run its last trial again."""
+    try:
+        done = load_artifact(out, stage, s3)
+        have = done.manifest.get("inputs", {})
+        same = done.manifest.get("config") == config and all(have.get(k) == v for k, v in inputs.items())
+    except (FileNotFoundError, ValueError, AttributeError):  # none, another kind, or not an object
+        return None
+    return done if same else None

@@ -254,12 +254,15 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
 
 
 def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: str,
-             section: dict[str, Any], body: Callable[[Handle | None], Artifact]) -> Artifact:
+             section: dict[str, Any], body: Callable[[Handle | None], Artifact],
+             reuse: Callable[[], Artifact | None] | None) -> Artifact:
     if not cfg.tracking.enabled:
         return body(None)
     # The stage's output lock first (the stage takes it again, re-entrantly): a second run refused
     # for a busy output had resumed the running job's MLflow run and marked it FAILED.
     with locks.output_lock(out, stage, cfg.s3):
+        if reuse is not None and (done := reuse()) is not None:
+            return done  # its MLflow run and model version stand: a new run had registered it again
         handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}",
                        {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
         log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
@@ -274,20 +277,23 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
 
 
 def train(cfg: Config, data: Artifact, out: str, fit: Callable[[Handle | None], Artifact],
-          store: str | None = None) -> Artifact:
+          store: str | None = None, reuse: Callable[[], Artifact | None] | None = None) -> Artifact:
     """Run `fit(handle)` (the train stage) as one MLflow run in the store of `store` (default `out`).
 
-    `fit` passes the handle to the rank-0 worker for per-epoch metrics (`log_epoch`).
+    `fit` passes the handle to the rank-0 worker for per-epoch metrics (`log_epoch`). `reuse()`,
+    called under the output's lock, returns the model `out` already holds for this run, if any:
+    then nothing is fitted or tracked again.
     """
-    return _tracked(cfg, data, out, store, "train", section_dict(cfg.train), fit)
+    return _tracked(cfg, data, out, store, "train", section_dict(cfg.train), fit, reuse)
 
 
 def tune(cfg: Config, data: Artifact, out: str, fit: Callable[[list], Artifact],
-         store: str | None = None) -> Artifact:
-    """Run `fit(callbacks)` (the tune stage) as a parent MLflow run; each trial becomes a child run."""
+         store: str | None = None, reuse: Callable[[], Artifact | None] | None = None) -> Artifact:
+    """Run `fit(callbacks)` (the tune stage) as a parent MLflow run; each trial becomes a child run.
+    `reuse` as for `train`."""
     section = {**section_dict(cfg.tune), "train": section_dict(cfg.train)}
     return _tracked(cfg, data, out, store, "tune", section,
-                    lambda parent: fit(tune_callbacks(parent, cfg.tracking, cfg.tune.max_epochs)))
+                    lambda parent: fit(tune_callbacks(parent, cfg.tracking, cfg.tune.max_epochs)), reuse)
 
 
 def find(model_path: str, s3: Any | None = None) -> dict[str, Any] | None:
