@@ -207,4 +207,4 @@ def test_v2_versioned_routes_and_compressed_requests(app):
         assert result.as_numpy("class_index").tolist() == plain, algorithm
     with pytest.raises(InferenceServerException) as raised:
         client.infer(MODEL, [_images_input(images)], model_version="9")
-    assert raised.value.status() == "404" and f"no version '9'" in raised.value.message()
+    assert raised.value.status() == "404" and "no version '9'" in raised.value.message()

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,11 +15,8 @@ from pathlib import Path
 
 import pytest
 
-
-from stages import streaming
-from stages import etl, ingest_ray, train
+from stages import ingest_ray, streaming, train
 from stages.meters import EpochTimes, verdict
-from workflow import demo_data
 from workflow.core.config import ConfigError, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
