@@ -249,3 +249,26 @@ def test_tune_parent_run_with_one_child_per_trial(tmp_path, ray_session, mlflow_
     assert outcomes["0.1"] == outcomes["0.2"] == ("stopped_early", "KILLED")  # ASHA-stopped, visibly
     child = children[0]
     assert len(_client(mlflow_server.uri).get_metric_history(child.info.run_id, "val_acc")) >= 1
+
+
+def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(tmp_path, caplog):
+    # MLflow params are write-once: re-logging the explored lr as a param raised, and the one
+    # warning switched tracking off for the rest of the search (parent run and model included)
+    from ray.tune.experiment import Trial
+
+    from workflow.core.tracking_tune import TrialLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = TrialLogger(tracking_uri=uri, experiment_name="pbt", max_epochs=4, tags={})
+    logger.setup()
+    trial = Trial("trainable", config={"lr": 0.1, "momentum": 0.9, "model": "cnn"}, stub=True, trial_id="t1")
+    logger.log_trial_start(trial)
+    trial.set_config({"lr": 0.12, "momentum": 0.9, "model": "cnn"})  # what PBT does before restarting it
+    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
+    logger.log_trial_start(trial)
+    assert not tracking.has_failed(uri) and not caplog.records
+    client = _client(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("pbt").experiment_id])
+    run_id = run.info.run_id
+    assert client.get_run(run_id).data.params["lr"] == "0.1"  # the trial's starting point
+    assert [m.value for m in client.get_metric_history(run_id, "config.lr")] == [0.1, 0.12]

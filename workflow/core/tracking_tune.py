@@ -39,7 +39,23 @@ class TrialLogger(MLflowLoggerCallback):
         self._guard("setup", super().setup)
 
     def log_trial_start(self, trial) -> None:
-        self._guard("trial start", super().log_trial_start, trial)
+        if trial in self._trial_runs:  # restarted by a PBT exploit: a donor's weights, an explored config
+            self._guard("trial exploit", self._log_explored, trial)
+        else:
+            self._guard("trial start", super().log_trial_start, trial)
+            self._guard("trial start", self._log_explored, trial)
+
+    def _log_explored(self, trial) -> None:
+        """The trial's numeric config as metrics `config.<key>` at its current iteration. MLflow
+        params are write-once: logging PBT's explored lr as a param again raised, and the one
+        warning then turned tracking off for the rest of the search, its model included."""
+        from mlflow import MlflowClient
+
+        step = int((trial.last_result or {}).get("training_iteration", 0))
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        for key, value in trial.config.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                client.log_metric(self._trial_runs[trial], f"config.{key}", float(value), step=step)
 
     def log_trial_result(self, iteration: int, trial, result: dict) -> None:
         if trial in self._trial_runs:
