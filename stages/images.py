@@ -104,8 +104,12 @@ def _resize(img: Image.Image, size: int, resize: str) -> np.ndarray:
 def _to_rgb(img: Image.Image, sixteen_bit: bool = False) -> Image.Image:
     if sixteen_bit:
         # 16-bit greyscale: convert("RGB") clips every value above 255 to white; scale instead.
-        grey = np.asarray(img, dtype=np.uint32) // 257
-        return Image.fromarray(grey.astype(np.uint8), "L").convert("RGB")
+        # Its tRNS names one 16-bit grey as transparent: white, as for the 8-bit modes below.
+        values = np.asarray(img, dtype=np.uint32)
+        grey = (values // 257).astype(np.uint8)
+        if isinstance(img.info.get("transparency"), int):
+            grey[values == img.info["transparency"]] = 255
+        return Image.fromarray(grey, "L").convert("RGB")
     # Transparent pixels become white, not whatever colour the encoder left under alpha 0.
     # L, RGB and P PNGs may name a transparent colour (tRNS) instead of carrying an alpha channel.
     if img.mode in ("RGBA", "LA") or (img.mode in ("P", "L", "RGB") and "transparency" in img.info):

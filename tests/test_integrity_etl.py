@@ -65,9 +65,9 @@ def test_16_bit_greyscale_png_is_scaled_not_clipped():
     assert 110 < pixels.mean() < 145
 
 
-@pytest.mark.parametrize("mode,key", [("L", 0), ("RGB", (0, 0, 0)), ("P", 0), ("LA", None)])
+@pytest.mark.parametrize("mode,key", [("L", 0), ("RGB", (0, 0, 0)), ("P", 0), ("LA", None), ("I;16", 0)])
 def test_transparent_pixels_are_white_whichever_way_the_png_says_so(mode, key):
-    img = Image.new(mode, (32, 32), 0 if mode in ("L", "P") else (0, 0) if mode == "LA" else (0, 0, 0))
+    img = Image.new(mode, (32, 32), 0 if mode in ("L", "P", "I;16") else (0, 0) if mode == "LA" else (0, 0, 0))
     buf = io.BytesIO()
     img.save(buf, format="PNG", **({} if key is None else {"transparency": key}))  # tRNS, or an alpha channel
     assert decode_rgb(buf.getvalue(), 16).min() == 255
