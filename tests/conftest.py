@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -18,14 +18,24 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
+# Before any test module imports Ray: the suite's Ray listens on loopback only, as the CLI's does.
+from workflow.core.exposure import keep_local_on_loopback  # noqa: E402
+
+keep_local_on_loopback()
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def ctrl_c_reaches_the_child() -> None:
-    """Popen preexec_fn for a child a test stops with SIGINT: a suite started in the background
-    (`nohup make test &`) ignores SIGINT, children inherit that across exec, and Python then
-    installs no KeyboardInterrupt handler, so the child would never see the test's Ctrl-C."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+def interruptible(target: str, *args: str) -> list[str]:
+    """The command line `python -m target args` (`python target args` for a .py file) for a child
+    a test stops with SIGINT. A suite started in the background (`nohup make test &`) ignores
+    SIGINT, children inherit that across exec, and Python then installs no KeyboardInterrupt
+    handler: the child restores it itself. Not Popen's preexec_fn: that forks this process with
+    its Ray driver's gRPC threads, and the driver then missed actor updates (serve.start hung)."""
+    run = (f"runpy.run_path({target!r}, run_name='__main__')" if target.endswith(".py")
+           else f"runpy.run_module({target!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", "import runpy, signal, sys; signal.signal(signal.SIGINT, "
+            f"signal.default_int_handler); sys.argv[0] = {target!r}; {run}", *args]
 
 
 def free_port() -> int:

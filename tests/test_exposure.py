@@ -12,15 +12,15 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, ctrl_c_reaches_the_child, free_port
+from tests.conftest import REPO, free_port, interruptible
 from workflow.core import exposure
 
 
 def _cli(*args: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # the product decides, as for a user
-    return subprocess.Popen([sys.executable, "-m", "workflow", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=ctrl_c_reaches_the_child)
+    return subprocess.Popen(interruptible("workflow", *args), cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _sample_while(proc: subprocess.Popen, until, timeout_s: float) -> dict[tuple, dict]:

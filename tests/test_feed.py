@@ -6,7 +6,6 @@ import io
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -19,7 +18,7 @@ from PIL import Image
 from stages import decoded_tier, meters, streaming
 from stages.decode_pool import DecodePool, DecodeSpec
 from stages.feed import PoolFeed, ThreadFeed
-from tests.conftest import REPO, ctrl_c_reaches_the_child
+from tests.conftest import REPO, interruptible
 
 SPEC = DecodeSpec(size=32, raw=False, seed=3, epoch=1, augment=True, scale_min=0.3, crop=True, flip=True)
 
@@ -118,9 +117,8 @@ _CHILD = textwrap.dedent("""
 def test_no_orphans_when_the_owner_is_killed_or_interrupted(tmp_path, how):
     script = tmp_path / "owner.py"
     script.write_text(_CHILD)
-    owner = subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE,
-                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)},
-                             preexec_fn=ctrl_c_reaches_the_child)
+    owner = subprocess.Popen(interruptible(str(script)), cwd=REPO, stdout=subprocess.PIPE,
+                             start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert owner.stdout.readline().strip() == b"ready"
     decoders = [p for p in psutil.Process(owner.pid).children(recursive=True)
                 if p.ppid() != owner.pid]

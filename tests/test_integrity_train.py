@@ -142,8 +142,11 @@ def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, datas
     marker = tmp_path / "payload-ran"
     folders = _checkpoints(first_run)
     saved = {p: p.read_bytes() for f in folders for p in [f / "state.pt", *f.glob("rng-rank*.pt")]}
+    manifest = Path(first_run.path) / "manifest.json"
+    saved[manifest] = manifest.read_bytes()
+    manifest.unlink()  # unpublished, as after a crash: the rerun resumes from the checkpoints
     try:
-        for path in saved:
+        for path in [p for p in saved if p.suffix == ".pt"]:
             torch.save({"model": _Payload(marker), "optimizer": {}, "schedule": {}, "scaler": None,
                         "torch": _Payload(marker)}, path)
         with pytest.raises(checkpoint_io.CheckpointRefused, match="not plain tensors"):
@@ -210,3 +213,24 @@ def test_a_diverging_run_fails_naming_the_fix_and_publishes_nothing(dataset, tmp
         train.run(cfg.train, dataset, str(tmp_path / "out"), seed=cfg.run.seed, ray_cfg=cfg.ray)
     assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "model.pt").exists()
 
+
+def test_ctrl_c_during_training_says_interrupted_and_exits_130(dataset, tmp_path):
+    # Train V2's own SIGINT handler aborts the run and the driver's ray.get raises SystemExit(1):
+    # the CLI had exited 1 printing nothing
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import interruptible
+
+    proc = subprocess.Popen(interruptible("workflow", "train", "--data", dataset.path, "--output",
+                                          str(tmp_path / "out"), "--config", str(SMOKE), "--set", "train.epochs=50"),
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    lines, deadline = [], time.time() + 180
+    while time.time() < deadline and not any("epoch 1/50" in line for line in lines):
+        lines.append(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, "".join(lines)[-2000:] + out[-2000:]
+    assert "raymill train: interrupted; rerun the same command" in out

@@ -124,7 +124,9 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
     assert cached and all(p.stat().st_size > 0 for p in cached)
     assert fs.find(f"{bucket}/run/ray/train"), "no checkpoint was written to S3"
     assert artifact.manifest["checkpoint"]["latest"].startswith(f"{bucket}/run/ray/train/checkpoint-")
-    # resume from the S3 checkpoint: a second fit of the same run finds it and trains nothing new
+    # resume from the S3 checkpoint: a second fit of the same run, unpublished as after a crash in
+    # publish, finds it and trains nothing new
+    fs.rm_file(f"{bucket}/run/manifest.json")
     again = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
     assert again.manifest["metrics"]["epochs"] == 2
 
