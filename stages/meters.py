@@ -96,6 +96,8 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     knows it: r is n / (decode CPU seconds per image), what its processes can deliver. `tier` is
     the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch).
     """
+    if t.images == 0:  # more workers than training rows: this rank's batches were all empty
+        return "no images reached this worker this epoch: fewer training rows than train.num_workers"
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:

@@ -57,7 +57,11 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
                           "rows": s["rows"], "bytes": s["bytes"], "sha256": s["sha256"]}
                          for s in manifest["shards"] if s["split"] == split and s["format"] == cfg.data_format]
     if not shards["train"]:
-        raise TrainError(f"'{data.path}' has no train rows; add images or change etl.split")
+        raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
+    if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
+        # ranked the checkpoints, and the first epoch's model was published
+        raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
+                          "val_acc: re-run ETL with a larger etl.split.val, or add images")
     return shards
 
 

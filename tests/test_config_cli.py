@@ -1,6 +1,7 @@
 """Config loading and the CLI's exit codes (in-process where Ray is needed, subprocess where not)."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -111,3 +112,33 @@ def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_ses
                  "--set", f"s3.endpoint_url={endpoint}", "--set", "etl.image_size=16"])
     err = capsys.readouterr().err
     assert code == 1 and "bucket does not exist" in err and "create the bucket, or fix the s3:// path" in err
+
+
+def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_session, capsys, caplog):
+    # no val rows: val_acc 0.000 of 0 images had ranked the checkpoints (the first epoch's published)
+    src, ds, smoke = tmp_path / "src", tmp_path / "ds", str(REPO / "configs/smoke.yaml")
+    make_tree(src, per_class=3, bad=False)
+    shares = ["--set", "etl.split.train=0.9", "--set", "etl.split.val=0", "--set", "etl.split.test=0.1"]
+    assert main(["etl", "--input", str(src), "--output", str(ds), *shares]) == 0
+    capsys.readouterr()
+    assert main(["train", "--data", str(ds), "--output", str(tmp_path / "m"), "--config", smoke]) == 2
+    assert "no val rows" in capsys.readouterr().err and not (tmp_path / "m" / "model.pt").exists()
+    # the pipeline refuses before ETL; after ETL, a split its tree left empty is refused before training
+    assert main(["run", "--config", smoke, "--set", f"run.source={src}", "--set", f"run.dir={tmp_path / 'run'}",
+                 *shares]) == 2
+    assert "etl.split.val=0" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    from workflow import pipeline
+
+    with pytest.raises(ConfigError, match=r"no images in the test split.*etl\.split\.test"):
+        pipeline.needed_splits(load_config(smoke), {"train": {"a": 3}, "val": {"a": 1}, "test": {}})
+
+
+def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):
+    from stages import etl
+
+    manifest = {"classes": ["a", "b"], "counts": {"train": {"a": 3}, "val": {"b": 1}, "test": {}},
+                "totals": {"files_in": 4, "rows_out": 4, "quarantined": 0},
+                "metrics": {"images_per_s": 1.0, "mb_written": 0.0, "seconds": 1.0}}
+    with caplog.at_level(logging.WARNING, logger="stages.etl"):
+        etl._log_summary(manifest)
+    assert "['b'] have images but none in the train split" in caplog.text

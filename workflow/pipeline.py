@@ -21,10 +21,10 @@ from workflow import report
 
 from workflow.core import session, storage, tracking
 from workflow.core.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
-from workflow.core.config import Config, section_dict
+from workflow.core.config import Config, ConfigError, section_dict
 from workflow.core.locks import LOCK_NAME, output_lock
 
-__all__ = ["run", "stage", "etl_inputs"]
+__all__ = ["run", "stage", "etl_inputs", "needed_splits"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     # before ETL: a model that cannot take etl.image_size would fail every trainer after it
     train.check_image_size(tune.searched_models(cfg.tune, cfg.train) if cfg.tune.enabled else [cfg.train.model],
                            cfg.etl.image_size)
+    needed_splits(cfg)
     _write_config(cfg)
     resources = session.start(cfg.ray)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
@@ -98,6 +99,7 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     data, _ = stage("etl", cfg, cfg.etl, etl_inputs(cfg),
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
+    needed_splits(cfg, data.manifest.get("counts", {}))
     fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models
 
     t = time.perf_counter()
@@ -124,6 +126,22 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started)
+
+
+def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:
+    """ConfigError unless training, validation and infer.split each get rows: by etl.split before
+    ETL, by the rows ETL wrote after it (a small tree can leave a split empty). A pipeline whose
+    test split was empty had trained for minutes and then failed in infer."""
+    needs = {"train": "the model learns from it", "val": "the published checkpoint is the best by val_acc",
+             cfg.infer.split: f"infer.split={cfg.infer.split} reads it"}
+    for split, why in needs.items():
+        share = getattr(cfg.etl.split, split)
+        if counts is None and share <= 0:
+            raise ConfigError(f"etl.split.{split}=0 but the pipeline needs {split} rows ({why}); give "
+                              f"etl.split.{split} a share")
+        if counts is not None and sum(counts.get(split, {}).values()) == 0:
+            raise ConfigError(f"ETL put no images in the {split} split ({why}); raise etl.split.{split} "
+                              f"(now {share:g}) or add images to {cfg.run.source}")
 
 
 def _write_config(cfg: Config) -> None:
