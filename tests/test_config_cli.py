@@ -114,7 +114,7 @@ def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_ses
     assert code == 1 and "bucket does not exist" in err and "create the bucket, or fix the s3:// path" in err
 
 
-def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_session, capsys, caplog):
+def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_session, capsys):
     # no val rows: val_acc 0.000 of 0 images had ranked the checkpoints (the first epoch's published)
     src, ds, smoke = tmp_path / "src", tmp_path / "ds", str(REPO / "configs/smoke.yaml")
     make_tree(src, per_class=3, bad=False)
