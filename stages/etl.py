@@ -131,14 +131,15 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
         return _run_locked(cfg, source, out, s3, overwrite)
 
 
-def check_apart(source: str, out: str) -> None:
+def check_apart(source: str, out: str, key: str = "--output") -> None:
     """Refuse an output inside the input (or the input itself): its files would become images of a
-    class named after it on the next run, and --overwrite would write into the source (ETL, infer)."""
+    class named after it on the next run, and --overwrite would write into the source (ETL, infer).
+    `key` is what the user set the output with (`run.dir` for the pipeline)."""
     def norm(uri: str) -> str:
         return (uri.rstrip("/") if storage.is_remote(uri) else storage.local_path(uri).rstrip("/")) + "/"
 
     if norm(out).startswith(norm(source)):
-        raise ConfigError(f"output '{out}' is inside the input '{source}'; choose an --output outside the "
+        raise ConfigError(f"output '{out}' is inside the input '{source}'; choose a {key} outside the "
                           "input folder")
 
 

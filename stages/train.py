@@ -171,15 +171,14 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
         result = trainer.fit()
     except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
         # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
-        raise KeyboardInterrupt(f"rerun the same command with --output {out} to resume from the last "
-                                f"checkpoint") from e
+        raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
             raise TrainError(refusal) from e
         if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
             raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
-                         f"with the same --output to resume from the last checkpoint: "
+                         f"the same command to resume from the last checkpoint in {out}: "
                          f"{str(e).splitlines()[0]}") from e
     if result.error:
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries: "

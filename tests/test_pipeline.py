@@ -38,3 +38,31 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
     (src / "cat" / "cat_new.jpg").write_bytes(image_bytes(1))  # images added to the same source path
     assert not reused() and reused()
     assert len(builds) == 4
+
+
+def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):
+    # a run.dir/etl made by hand had its files deleted; run.dir == run.source got config.yaml and
+    # etl/stage.json written into the image tree before ETL refused it
+    import pytest
+
+    from tests.conftest import make_tree
+    from workflow.core.config import ConfigError
+
+    src, run = tmp_path / "src", tmp_path / "run"
+    make_tree(src, per_class=2, bad=False)
+    before = sorted(p.relative_to(src) for p in src.rglob("*"))
+    with pytest.raises(ConfigError, match="choose a run.dir outside the input"):
+        pipeline.run(load_config(REPO / "configs/smoke.yaml", [f"run.source={src}", f"run.dir={src}"]))
+    assert sorted(p.relative_to(src) for p in src.rglob("*")) == before
+    (run / "etl").mkdir(parents=True)
+    (run / "etl" / "precious.txt").write_text("x")
+    cfg = load_config(REPO / "configs/smoke.yaml", [f"run.source={src}", f"run.dir={run}"])
+    with pytest.raises(ConfigError, match="no raymill run wrote"):
+        pipeline.run(cfg)
+    (run / "config.yaml").write_text("{}")  # a run.dir of an earlier run: its stage folders are checked one by one
+    with pytest.raises(ConfigError, match="did not write"):
+        pipeline.stage("etl", cfg, cfg.etl, pipeline.etl_inputs(cfg), lambda out: None)
+    assert (run / "etl" / "precious.txt").read_text() == "x"
+    with pytest.raises(ConfigError, match="run.source"):  # a missing source: refused before config.yaml is rewritten
+        pipeline.run(load_config(REPO / "configs/smoke.yaml", [f"run.source={tmp_path / 'none'}", f"run.dir={run}"]))
+    assert (run / "config.yaml").read_text() == "{}"

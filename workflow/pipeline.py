@@ -54,7 +54,7 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
             log.info("%s: %s was replaced since this run published it; recomputing", name, manifest_path)
             same = False
         if cfg.run.force or not same:
-            _clear(fs, root)  # stale or changed: never resume into another config's state
+            _clear(fs, root, bool(marker))  # stale or changed: never resume into another config's state
         storage.write_bytes_atomic(fs, marker_path, json.dumps({"key": key}).encode())
         artifact = build(out)
         published = fs.cat_file(manifest_path)
@@ -63,13 +63,30 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         return artifact, False
 
 
-def _clear(fs, root: str) -> None:
-    """Delete the stage folder's contents, except the lock this run holds on it."""
+def _clear(fs, root: str, ours: bool) -> None:
+    """Delete the stage folder's contents, except the lock this run holds on it. Only a folder this
+    pipeline wrote (`ours`: it holds a stage.json) is cleared; one with other files is refused: a
+    run.dir/etl made by hand had its files deleted without a word."""
     if not fs.exists(root):
         return
-    for path in fs.ls(root, detail=False):
-        if path.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME:
-            fs.rm(path, recursive=True)
+    paths = [p for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME]
+    if paths and not ours:
+        raise ConfigError(f"'{root}' holds files raymill run did not write (no stage.json), e.g. "
+                          f"'{paths[0]}'; move them, or choose another run.dir")
+    for path in paths:
+        fs.rm(path, recursive=True)
+
+
+def _check_run_dir(cfg: Config) -> None:
+    """Refuse a run.dir that holds files but no config.yaml (every pipeline run writes one first):
+    report.md, config.yaml and the stage folders there would overwrite someone else's files."""
+    fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
+    if fs.exists(root) and not fs.isdir(root):
+        raise ConfigError(f"run.dir '{cfg.run.dir}' is a file; choose a folder")
+    entries = fs.ls(root, detail=False) if fs.exists(root) else []
+    if entries and not fs.exists(storage.join(root, "config.yaml")):
+        raise ConfigError(f"run.dir '{cfg.run.dir}' holds files that no raymill run wrote (no config.yaml), "
+                          f"e.g. '{entries[0]}'; choose an empty or new run.dir")
 
 
 def etl_inputs(cfg: Config) -> dict[str, Any]:
@@ -86,6 +103,9 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     train.check_image_size(tune.searched_models(cfg.tune, cfg.train) if cfg.tune.enabled else [cfg.train.model],
                            cfg.etl.image_size)
     needed_splits(cfg)
+    etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
+    sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
+    _check_run_dir(cfg)
     _write_config(cfg)
     resources = session.start(cfg.ray)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
@@ -96,7 +116,7 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    data, _ = stage("etl", cfg, cfg.etl, etl_inputs(cfg),
+    data, _ = stage("etl", cfg, cfg.etl, sources,
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
     needed_splits(cfg, data.manifest.get("counts", {}))
