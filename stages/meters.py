@@ -89,15 +89,23 @@ def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
 
-def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None) -> str:
+def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None,
+            workers: int = 1) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
     knows it: r is n / (decode CPU seconds per image), what its processes can deliver. `tier` is
-    the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch).
+    the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch). `t` and
+    `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
+    the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
+    below the throughput printed next to it).
     """
-    if t.images == 0:  # more workers than training rows: this rank's batches were all empty
-        return "no images reached this worker this epoch: fewer training rows than train.num_workers"
+    if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
+        return "too few images this epoch to judge: fewer training rows than train.num_workers"
+    if workers > 1:
+        t = EpochTimes(t.images * workers, t.wait_s, t.busy_s, t.wall_s)
+        decode = decode and {"processes": decode["processes"] * workers,
+                             "images_per_s": decode["images_per_s"] * workers}
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:

@@ -220,7 +220,8 @@ class Worker:
                "compute_s": times.busy_s, "wall_s": times.wall_s, "stall_fraction": times.stall,
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
-               "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None)),
+               "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
+                                         self.world),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]

@@ -229,5 +229,7 @@ def test_stall_counts_only_input_wait_that_left_the_device_idle():
     assert abs(starved.stall - 0.5) < 1e-9 and "input-bound" in meters.verdict(starved, "GPU", "stream")
     idle = meters.EpochTimes(images=0, wait_s=0.3, busy_s=0.0, wall_s=1.0)  # a rank that got no rows
     assert "train.num_workers" in meters.verdict(idle, "CPU", "stream", {"processes": 1, "images_per_s": 9.0})
+    # one worker's clocks, said for all: 2 workers of 500 img/s each are ≈ 1,000 img/s
+    assert "≈ 1,000 img/s" in meters.verdict(meters.EpochTimes(500, 0.0, 1.0, 1.0), "CPU", "stream", None, None, 2)
     cpu = meters.EpochTimes(images=100, wait_s=0.3, busy_s=0.7, wall_s=1.0)  # host step: never overlaps
     assert abs(cpu.stall - 0.3) < 1e-9
