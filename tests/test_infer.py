@@ -259,6 +259,8 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
         infer.map_batches_kwargs(InferConfig(use_gpu=True, num_actors=2), plan, {"CPU": 16.0, "GPU": 1.0})
     with pytest.raises(ConfigError, match=r"infer.decode=tasks: .* leave 0 of 2 CPUs, less than one decode task"):
         infer.map_batches_kwargs(InferConfig(decode="tasks", num_actors=2), plan, {"CPU": 2.0, "GPU": 0.0})
+    with pytest.raises(ConfigError, match=r"infer.num_actors=4 x infer.cpus_per_actor=1.5 need 6 CPUs but the cluster has 2"):
+        session.plan_infer(InferConfig(num_actors=4, cpus_per_actor=1.5), {"CPU": 2.0, "GPU": 0.0})
 
 
 def test_decode_in_tasks_predicts_as_the_actors_do_with_the_same_error_rows(setup, tmp_path):

@@ -303,6 +303,9 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
         raise ConfigError(f"infer.use_gpu with {named} needs {actors:g} GPUs but the cluster has "
                           f"{resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
     left = total - actors * infer.cpus_per_actor
+    if left < -1e-9:  # Ray Data ran fewer actors than planned, and metrics.json counted them all
+        raise ConfigError(f"{named} x infer.cpus_per_actor={infer.cpus_per_actor:g} need "
+                          f"{actors * infer.cpus_per_actor:g} CPUs but the cluster has {total:g}; lower them")
     if decode == "tasks" and left < per_task - 1e-9:
         raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
                           f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
