@@ -272,3 +272,21 @@ def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(
     run_id = run.info.run_id
     assert client.get_run(run_id).data.params["lr"] == "0.1"  # the trial's starting point
     assert [m.value for m in client.get_metric_history(run_id, "config.lr")] == [0.1, 0.12]
+
+
+def test_an_ad_hoc_infer_is_a_child_run_and_leaves_the_models_infer_accuracy(tmp_path):
+    from workflow.core.artifacts import Artifact
+
+    cfg = load_config(None, [])
+    model = tmp_path / "train"
+    handle = tracking.start(cfg.tracking, str(model), "unit", {"raymill.stage": "train"})
+    tracking.log_metrics(handle, {"infer_accuracy": 0.9})  # the pipeline's infer on its test split
+    tracking.end(handle)
+    (model / tracking.TRACKING_FILE).write_text(json.dumps(handle))
+    preds = Artifact("infer", str(tmp_path / "preds"), {"metrics": {"accuracy": 0.5, "rows": 3}})
+    tracking.log_infer(cfg, str(model), preds, own_run=True)
+    client = _client(handle["uri"])
+    assert client.get_run(handle["run_id"]).data.metrics["infer_accuracy"] == 0.9
+    (child,) = client.search_runs([handle["experiment_id"]], f"tags.`mlflow.parentRunId` = '{handle['run_id']}'")
+    assert child.data.metrics == {"infer_accuracy": 0.5, "infer_rows": 3} and child.info.status == "FINISHED"
+    assert child.data.tags["raymill.output"] == str(tmp_path / "preds")

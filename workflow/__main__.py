@@ -197,7 +197,7 @@ def cmd_infer(args) -> int:
 
     session.start(cfg.ray)
     artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
-    tracking.log_infer(cfg, args.model, artifact)  # into the MLflow run of the model used
+    tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
     return 0
 

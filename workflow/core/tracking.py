@@ -303,8 +303,10 @@ def find(model_path: str, s3: Any | None = None) -> dict[str, Any] | None:
     return storage.read_json(fs, path) if fs.exists(path) else None
 
 
-def log_infer(cfg: Config, model_path: str, preds: Artifact) -> None:
-    """Batch inference's accuracy goes into the MLflow run of the model it used."""
+def log_infer(cfg: Config, model_path: str, preds: Artifact, own_run: bool = False) -> None:
+    """Batch inference's accuracy goes into the MLflow run of the model it used (the pipeline's
+    infer on its own test split), or with `own_run` into a child run of it (`raymill infer` on any
+    data: each such run had overwritten the model run's infer_accuracy with its own)."""
     if not cfg.tracking.enabled:
         return
     handle = find(model_path, cfg.s3)
@@ -312,10 +314,21 @@ def log_infer(cfg: Config, model_path: str, preds: Artifact) -> None:
         log.info("tracking: %s has no %s (trained untracked); infer metrics not tracked", model_path,
                  TRACKING_FILE)
         return
+    target = _child_run(handle, {"mlflow.parentRunId": handle["run_id"], "raymill.stage": "infer",
+                                 "raymill.output": preds.path}) if own_run else handle
     metrics = preds.manifest.get("metrics", {})
-    log_metrics(handle, {f"infer_{k}": metrics[k] for k in ("accuracy", "rows", "errors", "images_per_s")
+    log_metrics(target, {f"infer_{k}": metrics[k] for k in ("accuracy", "rows", "errors", "images_per_s")
                          if k in metrics})
-    log_files(handle, {"infer_manifest.json": json.dumps(preds.manifest, indent=2).encode()})
+    log_files(target, {"infer_manifest.json": json.dumps(preds.manifest, indent=2).encode()})
+    if own_run:
+        end(target, "FINISHED")
+
+
+@_guarded()
+def _child_run(parent: Handle, tags: dict[str, str]) -> Handle:
+    client = _client(parent["uri"], parent["timeout_s"])
+    run = client.create_run(parent["experiment_id"], tags=tags, run_name="infer")
+    return {**parent, "run_id": run.info.run_id}
 
 
 def tune_callbacks(parent: Handle | None, cfg: TrackingConfig, max_epochs: int) -> list:
