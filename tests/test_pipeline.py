@@ -21,7 +21,8 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
 
     def build(out: str) -> Artifact:  # stands in for etl.run: publishes a manifest of this config
         builds.append(out)
-        manifest = base_manifest("etl", section_dict(cfg.etl), {"source": str(src)})
+        manifest = {**base_manifest("etl", section_dict(cfg.etl), {"source": str(src)}), "files": ["data.bin"]}
+        (tmp_path / "run" / "etl" / "data.bin").write_bytes(b"rows")
         write_manifest(out, manifest)
         return Artifact("etl", out, manifest)
 
@@ -37,7 +38,9 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
     assert not reused() and reused()
     (src / "cat" / "cat_new.jpg").write_bytes(image_bytes(1))  # images added to the same source path
     assert not reused() and reused()
-    assert len(builds) == 4
+    (tmp_path / "run" / "etl" / "data.bin").unlink()  # a file the manifest lists is gone
+    assert not reused() and reused()
+    assert len(builds) == 5
 
 
 def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):

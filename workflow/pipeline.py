@@ -20,7 +20,7 @@ from stages import etl, infer, serve, streaming, train, tune
 from workflow import report
 
 from workflow.core import session, storage, tracking
-from workflow.core.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, load_artifact
+from workflow.core.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, listed_files, load_artifact
 from workflow.core.config import Config, ConfigError, section_dict
 from workflow.core.locks import LOCK_NAME, output_lock
 
@@ -48,10 +48,11 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
             published = fs.cat_file(manifest_path)
             manifest_hash = json.loads(published).get("config_hash")
             unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
-            if unchanged and manifest_hash == key["config_hash"]:
+            if unchanged and manifest_hash == key["config_hash"] and not _missing(fs, root, published):
                 log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
                 return load_artifact(out, s3=cfg.s3), True
-            log.info("%s: %s was replaced since this run published it; recomputing", name, manifest_path)
+            log.info("%s: %s was replaced, or files it lists are gone, since this run published it; "
+                     "recomputing", name, manifest_path)
             same = False
         if cfg.run.force or not same:
             _clear(fs, root, bool(marker))  # stale or changed: never resume into another config's state
@@ -61,6 +62,13 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         marker = {"key": key, "manifest_sha256": storage.sha256_bytes(published)}
         storage.write_bytes_atomic(fs, marker_path, json.dumps(marker).encode())
         return artifact, False
+
+
+def _missing(fs, root: str, published: bytes) -> list[str]:
+    """Files the published manifest lists that are gone (one listing, not a request per file): a
+    run had reused a train folder whose model.pt was deleted, and reported it."""
+    present = {p.rstrip("/")[len(root.rstrip("/")) + 1:] for p in fs.find(root)}
+    return [f for f in listed_files(json.loads(published)) if f not in present]
 
 
 def _clear(fs, root: str, ours: bool) -> None:

@@ -134,3 +134,15 @@ def find_published(out: str, stage: str, config: dict[str, Any], inputs: dict[st
     except (FileNotFoundError, ValueError, AttributeError):  # none, another kind, or not an object
         return None
     return done if same else None
+
+
+def listed_files(manifest: dict[str, Any]) -> list[str]:
+    """The files a published manifest names, relative to its folder: `files` (a list, or a dict
+    keyed by name), ETL's shards and its quarantine file."""
+    files = manifest.get("files") or []
+    named = list(files) if isinstance(files, (list, dict)) else []
+    named += [s["path"] for s in manifest.get("shards") or [] if isinstance(s, dict) and "path" in s]
+    quarantine = manifest.get("quarantine")
+    if isinstance(quarantine, dict) and quarantine.get("path"):
+        named.append(quarantine["path"])
+    return [str(n) for n in named]
