@@ -73,7 +73,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
             spellings.setdefault(name, set()).add(folder)
             files.append((entry.rel, entry.size))
     if not files:
-        raise EtlError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
+        raise InputNotFoundError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
                        f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
     sources.check_spellings(spellings)
     # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space

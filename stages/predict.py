@@ -17,8 +17,9 @@ from stages import streaming
 from stages.images import decode_rgb
 from stages.models import build_model
 from workflow.core import storage
+from workflow.core.config import ConfigError
 
-__all__ = ["to_batch", "load_model", "preprocess", "predict_arrays", "evaluate_split"]
+__all__ = ["to_batch", "load_model", "ModelNotFoundError", "preprocess", "predict_arrays", "evaluate_split"]
 
 
 def to_batch(arrays, mean, std, device: torch.device, channels_last: bool,
@@ -53,11 +54,15 @@ def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor
     return scale.view(1, 3, 1, 1).to(device), bias.view(1, 3, 1, 1).to(device)
 
 
+class ModelNotFoundError(ConfigError):
+    """The model folder named holds no exported model (model.json)."""
+
+
 def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]:
     """Load an exported model folder (a train/tune output, or any folder with model.pt+model.json)."""
     fs, root = storage.filesystem(path, s3)
-    if not fs.exists(storage.join(root, "model.json")):
-        raise FileNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder")
+    if not fs.exists(storage.join(root, "model.json")):  # a usage error (exit 2), as a wrong --data is
+        raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as --model")
     info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     data = fs.cat_file(storage.join(root, "model.pt"))
     if storage.sha256_bytes(data) != info["weights_sha256"]:

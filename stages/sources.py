@@ -194,7 +194,9 @@ def _follow(path: str, real_root: str, policy: str, link_info: os.stat_result):
         reason = "symlink_loop" if e.errno == errno.ELOOP else "read_error"
         return (reason, f"-> {target}: {e.strerror}"), link_info
     if policy == "inside_source" and not _inside(os.path.realpath(path), real_root):
-        return ("symlink_outside_source", f"-> {target}; set etl.follow_symlinks=always to read it"), link_info
+        # infer reads with its model's ETL rules: a hint to set the key there did nothing
+        return ("symlink_outside_source", f"-> {target}: outside the folder read, and etl.follow_symlinks="
+                "inside_source skips it (ETL: set it to always; infer: the rule of its model's ETL)"), link_info
     return None, info
 
 

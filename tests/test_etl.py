@@ -167,7 +167,7 @@ def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):
     with pytest.raises(etl.InputNotFoundError, match="does not exist"):
         etl.discover(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(etl.EtlError, match="<class_name>"):
+    with pytest.raises(etl.InputNotFoundError, match="<class_name>"):  # exit 2: a wrong --input
         etl.discover(str(tmp_path / "empty"))
 
 

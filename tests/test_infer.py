@@ -163,7 +163,7 @@ def test_model_folder_without_model_json_is_a_clear_error(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.jpg").write_bytes(image_bytes(1))
-    with pytest.raises(FileNotFoundError, match="no model.json in .*train or tune output"):
+    with pytest.raises(ConfigError, match="no model.json in .*train or tune output"):  # exit 2, like --data's
         infer.run(InferConfig(), str(tmp_path / "model"), str(tmp_path / "src"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
