@@ -124,9 +124,10 @@ def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path
     assert run_id in (tmp_path / "run" / "report.md").read_text()
 
     caplog.set_level(logging.INFO)
-    pipeline.run(cfg)  # same config and inputs: nothing is recomputed
+    again = pipeline.run(cfg)  # same config and inputs: nothing is recomputed
     reused = [r.getMessage() for r in caplog.records if "reusing" in r.getMessage()]
     assert len(reused) == 3, reused
+    assert [r["reused"] for r in again["stages"]] == [True] * 3 and again["table"].count("| reused (unchanged") == 3
     changed = load_config(REPO / "configs/smoke.yaml", overrides + ["infer.top_k=2"])
     caplog.clear()
     pipeline.run(changed)  # only the stage whose config changed runs again

@@ -122,9 +122,10 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
             planned = cfg.train.model_copy(update={"num_workers": both.workers.num_workers})
             cfg = cfg.model_copy(update={"train": planned})
     timings: dict[str, float] = {}
+    reused: dict[str, bool] = {}
 
     t = time.perf_counter()
-    data, _ = stage("etl", cfg, cfg.etl, sources,
+    data, reused["etl"] = stage("etl", cfg, cfg.etl, sources,
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
     needed_splits(cfg, data.manifest.get("counts", {}))
@@ -132,28 +133,29 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
 
     t = time.perf_counter()
     if cfg.tune.enabled:
-        model, _ = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
+        model, reused["tune"] = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
                          lambda out: tracking.tune(cfg, data, out, lambda callbacks: tune.run(
                              cfg.tune, cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
                              callbacks=callbacks), store=cfg.run.dir))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, _ = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
+        model, reused["train"] = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
                          lambda out: tracking.train(cfg, data, out, lambda run: train.run(
                              cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
                              store=cfg.run.dir))
         timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    preds, reused = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
+    preds, reused["infer"] = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
                                                     "data_fingerprint": fingerprint},
                           lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
-    if not reused:
+    if not reused["infer"]:
         tracking.log_infer(cfg, model.path, preds)
     timings["infer"] = time.perf_counter() - t
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
-    return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started)
+    return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
+                        {name for name, again in reused.items() if again})
 
 
 def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:

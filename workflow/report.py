@@ -30,8 +30,11 @@ def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, f
 def _table(rows: list[dict], serve: dict | None) -> str:
     lines = ["| stage | rows | seconds | images/s | note |", "|---|---:|---:|---:|---|"]
     for r in rows:
-        ips = f"{r['images_per_s']:.0f}" if r["images_per_s"] else "-"
-        lines.append(f"| {r['stage']} | {r['rows']} | {r['seconds']:.1f} | {ips} | {r['note']} |")
+        ips = "-" if not r["images_per_s"] else f"{r['images_per_s']:.0f}" if r["images_per_s"] >= 10 \
+            else f"{r['images_per_s']:.2g}"
+        # a reused stage took its seconds to be found; its rates are those of the run that made it
+        note = f"reused (unchanged; images/s of the run that made it), {r['note']}" if r.get("reused") else r["note"]
+        lines.append(f"| {r['stage']} | {r['rows']} | {r['seconds']:.1f} | {ips} | {note} |")
     if serve:
         lines.append(f"| serve | {serve['requests']} | - | - | p50 {serve['p50_ms']:.1f} ms, "
                      f"p99 {serve['p99_ms']:.1f} ms |")
@@ -57,9 +60,10 @@ def _tracking_md(info: dict[str, Any] | None) -> str:
 
 
 def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: dict | None,
-          timings: dict[str, float], seconds: float) -> dict[str, Any]:
-    """Write report.json and report.md; return the report (`summary(report)` is its console text)."""
-    rows = _rows(data, model, preds, timings)
+          timings: dict[str, float], seconds: float, reused: set[str] = frozenset()) -> dict[str, Any]:
+    """Write report.json and report.md; return the report (`summary(report)` is its console text).
+    `reused`: the stages this run took unchanged from an earlier one."""
+    rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings)]
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
