@@ -15,6 +15,7 @@ within `WATCHDOG_S` of its parent's death, so a killed Ray worker leaves no orph
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing
 import multiprocessing.sharedctypes
@@ -213,7 +214,14 @@ class DecodePool:
         return self._slots[slot, 1 if plain else 0, :rows]
 
     def close(self) -> None:
+        if self._executor is None:
+            return
         self._executor.shutdown(wait=True, cancel_futures=True)
+        # The executor's queues hold named semaphores, freed by finalizers when they are collected.
+        # Left to the interpreter's exit, they ran after Ray had ended this worker's children, the
+        # resource tracker among them: a reused Tune actor then printed a traceback per semaphore.
+        self._executor = None
+        gc.collect()
 
     def __enter__(self) -> "DecodePool":
         return self

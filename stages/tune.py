@@ -265,6 +265,8 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
+    from stages import tune_console  # imports Ray: only when a search runs
+
     pafs, base = storage.pyarrow_filesystem(ray_dir, s3)
     experiment = f"{base}/{EXPERIMENT}"
     trainable = tune.with_resources(driver, plan.trial_resources(train_cfg.worker_resources))
@@ -288,8 +290,10 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
                 # TuneConfig.max_concurrent_trials (it warns), so the limit goes to the generator.
                 search_alg=BasicVariantGenerator(random_state=cfg.seed, max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
-                name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=1,
-                callbacks=list(callbacks), checkpoint_config=_checkpoints(cfg, train_cfg),
+                name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=tune_console.verbosity(),
+                callbacks=[*callbacks, tune_console.TrialLines(cfg.num_samples, cfg.max_epochs, cfg.metric,
+                                                               searched_keys(cfg))],
+                checkpoint_config=_checkpoints(cfg, train_cfg),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
     return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
 

@@ -47,6 +47,8 @@ def quiet_ray() -> None:
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(logging.WARNING)
+    # Tune's TensorBoard logger warns on every search that a list (worker_nodes) is no scalar
+    logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
 
 
 # Ray's documented per-process hook (runtime_env "worker_process_setup_hook"): runs in every worker
@@ -118,6 +120,10 @@ def quiet_train_worker() -> None:
     if verbose():
         return
     logging.getLogger().setLevel(logging.WARNING)
+    # Ray's own loggers carry their handler and INFO level: "Checkpoint successfully created at"
+    # came once per report of every Tune trial
+    for name in ("ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     for name in _OURS:
         logging.getLogger(name).setLevel(logging.INFO)
 
