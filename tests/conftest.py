@@ -18,11 +18,6 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
-# Before any test module imports Ray: the suite's Ray listens on loopback only, as the CLI's does.
-from workflow.core.exposure import keep_local_on_loopback  # noqa: E402
-
-keep_local_on_loopback()
-
 REPO = Path(__file__).resolve().parents[1]
 
 

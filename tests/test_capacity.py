@@ -10,7 +10,7 @@ import pytest
 from stages import capacity
 from workflow.core import session
 from workflow.core.config import ConfigError, load_config
-from tests.conftest import REPO
+from tests.conftest import REPO, make_tree
 
 TWO_CPUS = {"CPU": 2.0, "GPU": 0.0}
 
@@ -90,11 +90,12 @@ def test_serve_and_train_plan_rejects_what_cannot_fit_with_the_keys_to_change():
 def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session, tmp_path, capsys):
     from workflow.__main__ import main
 
-    rc = main(["run", "--serve", "--config", str(REPO / "configs/smoke.yaml"), "--set", f"run.dir={tmp_path}",
-               "--set", f"run.source={tmp_path / 'missing'}", "--set", "serve.cpus_per_replica=1.5"])
+    make_tree(tmp_path / "src", per_class=2, bad=False)
+    rc = main(["run", "--serve", "--config", str(REPO / "configs/smoke.yaml"), "--set", f"run.dir={tmp_path / 'run'}",
+               "--set", f"run.source={tmp_path / 'src'}", "--set", "serve.cpus_per_replica=1.5"])
     assert rc == 2
     assert "serve.num_replicas=1 x serve.cpus_per_replica=1.5 CPU" in capsys.readouterr().err
-    assert not (tmp_path / "etl").exists()
+    assert not (tmp_path / "run" / "etl").exists()
 
 
 ONE_GPU_NODE = [{"CPU": 16.0, "GPU": 1.0, "memory": 64 * 2**30}]
