@@ -347,6 +347,8 @@ def _log_summary(m: dict[str, Any]) -> None:
     if empty:  # still a class (the label space is the folders), but a model never sees one of it
         log.warning("etl: class(es) %s have no usable image (the folder is empty or every file was quarantined); "
                     "a model trained on this data never learns them: fix or remove those folders", empty)
+    if len(m["classes"]) == 1:  # it trains to accuracy 1.000 and answers that class for any image
+        log.warning("etl: one class (%s): a classifier needs at least two class folders", m["classes"][0])
     untrained = [c for c in m["classes"] if c not in empty and not m["counts"]["train"].get(c)]
     if untrained:  # a split hashes each file: a class of a few images can miss the train split
         log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "

@@ -142,3 +142,5 @@ def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):
     with caplog.at_level(logging.WARNING, logger="stages.etl"):
         etl._log_summary(manifest)
     assert "['b'] have images but none in the train split" in caplog.text
+    etl._log_summary({**manifest, "classes": ["a"], "counts": {"train": {"a": 3}, "val": {}, "test": {}}})
+    assert "one class (a): a classifier needs at least two" in caplog.text
