@@ -18,6 +18,25 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
 
+
+def _import_ray_on_loopback() -> None:
+    """The suite's Ray listens on loopback only, as the CLI's does (exposure.keep_local_on_loopback),
+    and not on the machine's address. Ray reads the variable once, at import, so it is set for the
+    import and removed again: inherited, it made the two-node tests' `ray start` abort ("Multi-node
+    Ray clusters are not supported")."""
+    from workflow.core.exposure import LOCAL_ONLY_ENV
+
+    if LOCAL_ONLY_ENV in os.environ:
+        return
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    try:
+        import ray  # noqa: F401
+    finally:
+        del os.environ[LOCAL_ONLY_ENV]
+
+
+_import_ray_on_loopback()
+
 REPO = Path(__file__).resolve().parents[1]
 
 
