@@ -291,3 +291,22 @@ def test_an_ad_hoc_infer_is_a_child_run_and_leaves_the_models_infer_accuracy(tmp
     (child,) = client.search_runs([handle["experiment_id"]], f"tags.`mlflow.parentRunId` = '{handle['run_id']}'")
     assert child.data.metrics == {"infer_accuracy": 0.5, "infer_rows": 3} and child.info.status == "FINISHED"
     assert child.data.tags["raymill.output"] == str(tmp_path / "preds")
+
+
+def test_a_refused_stage_leaves_no_mlflow_run(tmp_path):
+    # a train refused for another config in its output had left a FAILED run per attempt
+    from workflow.core.artifacts import Artifact
+    from workflow.core.config import ConfigError
+
+    cfg = load_config(None, [])
+    data = Artifact("etl", str(tmp_path / "etl"), {"counts": {"train": {"a": 1}}, "classes": ["a"]})
+
+    def refused(handle):
+        assert handle is not None  # its run had started
+        raise ConfigError("'out/ray/train' holds run state made with another config")
+
+    with pytest.raises(ConfigError):
+        tracking.train(cfg, data, str(tmp_path / "train"), refused)
+    client = _client(tracking.store_uri(cfg.tracking, str(tmp_path / "train")))
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment)
+    assert client.search_runs([experiment.experiment_id]) == []

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from workflow.core import locks, storage
 from workflow.core.artifacts import Artifact, code_version, config_hash
-from workflow.core.config import Config, TrackingConfig, section_dict
+from workflow.core.config import Config, ConfigError, TrackingConfig, section_dict
 
 __all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "log_epoch", "log_files",
            "register_model", "end", "train", "tune", "tune_callbacks", "log_infer", "find",
@@ -28,7 +28,7 @@ __all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "log_epo
 
 log = logging.getLogger(__name__)
 
-Handle = dict[str, Any]  # {"uri", "run_id", "experiment_id", "timeout_s"}: JSON, crosses processes
+Handle = dict[str, Any]  # {"uri", "run_id", "experiment_id", "timeout_s", "resumed"}: JSON, crosses processes
 TRACKING_FILE = "tracking.json"  # next to model.pt: which MLflow run made this model
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "stall_fraction",
                  "wait_s", "compute_s", "device_utilisation", "decode_images_per_s", "test_acc", "lr")
@@ -147,7 +147,7 @@ def _start(probe: Handle, cfg: TrackingConfig, folder: str, run_name: str, tags:
             all_tags["mlflow.parentRunId"] = parent["run_id"]
         run = client.create_run(experiment_id, tags=all_tags, run_name=run_name)
     return {"uri": uri, "run_id": run.info.run_id, "experiment_id": experiment_id,
-            "timeout_s": cfg.timeout_s}
+            "timeout_s": cfg.timeout_s, "resumed": bool(previous)}
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -218,6 +218,17 @@ def register_model(handle: Handle, name: str, artifact_path: str = "model") -> s
 
 
 @_guarded()
+def _discard(handle: Handle) -> None:
+    """A refused stage did no work: a run started for it is deleted (each refusal had left a FAILED
+    run beside the real ones); a resumed run, which holds an earlier attempt's history, is ended."""
+    client = _client(handle["uri"], handle["timeout_s"])
+    if handle.get("resumed"):
+        client.set_terminated(handle["run_id"], status="FAILED")
+    else:
+        client.delete_run(handle["run_id"])
+
+
+@_guarded()
 def end(handle: Handle, status: str = "FINISHED") -> None:
     _client(handle["uri"], handle["timeout_s"]).set_terminated(handle["run_id"], status=status)
 
@@ -247,7 +258,8 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
     end(handle, "FINISHED")
     if handle["uri"] in _failed:
         return  # nothing to point at: the run is incomplete
-    record = {**handle, "model_name": cfg.tracking.model_name if version else None, "model_version": version}
+    record = {**{k: v for k, v in handle.items() if k != "resumed"},
+              "model_name": cfg.tracking.model_name if version else None, "model_version": version}
     storage.write_bytes_atomic(fs, storage.join(root, TRACKING_FILE), json.dumps(record, indent=2).encode())
     log.info("tracking: MLflow run %s%s; browse with: %s", handle["run_id"],
              f", model {cfg.tracking.model_name} v{version}" if version else "", ui_command(handle["uri"]))
@@ -269,6 +281,9 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
                             "code": code_version()})
         try:
             artifact = body(handle)
+        except ConfigError:  # refused before any work (another config in the output, a bad key)
+            _discard(handle)
+            raise
         except BaseException:
             end(handle, "FAILED")
             raise
