@@ -11,6 +11,8 @@ import logging
 
 from ray import tune
 
+from stages import tune_results
+
 __all__ = ["TrialLines", "verbosity"]
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,15 @@ class TrialLines(tune.Callback):
         last = trial.last_result or {}
         epochs = int(last.get("epoch", last.get("training_iteration", 0)) or 0)
         planned = int(trial.config.get("epochs", self.max_epochs))  # the search may set a trial's epochs
-        outcome = "completed" if epochs >= planned else "stopped early"
-        self._line(trials, trial, f"{outcome} after {epochs}/{planned} epoch(s), "
-                                  f"{self.metric} {_number(last.get(self.metric))}")
+        # trials.md's rule: a trial whose loss went NaN reads "diverged" here too, not "stopped early"
+        ended = tune_results.outcome("TERMINATED", last.get("stopped") == "nan_loss", epochs, planned)
+        self._line(trial, f"{ended.replace('_', ' ')} after {epochs}/{planned} epoch(s), "
+                          f"{self.metric} {_number(last.get(self.metric))}")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
-        self._line(trials, trial, "failed (see its error in trials.md)")
+        self._line(trial, "failed (see its error in trials.md)")
 
-    def _line(self, trials: list, trial, what: str) -> None:
+    def _line(self, trial, what: str) -> None:
         self.done += 1
         params = ", ".join(f"{k}={_number(trial.config.get(k))}" for k in self.keys if k in trial.config)
         log.info("tune: %d/%d trial %s %s; %s", self.done, self.total, trial.trial_id, what, params)

@@ -20,7 +20,7 @@ from workflow.core import console, storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["EXPERIMENT", "PBT_KEYS", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "PBT_KEYS", "outcome", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ def _status(result) -> str:
     return "TERMINATED" if (result.metrics or {}).get("done") else "UNFINISHED"
 
 
-def _outcome(status: str, diverged: bool, epochs_run: int, epochs_planned: int) -> str:
+def outcome(status: str, diverged: bool, epochs_run: int, epochs_planned: int) -> str:
+    """A trial's outcome (OUTCOMES) from its Tune status, a non-finite loss, and its epochs."""
     if status == "ERROR":
         return "failed"
     if status != "TERMINATED":
@@ -149,13 +150,13 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
             planned = trial_train_config(train_cfg, params, cfg).epochs
         except ValueError:  # params that fail validation fail the trial too
             planned = cfg.max_epochs
-        outcome = _outcome(status, diverged, epochs_run, planned)
+        ended = outcome(status, diverged, epochs_run, planned)
         error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
         wall = (result.metrics or {}).get("time_total_s")
-        rows.append({"trial_id": trial_id, "status": status, "outcome": outcome, "params": params,
+        rows.append({"trial_id": trial_id, "status": status, "outcome": ended, "params": params,
                      "best": best["value"] if best else None, "best_epoch": best["epoch"] if best else None,
                      "epochs_run": epochs_run, "epochs_planned": planned,
-                     "stopped_early": outcome == "stopped_early",
+                     "stopped_early": ended == "stopped_early",
                      "wall_s": round(float(wall), 1) if wall is not None else None, "error": error,
                      "startup_s": _startup_s(result),
                      "history": history, "candidates": candidates,
