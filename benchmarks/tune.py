@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import tune_rank
+from benchmarks import tune_rank, tune_replay
 from benchmarks.common import fmt, loadavg, md_table, ratio, targets_table
 
 __all__ = ["add_arguments", "run", "render"]
@@ -242,7 +242,7 @@ def _versus(asha: dict[str, Any], fifo: dict[str, Any], args) -> dict[str, Any]:
     return {"goal": goal, "asha_s": a, "fifo_s": f, "ratio": ratio(a, f),
             "oracle_own_s": min((s for _, s in reach), default=None), "goal_trials": len(reach),
             "asha_ran_them": [ran.get(json.dumps(c, sort_keys=True)) for c, _ in reach],
-            "asha_wall_s": asha["wall_s"],
+            "asha_wall_s": asha["wall_s"], "fifo_curves": [t["curve"] for t in fifo["trials"]],
             "fifo_wall_s": fifo["wall_s"], "asha_best": round(asha["best_val_acc"], 4),
             "fifo_best": round(fifo["best_val_acc"], 4),
             "points_behind": round(100 * (fifo["best_val_acc"] - asha["best_val_acc"]), 2),
@@ -284,6 +284,7 @@ def render(result: dict[str, Any]) -> str:
               f"The start-up columns above are that own part."]
     lines += _by_seed(result)
     lines += tune_rank.render(result.get("by_seed", {}), c["reduction"])
+    lines += tune_replay.section(result)
     lines += _cluster(result)
     lines += ["", *targets_table(_verdicts(result))]
     lines += ["", f"Load average before/after: {result['loadavg_before']} / {result['loadavg_after']}."]

@@ -38,3 +38,22 @@ def test_a_goal_trial_asha_stopped_is_checked_against_the_whole_rung():
     out = tune_rank.early_ranking(curves + [[0.9]], goal=0.95, max_t=4, grace=1, rf=3,
                                   ran=[1, 1, 1, 1, 4, 1, 1])
     assert out["reach"] == 3 and out["asha_stopped"] == 2 and out["asha_stopped_in_top"] == 1
+
+
+def test_replay_known_answers_for_fifo_asha_and_the_oracle():
+    from benchmarks import tune_replay
+
+    # trial 0 never reaches 0.9; trial 1 does at its second epoch; one slot, each slot costs 0.5 s
+    curves = [[[1.0, 0.5], [2.0, 0.6]], [[1.0, 0.4], [2.0, 0.95]]]
+    fifo = tune_replay.replay(curves, [0, 1], slots=1, slot_s=0.5, goal=0.9)
+    assert fifo == 0.5 + 2.0 + 0.5 + 2.0  # trial 1 starts after trial 0's whole run
+    oracle = tune_replay.replay(curves, [0, 1], 1, 0.5, 0.9, tune_replay.oracle_rule(curves, 0.9))
+    assert oracle == 0.5 + 1.0 + 0.5 + 2.0  # trial 0 stopped at its first report
+    # ASHA (rung at epoch 1, rf 2): trial 0 is first at the rung and goes on; trial 1 is below its
+    # value there (0.4 < 0.5) and is stopped, so the goal is never reached
+    assert tune_replay.replay(curves, [0, 1], 1, 0.5, 0.9, tune_replay.asha_rule([1], 2)) is None
+    # the other order: the goal trial runs first, and no rule can gain anything
+    assert tune_replay.replay(curves, [1, 0], 1, 0.5, 0.9, tune_replay.asha_rule([1], 2)) == 2.5
+    out = tune_replay.study(curves, 0.9, 1, 0.5, [1], 2, orders=200)
+    assert out["goal_trials"] == 1 and 0.3 < out["first_wave"] < 0.7  # half the orders start trial 1 first
+    assert out["oracle_median"] <= 1.0 and out["asha_never"] > 0.3
