@@ -293,7 +293,7 @@ def render(result: dict[str, Any]) -> str:
 
 def _verdicts(result: dict[str, Any]) -> list[dict[str, Any]]:
     s, floor = result["searches"], result["floor"]
-    a, f, p = s["asha"], s["fifo"], s["pbt"]
+    f, p = s["fifo"], s["pbt"]
     own = max(x["startup_s"] if x["startup_s"] is not None else math.inf for x in s.values())
     startup = round(floor["slot_s"] + own, 2)  # Tune's per-trial floor + the trial's own start-up
     seeds = list(result["by_seed"].values())

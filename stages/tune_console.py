@@ -11,7 +11,7 @@ import logging
 
 from ray import tune
 
-from stages import tune_results
+from workflow.core.trials import ended as trial_ended
 
 __all__ = ["TrialLines", "verbosity"]
 
@@ -39,11 +39,9 @@ class TrialLines(tune.Callback):
         self.done = 0
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
-        last = trial.last_result or {}
-        epochs = int(last.get("epoch", last.get("training_iteration", 0)) or 0)
-        planned = int(trial.config.get("epochs", self.max_epochs))  # the search may set a trial's epochs
         # trials.md's rule: a trial whose loss went NaN reads "diverged" here too, not "stopped early"
-        ended = tune_results.outcome("TERMINATED", last.get("stopped") == "nan_loss", epochs, planned)
+        ended, epochs, planned = trial_ended(trial, False, self.max_epochs)
+        last = trial.last_result or {}
         self._line(trial, f"{ended.replace('_', ' ')} after {epochs}/{planned} epoch(s), "
                           f"{self.metric} {_number(last.get(self.metric))}")
 

@@ -19,13 +19,11 @@ from stages.publish import curves, model_info, read_checkpoint, save_model, stat
 from workflow.core import console, storage
 from workflow.core.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from workflow.core.config import ConfigError, TrainConfig, TuneConfig, section_dict
+from workflow.core.trials import OUTCOMES, outcome
 
-__all__ = ["EXPERIMENT", "PBT_KEYS", "outcome", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "PBT_KEYS", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
 
 log = logging.getLogger(__name__)
-
-OUTCOMES = ("completed", "stopped_early", "diverged", "failed")
-
 
 def _fs(ray_dir: str, s3):
     import pyarrow.fs as pafs
@@ -117,17 +115,6 @@ def _status(result) -> str:
     if result.error:
         return "ERROR"
     return "TERMINATED" if (result.metrics or {}).get("done") else "UNFINISHED"
-
-
-def outcome(status: str, diverged: bool, epochs_run: int, epochs_planned: int) -> str:
-    """A trial's outcome (OUTCOMES) from its Tune status, a non-finite loss, and its epochs."""
-    if status == "ERROR":
-        return "failed"
-    if status != "TERMINATED":
-        return status.lower()
-    if diverged:
-        return "diverged"
-    return "stopped_early" if epochs_run < epochs_planned else "completed"
 
 
 def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -> list[dict[str, Any]]:

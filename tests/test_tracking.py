@@ -275,6 +275,30 @@ def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(
     assert [m.value for m in client.get_metric_history(run_id, "config.lr")] == [0.1, 0.12]
 
 
+def test_the_mlflow_outcome_is_trials_mds_rule_a_trials_own_epochs_and_divergence(tmp_path):
+    # the tag had its own rule: it compared with tune.max_epochs (a searched `epochs` of 2 read
+    # "stopped_early") and knew no "diverged" (a NaN loss read "completed", FINISHED)
+    from ray.tune.experiment import Trial
+
+    from workflow.core.tracking_tune import TrialLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    logger = TrialLogger(tracking_uri=uri, experiment_name="ends", max_epochs=4, tags={})
+    logger.setup()
+    ends = {"short": ({"epochs": 2}, {"epoch": 2}), "nan": ({}, {"epoch": 1, "stopped": "nan_loss"}),
+            "cut": ({}, {"epoch": 1}), "whole": ({}, {"epoch": 4})}
+    for name, (config, last) in ends.items():
+        trial = Trial("trainable", config={"name": name, **config}, stub=True, trial_id=name)
+        logger.log_trial_start(trial)
+        trial.update_last_result({"training_iteration": last["epoch"], **last})
+        logger.log_trial_end(trial)
+    client = _client(uri)
+    runs = client.search_runs([client.get_experiment_by_name("ends").experiment_id])
+    got = {r.data.params["name"]: (r.data.tags["raymill.outcome"], r.info.status) for r in runs}
+    assert got == {"short": ("completed", "FINISHED"), "nan": ("diverged", "FAILED"),
+                   "cut": ("stopped_early", "KILLED"), "whole": ("completed", "FINISHED")}
+
+
 def test_an_ad_hoc_infer_is_a_child_run_and_leaves_the_models_infer_accuracy(tmp_path):
     from workflow.core.artifacts import Artifact
 

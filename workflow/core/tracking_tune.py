@@ -10,14 +10,15 @@ from typing import Any, Callable
 
 from ray.air.integrations.mlflow import MLflowLoggerCallback
 
-from workflow.core import tracking
+from workflow.core import tracking, trials
 
 __all__ = ["TrialLogger"]
 
 
 class TrialLogger(MLflowLoggerCallback):
-    """One child run per trial. A trial the scheduler (ASHA) stopped before `max_epochs` ends as
-    KILLED with tag `raymill.outcome=stopped_early`; failed trials FAILED; the rest FINISHED."""
+    """One child run per trial, tagged `raymill.outcome` by trials.md's rule: a trial the scheduler
+    (ASHA) stopped before its planned epochs ends KILLED (`stopped_early`); failed and diverged trials
+    FAILED; the rest FINISHED."""
 
     def __init__(self, *, max_epochs: int, **kwargs: Any):
         super().__init__(**kwargs)
@@ -66,13 +67,13 @@ class TrialLogger(MLflowLoggerCallback):
             self._guard("trial end", self._end, trial, failed)
 
     def _end(self, trial, failed: bool) -> None:
-        last = trial.last_result or {}
-        epochs = int(last.get("epoch", last.get("training_iteration", 0)) or 0)
-        outcome = "failed" if failed else "stopped_early" if epochs < self.max_epochs else "completed"
+        outcome, epochs, _ = trials.ended(trial, failed, self.max_epochs)  # trials.md's rule
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
         run_id = self._trial_runs[trial]
         client.set_tag(run_id, "raymill.outcome", outcome)
         client.set_tag(run_id, "raymill.epochs", str(epochs))
-        client.set_terminated(run_id, status={"failed": "FAILED", "stopped_early": "KILLED"}.get(outcome, "FINISHED"))
+        # a diverged trial (NaN loss) left no usable model: FAILED, its tag says why
+        client.set_terminated(run_id, status={"failed": "FAILED", "diverged": "FAILED",
+                                              "stopped_early": "KILLED"}.get(outcome, "FINISHED"))
