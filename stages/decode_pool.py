@@ -15,7 +15,6 @@ within `WATCHDOG_S` of its parent's death, so a killed Ray worker leaves no orph
 from __future__ import annotations
 
 import ctypes
-import gc
 import logging
 import multiprocessing
 import multiprocessing.sharedctypes
@@ -23,13 +22,14 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from stages import streaming
+from stages.pipe_pool import PipePool
 
 __all__ = ["DecodeSpec", "DecodePool", "WATCHDOG_S"]
 
@@ -125,11 +125,6 @@ def _decode_chunk(slot: int, offset: int, samples: Sequence[tuple], spec: Decode
     return time.process_time() - started
 
 
-def _ready(hold_s: float) -> int:
-    time.sleep(hold_s)  # long enough that each warm-up task lands in a process of its own
-    return os.getpid()
-
-
 # ---- parent side -----------------------------------------------------------------------------
 class DecodePool:
     """`processes` decode processes writing into `depth` shared slots of `batch_size` images.
@@ -163,14 +158,10 @@ class DecodePool:
             # worker that main is Ray's worker script, so Ray is preloaded too: a child then
             # started in 0.01 s, not 0.27 (in a reused Tune actor, 2-core box).
             context.set_forkserver_preload([*_MAIN_DEPENDENCIES, __name__])
-        self._executor = ProcessPoolExecutor(
-            max_workers=processes, mp_context=context,
-            initializer=_child_init, initargs=(buffer, self.shape, inbox, os.getpid()))
-        # Start every child now, not at the first batch: start-up is not input wait (each submit
-        # to a pool with no idle process starts one).
-        hold_s = 0.05 if processes > 1 else 0.0
-        for future in [self._executor.submit(_ready, hold_s) for _ in range(processes)]:
-            future.result()
+        # Children fed through pipes (stages.pipe_pool), not a ProcessPoolExecutor: its queues'
+        # named semaphores outlived Ray workers in /dev/shm and made tracebacks at a search's end.
+        self._pool: PipePool | None = PipePool(processes, context, _child_init,
+                                               (buffer, self.shape, inbox, os.getpid()))
         self.start_s = time.perf_counter() - started
         log.debug("decode pool: %d processes (%s) in %.2f s, %d slots of %d images, %.0f MiB shared",
                   processes, start_method, self.start_s, self.depth, batch_size, self._slots.nbytes / 2**20)
@@ -192,7 +183,7 @@ class DecodePool:
         chunks = -(-self.processes // self.depth)
         chunk = max(1, -(-len(samples) // chunks))
         samples = self._to_inbox(slot, samples)
-        return [self._executor.submit(_decode_chunk, slot, start, samples[start:start + chunk], spec)
+        return [self._pool.submit(_decode_chunk, slot, start, samples[start:start + chunk], spec)
                 for start in range(0, len(samples), chunk)]
 
     def _to_inbox(self, slot: int, samples: list[tuple]) -> list[tuple]:
@@ -214,14 +205,9 @@ class DecodePool:
         return self._slots[slot, 1 if plain else 0, :rows]
 
     def close(self) -> None:
-        if self._executor is None:
-            return
-        self._executor.shutdown(wait=True, cancel_futures=True)
-        # The executor's queues hold named semaphores, freed by finalizers when they are collected.
-        # Left to the interpreter's exit, they ran after Ray had ended this worker's children, the
-        # resource tracker among them: a reused Tune actor then printed a traceback per semaphore.
-        self._executor = None
-        gc.collect()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
     def __enter__(self) -> "DecodePool":
         return self

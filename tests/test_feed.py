@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -101,6 +102,29 @@ def _no_decoders_left(root: psutil.Process, timeout_s: float = 5.0) -> None:
     while _decoders(root) and time.time() < deadline:
         time.sleep(0.1)
     assert not _decoders(root), "decode processes outlived their pool"
+
+
+def _named_semaphores() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("sem.")} if os.path.isdir("/dev/shm") else set()
+
+
+def test_the_pool_names_no_semaphores_and_a_killed_decoder_breaks_it_loudly(shards):
+    # ProcessPoolExecutor's queues named five POSIX semaphores per pool: a SIGKILLed Ray worker left
+    # them in /dev/shm, and a Tune actor ending mid-close made its resource tracker print tracebacks
+    from concurrent.futures.process import BrokenProcessPool
+
+    before, me = _named_semaphores(), psutil.Process()
+    with DecodePool(2, 8, 32, 2) as pool:
+        assert not _named_semaphores() - before, "the pool named a semaphore in /dev/shm"
+        assert len(_collect(PoolFeed(pool, _epoch(shards), SPEC))) == 12
+        _decoders(me)[0].kill()
+        slot = pool.acquire(threading.Event())
+        with pytest.raises(BrokenProcessPool, match="ended"):
+            deadline = time.time() + 10
+            while time.time() < deadline:  # the pool learns of the death from the child's sentinel
+                for future in pool.submit(slot, next(_epoch(shards)), SPEC):
+                    future.result(timeout=10)
+    _no_decoders_left(me)
 
 
 _CHILD = textwrap.dedent("""

@@ -1,0 +1,176 @@
+"""A process pool fed through one pipe per child: nothing named, so nothing to leak or to track.
+
+Why not `concurrent.futures.ProcessPoolExecutor`: outside the fork start method its queues hold five
+named POSIX semaphores (/dev/shm/sem.mp-*), which `multiprocessing`'s resource tracker process must
+be told of at creation and at release. In a Ray worker that bookkeeping breaks:
+- Ray ends a worker's child processes when the worker exits, the tracker among them, before the
+  interpreter runs the finalizers that release the semaphores. The release then starts a new
+  tracker, which has never heard of them and prints a `KeyError` traceback for each: the tracebacks
+  at the end of a Tune search (a stopped trial's actor exits while its loop is still closing).
+- A SIGKILLed worker runs no finalizers at all and its tracker is killed with it: the names stay in
+  /dev/shm (1,297 of them on the 2-core dev box after a day of tests, 2026-11-26).
+Here each child gets a `Pipe` (a socketpair) and the parent waits on the pipes and on the
+children's sentinels with `multiprocessing.connection.wait`: no semaphore is ever named.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing.connection
+import os
+import threading
+from concurrent import futures
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Callable
+
+__all__ = ["PipePool"]
+
+log = logging.getLogger(__name__)
+
+START_S = 60.0  # a child's start and initializer (a cold fork server imports torch and Ray first)
+
+
+def _serve(conn, initializer: Callable[..., None], initargs: tuple) -> None:
+    """A child: run the initializer, say ready, then answer (fn, args) with (ok, value) until told
+    to stop (None) or until the parent's end of the pipe closes."""
+    initializer(*initargs)
+    conn.send((True, os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        fn, args = task
+        try:
+            conn.send((True, fn(*args)))
+        except Exception as e:  # the caller's future raises it
+            try:
+                conn.send((False, e))
+            except Exception:  # an exception that does not pickle still reaches the caller, as text
+                conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+
+
+class PipePool:
+    """`processes` children of `context`, each running `initializer(*initargs)` once; `submit`
+    returns a Future. A child that dies breaks the pool: every pending future fails with
+    `BrokenProcessPool`, as ProcessPoolExecutor's would."""
+
+    def __init__(self, processes: int, context, initializer: Callable[..., None], initargs: tuple):
+        self._children: list[tuple[Any, Any]] = []
+        self._collector: threading.Thread | None = None
+        for _ in range(processes):
+            mine, theirs = context.Pipe(duplex=True)
+            child = context.Process(target=_serve, args=(theirs, initializer, initargs), daemon=True)
+            child.start()
+            theirs.close()
+            self._children.append((child, mine))
+        for child, conn in self._children:  # every child has started and run its initializer
+            try:
+                started = conn.poll(START_S) and conn.recv()[0]
+            except (EOFError, OSError):  # it died in its initializer
+                started = False
+            if not started:
+                self.close()
+                raise BrokenProcessPool(f"a pool process (pid {child.pid}) did not start within {START_S} s")
+        self._lock = threading.Lock()
+        self._idle = collections.deque(range(processes))
+        self._queued: collections.deque = collections.deque()
+        self._running: dict[int, Future] = {}
+        self._broken: str | None = None
+        self._wake_r, self._wake_w = context.Pipe(duplex=False)
+        self._collector = threading.Thread(target=self._collect, name="pipe-pool", daemon=True)
+        self._collector.start()
+
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            if self._broken:
+                raise BrokenProcessPool(self._broken)
+            if self._idle:
+                self._send(self._idle.popleft(), future, fn, args)
+            else:
+                self._queued.append((future, fn, args))
+        return future
+
+    def _send(self, i: int, future: Future, fn: Callable, args: tuple) -> None:
+        """Under the lock: hand one task to idle child i."""
+        if not future.set_running_or_notify_cancel():
+            self._idle.append(i)
+            return
+        self._running[i] = future
+        self._children[i][1].send((fn, args))
+
+    def _collect(self) -> None:
+        """Complete each future as its child answers, and give that child the next queued task."""
+        conns = {conn: i for i, (_, conn) in enumerate(self._children)}
+        sentinels = {child.sentinel: i for i, (child, _) in enumerate(self._children)}
+        while True:
+            ready = multiprocessing.connection.wait([*conns, *sentinels, self._wake_r])
+            if self._wake_r in ready:
+                return
+            for conn in (c for c in ready if c in conns):
+                try:
+                    ok, value = conn.recv()
+                except (EOFError, OSError):
+                    continue  # its sentinel says why
+                self._done(conns[conn], ok, value)
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                child = self._children[dead[0]][0]
+                self._break(f"decode process {child.pid} ended (exit code {child.exitcode})")
+                return
+
+    def _done(self, i: int, ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._running.pop(i)
+            if self._queued:
+                self._send(i, *self._queued.popleft())
+            else:
+                self._idle.append(i)
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            self._broken = why
+            failed = [*self._running.values(), *(f for f, _, _ in self._queued)]
+            self._running.clear()
+            self._queued.clear()
+        for future in failed:
+            if not future.done():  # a queued one may have been cancelled
+                future.set_exception(BrokenProcessPool(why))
+
+    def close(self) -> None:
+        """Let the tasks at hand finish (as `shutdown(wait=True)` does), cancel the queued ones, and
+        stop the children."""
+        if self._collector is not None:
+            with self._lock:
+                self._broken = self._broken or "the pool is closed"
+                queued = [f for f, _, _ in self._queued]
+                self._queued.clear()
+                running = list(self._running.values())
+            for future in queued:
+                future.cancel()
+            futures.wait(running, timeout=START_S)
+            self._wake_w.send(None)
+            self._collector.join()
+            self._collector = None
+            self._wake_r.close()
+            self._wake_w.close()
+        for _, conn in self._children:
+            try:
+                conn.send(None)
+            except OSError:
+                pass  # it has gone already
+        for child, conn in self._children:
+            child.join(5)
+            if child.is_alive():
+                child.terminate()
+                child.join()
+            conn.close()
+        self._children = []
