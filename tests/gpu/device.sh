@@ -5,10 +5,11 @@
 #   bash tests/gpu/device.sh one     # where the device time allows one call: serve_gpu, the acceptance
 #                                    # run, then tests/gpu (~500 s; benchmarks gpu is left out)
 #   bash tests/gpu/device.sh serve   # serve_gpu alone (~230 s)
+#   bash tests/gpu/device.sh feed    # benchmarks gpu, then tests/gpu (~300 s): after a change to the input path
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
 # timeout, so one that hangs leaves the others their time and its log still comes back.
 set -uo pipefail
-case "${1:-}" in bench|check|one|serve) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve" >&2; exit 2 ;; esac
+case "${1:-}" in bench|check|one|serve|feed) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/s/site ] || { mkdir -p /tmp/s && tar -xJf .gpusite/site.tar.xz -C /tmp/s; }
 export PYTHONPATH=/tmp/s/site:$PWD PATH=/tmp/s/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -47,4 +48,8 @@ case "${1:-}" in
   check) pytest_gpu 330; run_gpu 200 ;;
   one) serve_gpu 240; run_gpu 120; pytest_gpu 200 ;;
   serve) serve_gpu 300 ;;
+  feed)
+    step bench_gpu 170 python3 -m benchmarks gpu --wait-for-quiet 10
+    cp benchmarks/out/gpu.json "$OUT/" 2>/dev/null; tail -15 "$OUT/bench_gpu.log"
+    pytest_gpu 150 ;;
 esac
