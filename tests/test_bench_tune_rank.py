@@ -57,3 +57,5 @@ def test_replay_known_answers_for_fifo_asha_and_the_oracle():
     out = tune_replay.study(curves, 0.9, 1, 0.5, [1], 2, orders=200)
     assert out["goal_trials"] == 1 and 0.3 < out["first_wave"] < 0.7  # half the orders start trial 1 first
     assert out["oracle_median"] <= 1.0 and out["asha_never"] > 0.3
+    assert tune_replay.most_of([0.5] * 5) == 0.5 and tune_replay.most_of([1, 1, 1, 0, 0]) == 1.0
+    assert abs(tune_replay.most_of([0.9, 0.9, 0.0]) - 0.81) < 1e-12  # 2 of 3 needs both of the first two
