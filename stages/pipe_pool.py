@@ -89,19 +89,25 @@ class PipePool:
         with self._lock:
             if self._broken:
                 raise BrokenProcessPool(self._broken)
+            self._queued.append((future, fn, args))
             if self._idle:
-                self._send(self._idle.popleft(), future, fn, args)
-            else:
-                self._queued.append((future, fn, args))
+                self._dispatch(self._idle.popleft())
         return future
 
-    def _send(self, i: int, future: Future, fn: Callable, args: tuple) -> None:
-        """Under the lock: hand one task to idle child i."""
-        if not future.set_running_or_notify_cancel():
-            self._idle.append(i)
+    def _dispatch(self, i: int) -> None:
+        """Under the lock: give idle child i the next queued task that was not cancelled."""
+        while self._queued:
+            future, fn, args = self._queued.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            self._running[i] = future
+            try:
+                self._children[i][1].send((fn, args))
+            except OSError:  # it died a moment ago: its sentinel breaks the pool
+                future.set_exception(BrokenProcessPool(f"decode process {self._children[i][0].pid} ended"))
+                self._running.pop(i)
             return
-        self._running[i] = future
-        self._children[i][1].send((fn, args))
+        self._idle.append(i)
 
     def _collect(self) -> None:
         """Complete each future as its child answers, and give that child the next queued task."""
@@ -114,8 +120,9 @@ class PipePool:
             for conn in (c for c in ready if c in conns):
                 try:
                     ok, value = conn.recv()
-                except (EOFError, OSError):
-                    continue  # its sentinel says why
+                except (EOFError, OSError):  # its sentinel says why; stop waiting on its pipe
+                    del conns[conn]
+                    continue
                 self._done(conns[conn], ok, value)
             dead = [sentinels[s] for s in ready if s in sentinels]
             if dead:
@@ -126,10 +133,7 @@ class PipePool:
     def _done(self, i: int, ok: bool, value: Any) -> None:
         with self._lock:
             future = self._running.pop(i)
-            if self._queued:
-                self._send(i, *self._queued.popleft())
-            else:
-                self._idle.append(i)
+            self._dispatch(i)
         if ok:
             future.set_result(value)
         else:

@@ -127,6 +127,30 @@ def test_the_pool_names_no_semaphores_and_a_killed_decoder_breaks_it_loudly(shar
     _no_decoders_left(me)
 
 
+def test_pipe_pool_answers_raises_the_childs_error_and_skips_cancelled_work():
+    import multiprocessing
+    import operator
+    from concurrent.futures.process import BrokenProcessPool
+
+    from stages.pipe_pool import PipePool
+
+    pool = PipePool(1, multiprocessing.get_context("forkserver"), int, ())  # int(): a no-op initializer
+    try:
+        slow = pool.submit(time.sleep, 0.3)
+        dropped = pool.submit(operator.truediv, 1, 0)
+        assert dropped.cancel()  # still queued behind the sleep: it never runs
+        div, ok = pool.submit(operator.truediv, 1, 0), pool.submit(operator.add, 2, 3)
+        assert slow.result(5) is None and ok.result(5) == 5 and dropped.cancelled()
+        with pytest.raises(ZeroDivisionError):
+            div.result(5)
+        at_hand, queued = pool.submit(time.sleep, 0.3), pool.submit(operator.add, 1, 1)
+    finally:
+        pool.close()
+    assert at_hand.result(0) is None and queued.cancelled()  # close lets the task at hand finish
+    with pytest.raises(BrokenProcessPool, match="closed"):
+        pool.submit(operator.add, 1, 1)
+
+
 _CHILD = textwrap.dedent("""
     import sys, time
     from stages.decode_pool import DecodePool
