@@ -19,38 +19,60 @@ import logging
 import multiprocessing.connection
 import os
 import threading
+import traceback
 from concurrent import futures
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
 
-__all__ = ["PipePool"]
+__all__ = ["PipePool", "RemoteTraceback"]
 
 log = logging.getLogger(__name__)
 
 START_S = 60.0  # a child's start and initializer (a cold fork server imports torch and Ray first)
 
 
+class RemoteTraceback(Exception):
+    """The child's own traceback, chained as the `__cause__` of the error it sent (as
+    ProcessPoolExecutor does): a decode error names the line in the child that raised it."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def _serve(conn, initializer: Callable[..., None], initargs: tuple) -> None:
-    """A child: run the initializer, say ready, then answer (fn, args) with (ok, value) until told
-    to stop (None) or until the parent's end of the pipe closes."""
-    initializer(*initargs)
-    conn.send((True, os.getpid()))
+    """A child: run the initializer, say ready, then answer each (fn, args) with (ok, value, trace)
+    until told to stop (None) or until the parent's end of the pipe goes away."""
+    try:
+        initializer(*initargs)
+    except BaseException:
+        conn.send((False, None, traceback.format_exc()))
+        return
+    conn.send((True, os.getpid(), ""))
     while True:
         try:
             task = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the parent is gone (a SIGKILLed parent resets the socket)
             return
         if task is None:
             return
-        fn, args = task
         try:
-            conn.send((True, fn(*args)))
-        except Exception as e:  # the caller's future raises it
-            try:
-                conn.send((False, e))
-            except Exception:  # an exception that does not pickle still reaches the caller, as text
-                conn.send((False, RuntimeError(f"{type(e).__name__}: {e}")))
+            conn.send_bytes(_answer(*task))
+        except OSError:
+            return
+
+
+def _answer(fn: Callable, args: tuple) -> bytes:
+    """The pickled (ok, value, trace) of one task; an error that does not pickle goes as text."""
+    try:
+        return ForkingPickler.dumps((True, fn(*args), ""))
+    except BaseException as e:  # the caller's future raises it; the pool goes on
+        trace = traceback.format_exc()
+        try:
+            return ForkingPickler.dumps((False, e, trace))
+        except Exception:
+            return ForkingPickler.dumps((False, RuntimeError(f"{type(e).__name__}: {e}"), trace))
 
 
 class PipePool:
@@ -61,20 +83,18 @@ class PipePool:
     def __init__(self, processes: int, context, initializer: Callable[..., None], initargs: tuple):
         self._children: list[tuple[Any, Any]] = []
         self._collector: threading.Thread | None = None
-        for _ in range(processes):
-            mine, theirs = context.Pipe(duplex=True)
-            child = context.Process(target=_serve, args=(theirs, initializer, initargs), daemon=True)
-            child.start()
-            theirs.close()
-            self._children.append((child, mine))
-        for child, conn in self._children:  # every child has started and run its initializer
-            try:
-                started = conn.poll(START_S) and conn.recv()[0]
-            except (EOFError, OSError):  # it died in its initializer
-                started = False
-            if not started:
-                self.close()
-                raise BrokenProcessPool(f"a pool process (pid {child.pid}) did not start within {START_S} s")
+        try:
+            for _ in range(processes):
+                mine, theirs = context.Pipe(duplex=True)
+                child = context.Process(target=_serve, args=(theirs, initializer, initargs), daemon=True)
+                self._children.append((child, mine))
+                child.start()
+                theirs.close()
+            for child, conn in self._children:  # every child has started and run its initializer
+                _wait_ready(child, conn)
+        except BaseException:
+            self.close()
+            raise
         self._lock = threading.Lock()
         self._idle = collections.deque(range(processes))
         self._queued: collections.deque = collections.deque()
@@ -95,14 +115,20 @@ class PipePool:
         return future
 
     def _dispatch(self, i: int) -> None:
-        """Under the lock: give idle child i the next queued task that was not cancelled."""
+        """Under the lock: give idle child i the next queued task that was not cancelled and that
+        pickles (one that does not fails alone, as with ProcessPoolExecutor)."""
         while self._queued:
             future, fn, args = self._queued.popleft()
             if not future.set_running_or_notify_cancel():
                 continue
+            try:
+                task = ForkingPickler.dumps((fn, args))
+            except Exception as e:
+                future.set_exception(e)
+                continue
             self._running[i] = future
             try:
-                self._children[i][1].send((fn, args))
+                self._children[i][1].send_bytes(task)
             except OSError:  # it died a moment ago: its sentinel breaks the pool
                 future.set_exception(BrokenProcessPool(f"decode process {self._children[i][0].pid} ended"))
                 self._running.pop(i)
@@ -110,6 +136,14 @@ class PipePool:
         self._idle.append(i)
 
     def _collect(self) -> None:
+        """The collector thread: nothing may end it quietly, or every pending future would wait
+        for ever; whatever goes wrong here breaks the pool instead."""
+        try:
+            self._collect_answers()
+        except Exception:
+            self._break(f"the pool's collector failed: {traceback.format_exc(limit=3)}")
+
+    def _collect_answers(self) -> None:
         """Complete each future as its child answers, and give that child the next queued task."""
         conns = {conn: i for i, (_, conn) in enumerate(self._children)}
         sentinels = {child.sentinel: i for i, (child, _) in enumerate(self._children)}
@@ -119,27 +153,34 @@ class PipePool:
                 return
             for conn in (c for c in ready if c in conns):
                 try:
-                    ok, value = conn.recv()
+                    answer = conn.recv_bytes()
                 except (EOFError, OSError):  # its sentinel says why; stop waiting on its pipe
                     del conns[conn]
                     continue
-                self._done(conns[conn], ok, value)
+                self._done(conns[conn], answer)
             dead = [sentinels[s] for s in ready if s in sentinels]
             if dead:
                 child = self._children[dead[0]][0]
                 self._break(f"decode process {child.pid} ended (exit code {child.exitcode})")
                 return
 
-    def _done(self, i: int, ok: bool, value: Any) -> None:
+    def _done(self, i: int, answer: bytes) -> None:
         with self._lock:
             future = self._running.pop(i)
             self._dispatch(i)
+        try:
+            ok, value, trace = ForkingPickler.loads(answer)
+        except Exception as e:  # an answer that does not unpickle here fails its own future
+            future.set_exception(RuntimeError(f"the decode process's answer did not unpickle: {e!r}"))
+            return
         if ok:
             future.set_result(value)
         else:
+            value.__cause__ = RemoteTraceback(trace)
             future.set_exception(value)
 
     def _break(self, why: str) -> None:
+        log.warning("decode pool broken: %s", why)
         with self._lock:
             self._broken = why
             failed = [*self._running.values(), *(f for f, _, _ in self._queued)]
@@ -160,21 +201,41 @@ class PipePool:
                 running = list(self._running.values())
             for future in queued:
                 future.cancel()
-            futures.wait(running, timeout=START_S)
+            if futures.wait(running, timeout=START_S).not_done:
+                log.warning("decode pool: a task outlasted %.0f s at close; its process is stopped", START_S)
             self._wake_w.send(None)
             self._collector.join()
             self._collector = None
             self._wake_r.close()
             self._wake_w.close()
+            for future in running:  # what outlasted the wait: failed, not left running for ever
+                if not future.done():
+                    future.set_exception(BrokenProcessPool("the pool was closed while this task ran"))
+        self._stop_children()
+
+    def _stop_children(self) -> None:
         for _, conn in self._children:
             try:
                 conn.send(None)
             except OSError:
                 pass  # it has gone already
         for child, conn in self._children:
-            child.join(5)
-            if child.is_alive():
-                child.terminate()
-                child.join()
+            if child.pid is not None:  # started
+                child.join(5)
+                if child.is_alive():
+                    child.terminate()
+                    child.join()
+            child.close()  # its sentinel fd now, not at garbage collection
             conn.close()
         self._children = []
+
+
+def _wait_ready(child, conn) -> None:
+    """Raise BrokenProcessPool unless `child` said ready within START_S; with its traceback if its
+    initializer raised."""
+    try:
+        ok, _, trace = conn.recv() if conn.poll(START_S) else (False, None, f"no word within {START_S:.0f} s")
+    except (EOFError, OSError):
+        ok, trace = False, f"it ended (exit code {child.exitcode})"
+    if not ok:
+        raise BrokenProcessPool(f"a pool process (pid {child.pid}) did not start: {trace}")

@@ -141,14 +141,20 @@ def test_pipe_pool_answers_raises_the_childs_error_and_skips_cancelled_work():
         assert dropped.cancel()  # still queued behind the sleep: it never runs
         div, ok = pool.submit(operator.truediv, 1, 0), pool.submit(operator.add, 2, 3)
         assert slow.result(5) is None and ok.result(5) == 5 and dropped.cancelled()
-        with pytest.raises(ZeroDivisionError):
+        with pytest.raises(ZeroDivisionError) as raised:
             div.result(5)
+        assert "ZeroDivisionError" in str(raised.value.__cause__)  # the child's own traceback
+        with pytest.raises(Exception, match="pickle"):  # a task that does not pickle fails alone
+            pool.submit(operator.add, lambda: 0, 1).result(5)
+        assert pool.submit(operator.add, 1, 2).result(5) == 3
         at_hand, queued = pool.submit(time.sleep, 0.3), pool.submit(operator.add, 1, 1)
     finally:
         pool.close()
     assert at_hand.result(0) is None and queued.cancelled()  # close lets the task at hand finish
     with pytest.raises(BrokenProcessPool, match="closed"):
         pool.submit(operator.add, 1, 1)
+    with pytest.raises(BrokenProcessPool, match="(?s)did not start.*ZeroDivisionError"):  # with the child's traceback
+        PipePool(1, multiprocessing.get_context("forkserver"), operator.truediv, (1, 0))
 
 
 _CHILD = textwrap.dedent("""
