@@ -25,6 +25,7 @@ __all__ = ["EXPERIMENT", "PBT_KEYS", "searched_keys", "trial_train_config", "sum
 
 log = logging.getLogger(__name__)
 
+
 def _fs(ray_dir: str, s3):
     import pyarrow.fs as pafs
 
