@@ -105,26 +105,28 @@ class PipePool:
         self._collector.start()
 
     def submit(self, fn: Callable, *args: Any) -> Future:
+        """Pickled here, in the caller's thread and outside the lock: the collector thread, which
+        dispatches queued tasks, then only sends bytes. A task that does not pickle fails alone,
+        as with ProcessPoolExecutor."""
         future: Future = Future()
+        try:
+            task = ForkingPickler.dumps((fn, args))
+        except Exception as e:
+            future.set_exception(e)
+            return future
         with self._lock:
             if self._broken:
                 raise BrokenProcessPool(self._broken)
-            self._queued.append((future, fn, args))
+            self._queued.append((future, task))
             if self._idle:
                 self._dispatch(self._idle.popleft())
         return future
 
     def _dispatch(self, i: int) -> None:
-        """Under the lock: give idle child i the next queued task that was not cancelled and that
-        pickles (one that does not fails alone, as with ProcessPoolExecutor)."""
+        """Under the lock: give idle child i the next queued task that was not cancelled."""
         while self._queued:
-            future, fn, args = self._queued.popleft()
+            future, task = self._queued.popleft()
             if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                task = ForkingPickler.dumps((fn, args))
-            except Exception as e:
-                future.set_exception(e)
                 continue
             self._running[i] = future
             try:
@@ -183,7 +185,7 @@ class PipePool:
         log.warning("decode pool broken: %s", why)
         with self._lock:
             self._broken = why
-            failed = [*self._running.values(), *(f for f, _, _ in self._queued)]
+            failed = [*self._running.values(), *(f for f, _ in self._queued)]
             self._running.clear()
             self._queued.clear()
         for future in failed:
@@ -196,7 +198,7 @@ class PipePool:
         if self._collector is not None:
             with self._lock:
                 self._broken = self._broken or "the pool is closed"
-                queued = [f for f, _, _ in self._queued]
+                queued = [f for f, _ in self._queued]
                 self._queued.clear()
                 running = list(self._running.values())
             for future in queued:
