@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from benchmarks.common import loadavg, machine_info, now_iso, versions
-from workflow.core.exposure import keep_local_on_loopback
+from stages.common.exposure import keep_local_on_loopback
 
 # name -> module implementing add_arguments / run / render. Order = order in RESULTS.md and `all`.
 BENCHMARKS: dict[str, str] = {

@@ -353,8 +353,8 @@ def targets_table(targets: list[dict[str, Any]], nd: int = 2) -> list[str]:
 def start_ray(workers: int, cpus_per_worker: float) -> float:
     """Start raymill's Ray (session.start: the product's own settings) and check that `workers`
     trainer workers of `cpus_per_worker` fit; returns the seconds `ray.init` took."""
-    from workflow.core import session
-    from workflow.core.config import RayConfig
+    from stages.common import session
+    from stages.common.config import RayConfig
 
     t0 = time.perf_counter()
     resources = session.start(RayConfig())

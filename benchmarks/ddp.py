@@ -1,7 +1,7 @@
 """DDP step rate: Ray Train's TorchTrainer against plain torchrun on the same model and data.
 
 Both launchers run benchmarks.ddp_torchrun_worker.timed_steps():
-  - model: stages.models small_cnn (width 32, 10 classes), SGD with momentum;
+  - model: stages.model.zoo small_cnn (width 32, 10 classes), SGD with momentum;
   - data: a few in-memory random batches of 64x64 images, batch size 64 per worker (no input
     pipeline: this measures the launcher and DDP, not ingest);
   - gloo backend, torch.set_num_threads(1) in every process;

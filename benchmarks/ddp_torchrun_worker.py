@@ -4,9 +4,9 @@
         benchmarks/ddp_torchrun_worker.py --out result.json --warmup 30 --steps 100
 
 Both launchers (Ray Train's TorchTrainer and torchrun) call `timed_steps()` on the same model
-(stages.models small_cnn), the same in-memory random batches, the same gloo backend and one
+(stages.model.zoo small_cnn), the same in-memory random batches, the same gloo backend and one
 intra-op thread per process, so the only difference left is the launcher and how it wraps the
-model in DistributedDataParallel. Imports only torch and stages.models (no Ray).
+model in DistributedDataParallel. Imports only torch and stages.model.zoo (no Ray).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ __all__ = ["timed_steps", "build", "main"]
 def build(width: int, classes: int, seed: int):
     import torch
 
-    from stages.models import build_model
+    from stages.model.zoo import build_model
 
     torch.manual_seed(seed)  # identical init on every rank (DDP also broadcasts rank 0's)
     return build_model("small_cnn", classes, width)

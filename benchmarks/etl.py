@@ -3,7 +3,7 @@
 All methods run in one process on the same generated data (N JPEGs of 500x375 px, resized to
 64x64 with a centre crop, written as parquet):
 
-  ours      stages.etl.run(EtlConfig(image_size=64, formats=("parquet",))). The first call (Ray
+  ours      stages.etl.stage.run(EtlConfig(image_size=64, formats=("parquet",))). The first call (Ray
             workers cold) is timed separately; the warm call on the same N images is the
             marginal rate; a call on scale x N images gives the scaling and the per-image slope.
   a         hand-written multiprocessing.Pool(os.cpu_count()) + Pillow (decode, RGB, centre-crop
@@ -13,7 +13,7 @@ All methods run in one process on the same generated data (N JPEGs of 500x375 px
   b         ray.data.read_images(dir, size=(64, 64), mode="RGB").write_parquet(out), in the same
             Ray session as ours (workers warm).
   c         the ceiling: cores x the rate of one process looping over the files with
-            stages.images.decode_rgb (JPEG draft), reading but writing nothing.
+            stages.etl.images.decode_rgb (JPEG draft), reading but writing nothing.
 
 Ray starts first; ours' first call warms the workers; then c, a, a_draft and ours run in
 `--repeat` interleaved rounds (the machine's other load drifts, so every method sees every phase),
@@ -177,7 +177,7 @@ def ray_read_images(src: Path, out: Path, size: int) -> int:
 
 
 def single_core_decode(src: Path, size: int) -> int:
-    from stages.images import decode_rgb
+    from stages.etl.images import decode_rgb
 
     n = 0
     for p in _list_images(src):
@@ -191,9 +191,10 @@ def stage_work_one_process(src: Path, out: Path, size: int) -> int:
     parquet write) for every planned task, serially in this process, without Ray."""
     import json
 
-    from stages import etl, shards
-    from workflow.core.artifacts import new_run_id
-    from workflow.core.config import EtlConfig, section_dict
+    from stages.etl import stage as etl
+    from stages.etl import shards
+    from stages.common.artifacts import new_run_id
+    from stages.common.config import EtlConfig, section_dict
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     listing = etl.discover(str(src))
@@ -207,17 +208,17 @@ def stage_work_one_process(src: Path, out: Path, size: int) -> int:
 
 
 def task_layout(src: Path, size: int) -> list[int]:
-    """Images per Ray task as stages.etl plans them (one task per shard group)."""
-    from stages import etl
-    from workflow.core.config import EtlConfig
+    """Images per Ray task as stages.etl.stage plans them (one task per shard group)."""
+    from stages.etl import stage as etl
+    from stages.common.config import EtlConfig
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     return [len(t["items"]) for t in etl.plan_tasks(etl.discover(str(src)), cfg)]
 
 
 def _etl(src: Path, out: Path, size: int) -> dict[str, Any]:
-    from stages import etl
-    from workflow.core.config import EtlConfig
+    from stages.etl import stage as etl
+    from stages.common.config import EtlConfig
 
     cfg = EtlConfig(image_size=size, formats=("parquet",))
     t0 = time.perf_counter()
@@ -241,8 +242,8 @@ def _ours_cold(small: Path, out: Path, size: int, n: int) -> dict[str, Any]:
     """Ray start plus the stage's first call (workers cold): what a one-off CLI run pays."""
     import ray
 
-    from workflow.core import session
-    from workflow.core.config import RayConfig
+    from stages.common import session
+    from stages.common.config import RayConfig
 
     t0 = time.perf_counter()
     resources = session.start(RayConfig())
@@ -250,7 +251,7 @@ def _ours_cold(small: Path, out: Path, size: int, n: int) -> dict[str, Any]:
     log.warning("etl: ray started in %.1f s: %s", ray_start_s, resources)
     m, r = measure(lambda: _etl(small, out, size), images=n)
     _check(r, n)
-    m.update(what="stages.etl.run, first call in the process (Ray started, workers cold)",
+    m.update(what="stages.etl.stage.run, first call in the process (Ray started, workers cold)",
              shards=r["shards"], manifest_metrics=r["manifest_metrics"], ray_start_s=round(ray_start_s, 2),
              with_ray_start_s=round(m["seconds"] + ray_start_s, 3),
              with_ray_start_images_per_s=round(n / (m["seconds"] + ray_start_s), 1))
@@ -291,10 +292,10 @@ def _methods(runs: dict[str, list], ours_meta: dict, cores: int) -> dict[str, di
         "c": {**_per_core(combine(runs["c"]), cores, f"{cores} cores x single-process decode_rgb loop "
                           "(JPEG draft), reads files, no encode/write"), "draft": True},
         "d": _per_core(combine(runs["d"]), cores, f"{cores} cores x ours' per-image work in one process "
-                       "without Ray (stages.shards.process_task over the planned tasks: read, sha256, decode "
+                       "without Ray (stages.etl.shards.process_task over the planned tasks: read, sha256, decode "
                        "with draft, JPEG q90 encode, parquet write)"),
         "ours": {**combine(runs["ours"]), **ours_meta,
-                 "what": "stages.etl.run, whole call, Ray and workers warm (marginal rate at N)"}}
+                 "what": "stages.etl.stage.run, whole call, Ray and workers warm (marginal rate at N)"}}
     for key, draft in (("a", False), ("a_draft", True)):
         methods[key] = {**combine(runs[key]), "draft": draft,
                         "what": f"multiprocessing.Pool({cores}) + Pillow (open, convert RGB, crop-resize "
@@ -346,7 +347,7 @@ def _measure_all(args: argparse.Namespace, tmp: Path, n: int, scale: int, size: 
     if scale > 1:
         m, r = measure(lambda: _etl(large, out_dir("ours_large"), size), images=n * scale)
         _check(r, n * scale)
-        methods["ours_large"] = {**m, "what": f"stages.etl.run, whole call on {scale} x N images, warm",
+        methods["ours_large"] = {**m, "what": f"stages.etl.stage.run, whole call on {scale} x N images, warm",
                                  "shards": r["shards"], "manifest_metrics": r["manifest_metrics"]}
     m, count = measure(lambda: ray_read_images(small, out_dir("b"), size), images=n)
     methods["b"] = {**m, "what": f"ray.data.read_images(dir, size=({size}, {size}), mode='RGB')"
@@ -465,7 +466,7 @@ def _notes(result: dict[str, Any]) -> list[str]:
         f"Pool children forked from it count those shared copy-on-write pages again.",
         f"- (c): one process reached {fmt(c['single_core_images_per_s'])} images/s "
         f"(decode_rgb with JPEG draft, no encode, no write); the ceiling is {result['cores']} x that.",
-        f"- (d) runs the stage's own per-shard function (`stages.shards.process_task`: read, sha256, "
+        f"- (d) runs the stage's own per-shard function (`stages.etl.shards.process_task`: read, sha256, "
         f"decode with draft, JPEG q90 encode, parquet write) over the same planned tasks in one process "
         f"without Ray: {fmt(methods['d']['single_core_images_per_s'])} images/s, so ours' extra per-image "
         f"work costs d/c = {fmt(ratios.get('d_vs_c'), 2)} of the ceiling, and Ray, scheduling and task "

@@ -30,9 +30,11 @@ import torch
 
 from benchmarks.common import fmt, md_table, pct, ratio, targets_table, wait_for_quiet
 from benchmarks import feed_cpu
-from stages import decoded_tier, meters, streaming
-from stages.decode_pool import DecodePool, DecodeSpec
-from stages.feed import PoolFeed, ThreadFeed
+from stages.feed import decoded_tier
+from stages.feed import meters
+from stages.feed import streaming
+from stages.feed.decode_pool import DecodePool, DecodeSpec
+from stages.feed.feeds import PoolFeed, ThreadFeed
 
 CORES = os.cpu_count() or 1
 CPU = torch.device("cpu")
@@ -57,9 +59,9 @@ class Data:
     """The benchmark's data: the real ETL output (224 px JPEG-in-parquet), rows kept in memory."""
 
     def __init__(self, args, root: Path):
-        from stages import etl
+        from stages.etl import stage as etl
         from workflow import demo_data
-        from workflow.core.config import EtlConfig
+        from stages.common.config import EtlConfig
 
         w, h = (int(v) for v in args.source_size.split("x"))
         demo_data.generate(root / "src", images=args.images, seed=0, size=(w, h), png_fraction=0.0)
@@ -141,7 +143,7 @@ class Accelerator:
 
 
 def consume(feed, acc: Accelerator, ingest: str = "stream") -> dict[str, Any]:
-    """Train-loop timing (stages.meters) of `feed` into the emulated accelerator, the whole epoch
+    """Train-loop timing (stages.feed.meters) of `feed` into the emulated accelerator, the whole epoch
     as the product times it: the time to the first batch (Ray Data's start-up is seconds) is
     inside the rate, and reported beside it."""
     meter, images, started, first = meters.StepMeter(CPU), 0, time.perf_counter(), None
@@ -180,8 +182,8 @@ def run_paths(data: Data, acc: Accelerator, procs: int) -> dict[str, dict]:
 def as_a_gpu_worker() -> int:
     """Give this process the torch threads the planner gives a GPU worker with decode processes
     (session.torch_threads: one), as the loop that the emulated or real GPU stands in for has."""
-    from workflow.core import session
-    from workflow.core.config import TrainConfig
+    from stages.common import session
+    from stages.common.config import TrainConfig
 
     threads = session.torch_threads(TrainConfig(use_gpu=True), CORES)
     torch.set_num_threads(threads)
@@ -226,7 +228,7 @@ def setting(data: Data, gil_s: float, target_rate: float, r_n: float) -> tuple[d
 
 
 def _ray_data_feed(data: Data) -> Callable:
-    """train.ingest=ray_data's own dataset (stages.ingest_ray), iterated by the consumer."""
+    """train.ingest=ray_data's own dataset (stages.feed.ray_data), iterated by the consumer."""
     from benchmarks.feed_cpu import RayDataFeed
 
     return lambda: RayDataFeed(data)

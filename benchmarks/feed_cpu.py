@@ -26,24 +26,24 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import fmt, md_table, ratio
-from stages import streaming
-from stages.decode_pool import DecodePool, DecodeSpec
-from stages.feed import FedBatch, PoolFeed, ThreadFeed
-from stages.models import build_model
-from stages.predict import to_batch
+from stages.feed import streaming
+from stages.feed.decode_pool import DecodePool, DecodeSpec
+from stages.feed.feeds import FedBatch, PoolFeed, ThreadFeed
+from stages.model.zoo import build_model
+from stages.model.predict import to_batch
 
 CORES = os.cpu_count() or 1
 MODEL = {"name": "small_cnn", "width": 4}  # decode-heavy on purpose: a light step at 224 px
 
 
 class RayDataFeed:
-    """train.ingest=ray_data's dataset (stages.ingest_ray.build_train_dataset) as a feed."""
+    """train.ingest=ray_data's dataset (stages.feed.ray_data.build_train_dataset) as a feed."""
     ingest = "ray_data"
 
     def __init__(self, data, cpus: float = 0.5):
-        from stages import ingest_ray
-        from workflow.core import session
-        from workflow.core.config import RayConfig, TrainConfig
+        from stages.feed import ray_data as ingest_ray
+        from stages.common import session
+        from stages.common.config import RayConfig, TrainConfig
 
         session.start(RayConfig())
         # 0.5 CPU per decode task on the 2-core box: 0.25 (what the plan gives beside a trainer)
@@ -73,7 +73,7 @@ class RayDataFeed:
 
 
 class Step:
-    """The training loop's CPU step: to_batch, forward, backward, SGD (as stages.train_loop)."""
+    """The training loop's CPU step: to_batch, forward, backward, SGD (as stages.train.loop)."""
 
     def __init__(self):
         # channels_last, as the training loop runs it by default
@@ -176,9 +176,9 @@ def run(data, skip_train_run: bool = False) -> dict[str, Any]:
 
 
 def train_run(data, workers: int) -> dict[str, Any]:
-    """A real `raymill train` (planned by workflow.core.session) on the same data."""
-    from stages import train
-    from workflow.core.config import RayConfig, TrainConfig
+    """A real `raymill train` (planned by stages.common.session) on the same data."""
+    from stages.train import stage as train
+    from stages.common.config import RayConfig, TrainConfig
 
     cfg = TrainConfig(model=MODEL["name"], width=MODEL["width"], num_workers=workers, epochs=2,
                       batch_size=data.batch, augment={"random_resized_crop": True, "flip": True, "scale_min": 0.35})

@@ -5,7 +5,7 @@
 resnet50 at 224 px, bf16 autocast, channels_last, SGD, batch 256, on synthetic 320x240 JPEGs
 put through the real ETL (224 px JPEG-in-parquet). The limit: the same step on random tensors
 already on the GPU. Each path's fed rate is divided by it; utilisation comes from CUDA events
-(stages.meters) and from `nvidia-smi` sampled every 200 ms. "before" is decode in 12 threads.
+(stages.feed.meters) and from `nvidia-smi` sampled every 200 ms. "before" is decode in 12 threads.
 Not run on the 2-core box (no GPU): it is ready for a lent device (shared/PLATFORM.md).
 """
 from __future__ import annotations
@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from benchmarks.common import fmt, md_table, pct, ratio, targets_table, wait_for_quiet
 from benchmarks.feed import Data, as_a_gpu_worker
 from benchmarks.feed_cpu import RayDataFeed
-from stages import decoded_tier, meters
-from stages.decode_pool import DecodePool
-from stages.feed import PoolFeed, ThreadFeed
-from stages.models import build_model
-from stages.predict import to_batch
+from stages.feed import decoded_tier
+from stages.feed import meters
+from stages.feed.decode_pool import DecodePool
+from stages.feed.feeds import PoolFeed, ThreadFeed
+from stages.model.zoo import build_model
+from stages.model.predict import to_batch
 
 CORES = os.cpu_count() or 1
 
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class Step:
-    """resnet50 training step as stages.train_loop runs it on a GPU (bf16, channels_last)."""
+    """resnet50 training step as stages.train.loop runs it on a GPU (bf16, channels_last)."""
 
     def __init__(self, classes: int = 10):
         self.device = torch.device("cuda")
@@ -177,8 +178,8 @@ def ray_data_alone(data: Data) -> tuple[float, list[dict[str, Any]]]:
     """The CPUs a Ray Data task gets from the plan of one GPU worker with train.ingest=ray_data
     on this node, and Ray Data's own rate (nothing consuming) at that and at 0.5 CPU a task, in
     the order planned, 0.5, planned, so that a warm-up effect cannot pass for a difference."""
-    from workflow.core import session
-    from workflow.core.config import RayConfig, TrainConfig
+    from stages.common import session
+    from stages.common.config import RayConfig, TrainConfig
 
     resources = session.start(RayConfig())
     train = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1, batch_size=data.batch)

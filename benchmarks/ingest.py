@@ -1,26 +1,26 @@
 """Training ingest: our streaming shard reader inside Ray Train against a PyTorch DataLoader.
 
 Data: workflow.demo_data.generate(images=N, size=(500, 375), png_fraction=0) (all JPEG), then
-stages.etl.run to 64 px JPEG-in-parquet shards (shard_max_rows 500; etl.min_shards may make them
+stages.etl.stage.run to 64 px JPEG-in-parquet shards (shard_max_rows 500; etl.min_shards may make them
 smaller), every image in the train split
 (split 1/0/0) so both methods read the same N images per epoch. No model step anywhere: this
 measures the input path only.
 
   ours        a TorchTrainer with 1 and 2 workers ({"CPU": --cpus-per-worker} each). Its loop is the
-              training stage's reader (stages.train_loop.Worker.train_batches / decode_train):
+              training stage's reader (stages.train.loop.Worker.train_batches / decode_train):
               rank_pieces -> iter_samples (seeded shard order, 512-row shuffle buffer) -> Prefetcher
               (decode_threads=2, 4 batches ahead; decode_sample + augment with the per-sample RNG)
               -> to_batch (uint8 NHWC -> normalised float NCHW). Per-rank counts and timings are
               gathered over the process group and sent with ray.train.report.
   raydata     the same TorchTrainer with train.ingest=ray_data (--ray-data-workers): Ray Data
-              reads the shards, decodes + augments in map_batches tasks (stages.ingest_ray), and
+              reads the shards, decodes + augments in map_batches tasks (stages.feed.ray_data), and
               each rank iterates ShardBatches over get_dataset_shard("train"). Its images per
               CPU-second count the CPU of the whole local Ray process tree (decode runs outside
               the workers); ours' count the worker processes only.
   dataloader  torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True,
               num_workers=os.cpu_count()) over the raw ImageFolder of JPEGs, in a fresh Python
-              process. The dataset is a plain map-style class: read file -> stages.images.decode_rgb
-              (centre crop to 64, JPEG draft) -> stages.streaming.augment with the same parameters; the
+              process. The dataset is a plain map-style class: read file -> stages.etl.images.decode_rgb
+              (centre crop to 64, JPEG draft) -> stages.feed.streaming.augment with the same parameters; the
               default collate stacks uint8 tensors and the loop normalises them as to_batch does.
               Workers are not persistent (the default), so each epoch forks them anew.
 
@@ -33,7 +33,7 @@ alternates, so the machine's other load hits both. Time to first batch is measur
         subprocess launch, Python start-up and imports included) to the first batch.
 The target uses `loop`; `job` is shown beside it.
 
-Stall (part 3): the demo training, configs/default.yaml (stages.train.run on a 1,500-image demo
+Stall (part 3): the demo training, configs/default.yaml (stages.train.stage.run on a 1,500-image demo
 set), and the per-epoch input-stall fraction and verdict from its metrics.jsonl.
 """
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _drain(prefetch, mean, std) -> tuple[int, float | None, int]:
     """Consume one epoch as training would (normalised tensors, labels): (images, first batch time, batches)."""
     import torch
 
-    from stages.predict import to_batch
+    from stages.model.predict import to_batch
 
     n, t_first, batches_seen = 0, None, 0
     for batch, arrays in prefetch:
@@ -113,13 +113,13 @@ def _ours_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from stages import streaming
-    from workflow.core import storage
+    from stages.feed import streaming
+    from stages.common import storage
 
     t_loop = time.time()  # after the imports, as in the DataLoader process
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.set_num_threads(max(1, int(config["cpus_per_worker"] + 0.5)))  # as stages.train_loop.Worker
+    torch.set_num_threads(max(1, int(config["cpus_per_worker"] + 0.5)))  # as stages.train.loop.Worker
     refs = [streaming.ShardRef(**r) for r in config["shards"]]
     seed, size, bs, a = config["seed"], config["image_size"], config["batch_size"], config["augment"]
     distributed = dist.is_available() and dist.is_initialized() and world > 1
@@ -138,13 +138,13 @@ def _ours_loop(config: dict[str, Any]) -> None:
             dist.barrier()
         t0, cpu0 = time.time(), time.process_time()
         batches = streaming.epoch_batches(refs, open_rows, seed, epoch, rank, world, bs,
-                                          config["shuffle_buffer_rows"])  # = stages.train_loop.Worker
+                                          config["shuffle_buffer_rows"])  # = stages.train.loop.Worker
         decode = streaming.train_decoder(seed, epoch, size, False, a["scale_min"], a["random_resized_crop"],
                                          a["flip"])
         reads.clear()
-        if config.get("ingest") == "ray_data":  # = stages.train_loop.Worker.batch_source
-            from stages.ingest_ray import ShardBatches
-            from workflow.core.config import TrainConfig
+        if config.get("ingest") == "ray_data":  # = stages.train.loop.Worker.batch_source
+            from stages.feed.ray_data import ShardBatches
+            from stages.common.config import TrainConfig
 
             cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"],
                               shuffle_buffer_rows=config["shuffle_buffer_rows"])
@@ -194,8 +194,8 @@ def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from benchmarks.common import MemorySampler, loadavg
-    from stages import ingest_ray
-    from workflow.core.config import AugmentConfig, TrainConfig
+    from stages.feed import ray_data as ingest_ray
+    from stages.common.config import AugmentConfig, TrainConfig
 
     config = {"shards": shards, "seed": args.seed, "image_size": args.image_size, "batch_size": args.batch_size,
               "epochs": args.epochs, "decode_threads": args.decode_threads,
@@ -267,7 +267,7 @@ def _totals(epochs: list[dict]) -> dict[str, Any]:
 class JpegFolder:
     """A plain map-style dataset (DataLoader needs only __len__ and __getitem__).
 
-    Same pixels pipeline as ours: decode_rgb (centre crop, JPEG draft) and stages.streaming.augment
+    Same pixels pipeline as ours: decode_rgb (centre crop, JPEG draft) and stages.feed.streaming.augment
     with the same parameters and a per-(seed, epoch, index) RNG.
     """
 
@@ -285,8 +285,8 @@ class JpegFolder:
         import numpy as np
         import torch
 
-        from stages.streaming import augment
-        from stages.images import decode_rgb
+        from stages.feed.streaming import augment
+        from stages.etl.images import decode_rgb
 
         path, label = self.items[index]
         with open(path, "rb") as f:
@@ -312,8 +312,8 @@ def dataloader_child(spec_json: str) -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    import stages.streaming  # noqa: F401
-    import stages.images  # noqa: F401
+    import stages.feed.streaming  # noqa: F401
+    import stages.etl.images  # noqa: F401
 
     t_imported = time.time()
     a = spec["augment"]
@@ -329,7 +329,7 @@ def dataloader_child(spec_json: str) -> None:
         t0, cpu0 = time.time(), _cpu_with_children()
         n, t_first, batches = 0, None, 0
         for x, y in loader:
-            # the same work as stages.train_loop.to_batch after its np.stack
+            # the same work as stages.train.loop.to_batch after its np.stack
             x = x.permute(0, 3, 1, 2).float().div_(255)
             x = ((x - mean) / std).contiguous()
             assert x.shape[0] == y.shape[0]
@@ -347,7 +347,7 @@ def dataloader_child(spec_json: str) -> None:
 
 def run_dataloader(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     from benchmarks.common import MemorySampler, loadavg
-    from workflow.core.config import AugmentConfig
+    from stages.common.config import AugmentConfig
 
     spec = {"src": str(src), "image_size": args.image_size, "seed": args.seed, "batch_size": args.batch_size,
             "num_workers": args.dl_workers, "epochs": args.epochs,
@@ -381,9 +381,10 @@ def run_dataloader(src: Path, args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 def run_stall(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from stages import etl, train
+    from stages.etl import stage as etl
+    from stages.train import stage as train
     from workflow import demo_data
-    from workflow.core.config import load_config
+    from stages.common.config import load_config
 
     config_path = REPO / args.stall_config if not Path(args.stall_config).is_absolute() else Path(args.stall_config)
     cfg = load_config(config_path, [f"run.dir={tmp / 'stall_run'}", f"run.source={tmp / 'stall_src'}"])
@@ -450,9 +451,10 @@ def _summ(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _prepare(args: argparse.Namespace, tmp: Path, counts: list[int]) -> dict[str, Any]:
     """Demo JPEGs -> Ray up -> the ETL stage's parquet shards, every method's input."""
-    from stages import etl, streaming
+    from stages.etl import stage as etl
+    from stages.feed import streaming
     from workflow import demo_data
-    from workflow.core.config import EtlConfig
+    from stages.common.config import EtlConfig
 
     w, h = (int(v) for v in args.source_size.lower().split("x"))
     t0 = time.perf_counter()
@@ -663,7 +665,7 @@ def _stall_lines(s: dict[str, Any]) -> list[str]:
         "",
         f"### Input stall of the demo training ({s['config']})",
         "",
-        f"`stages.train.run` with {s['config']} on a {s['images']:,}-image demo set "
+        f"`stages.train.stage.run` with {s['config']} on a {s['images']:,}-image demo set "
         f"(`workflow.demo_data.generate`, random sizes, 30% PNG) after its ETL ({s['train_rows']} train rows, "
         f"parquet {s['parquet_encoding']}): {s['train_config']['num_workers']} workers, "
         f"{s['train_config']['model']} width {s['train_config']['width']}, batch {s['train_config']['batch_size']}, "

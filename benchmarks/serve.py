@@ -2,11 +2,11 @@
 
 Everything runs on loopback with one model and one set of request bodies:
 
-  model    small_cnn width 32, 10 classes, 64 px, untrained weights (stages.publish.save_model).
+  model    small_cnn width 32, 10 classes, 64 px, untrained weights (stages.model.publish.save_model).
   bodies   --bodies JPEGs of --size px (smooth noise, quality 90), sent as raw `image/jpeg`.
   fastapi  benchmarks/serve_apps.py in a subprocess: one uvicorn process, torch 1 thread,
-           stages.predict.preprocess + predict_arrays inline in an async handler.
-  ours     stages.serve.start with ServeConfig defaults (what `raymill serve` runs);
+           stages.model.predict.preprocess + predict_arrays inline in an async handler.
+  ours     stages.serve.app.start with ServeConfig defaults (what `raymill serve` runs);
   nobatch  the same with serve.batching=false;
   2 replicas  the same with serve.num_replicas=2;
   one hop  the same with serve.model_deployment=false (model inside the ingress replica);
@@ -18,7 +18,7 @@ Everything runs on loopback with one model and one set of request bodies:
 The Serve variants are apps on one Ray (own route prefixes). Ray gets 2x the machine's
 cores (+ 1) as logical CPUs so that the idle variants can sit beside the measured one; the measured
 one still has its default 0.5 CPU (torch 1 thread) per replica. Each --ingress mode restarts Ray
-with that mode's environment (stages.serve.ingress_env) and measures FastAPI again beside it.
+with that mode's environment (stages.serve.app.ingress_env) and measures FastAPI again beside it.
 
 Load: k async httpx clients (k = each of --levels) share --requests requests over keep-alive
 connections, after a few untimed warm-up requests, stopping early at --time-cap. Per level:
@@ -81,8 +81,8 @@ def _free_port() -> int:
 def _make_model(out: Path) -> None:
     import torch
 
-    from stages.publish import save_model
-    from stages.models import build_model
+    from stages.model.publish import save_model
+    from stages.model.zoo import build_model
 
     torch.manual_seed(0)
     info = {"architecture": "small_cnn", "width": 32, "dropout": 0.0, "classes": [f"c{i}" for i in range(10)],
@@ -195,7 +195,7 @@ def _forward_costs(model_dir: str, bodies: list[bytes], batch: int = 16) -> dict
     batch 1 and at `batch`: the most CPU that dynamic batching can save per request."""
     import torch
 
-    from stages.predict import load_model, predict_arrays, preprocess
+    from stages.model.predict import load_model, predict_arrays, preprocess
 
     torch.set_num_threads(1)
     model, info = load_model(model_dir)
@@ -218,9 +218,9 @@ def _measure_mode(args, mode: str, model_dir: str, fastapi_url: str, bodies: lis
     """All variants plus FastAPI under one ingress mode: {variant: {level: best round}}."""
     import ray
 
-    from stages import serve as serve_stage
-    from workflow.core import session
-    from workflow.core.config import RayConfig, ServeConfig
+    from stages.serve import app as serve_stage
+    from stages.common import session
+    from stages.common.config import RayConfig, ServeConfig
 
     from ray import serve
 
@@ -294,8 +294,8 @@ def _infer_rate(model_dir: str, bodies: list[bytes], images: int) -> dict[str, A
     import ray
 
     from benchmarks.serve_batch import infer_images_per_s
-    from workflow.core import session
-    from workflow.core.config import RayConfig
+    from stages.common import session
+    from stages.common.config import RayConfig
 
     session.start(RayConfig())
     try:

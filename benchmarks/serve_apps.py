@@ -1,7 +1,7 @@
 """The baselines of the serving benchmark (benchmarks/serve.py): a bare FastAPI + uvicorn app, and
 Ray Serve's own floor (`floor_app`: a no-op Serve app with raymill's hops, limits and CPUs).
 
-The same model and preprocessing as the Serve app (stages.predict.preprocess + predict_arrays),
+The same model and preprocessing as the Serve app (stages.model.predict.preprocess + predict_arrays),
 in one uvicorn process bound to 127.0.0.1, run as a subprocess:
 
     python -m benchmarks.serve_apps --model DIR --port PORT [--threads 1]
@@ -55,7 +55,7 @@ def floor_app(cfg, hops: int = 2):
 
     if hops == 2:
         return FloorIngress.bind(Constant.bind())
-    # one hop: the ingress is the model replica, with its CPUs (stages.serve.build_app)
+    # one hop: the ingress is the model replica, with its CPUs (stages.serve.app.build_app)
     return FloorIngress.options(ray_actor_options={"num_cpus": cfg.cpus_per_replica}).bind()
 
 
@@ -70,7 +70,7 @@ def create_app(model_dir: str, threads: int = 1):
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
-    from stages.predict import load_model, predict_arrays, preprocess
+    from stages.model.predict import load_model, predict_arrays, preprocess
 
     if threads > 0:
         torch.set_num_threads(threads)

@@ -1,5 +1,5 @@
 """Images/s a client reaches through the Open Inference Protocol's batch requests (N images a
-request, binary tensors) against `raymill infer` (stages.infer.run) on the same model and JPEGs.
+request, binary tensors) against `raymill infer` (stages.infer.stage.run) on the same model and JPEGs.
 
 Used by benchmarks/serve.py; `raymill infer` reads the JPEGs from a folder, so its rate includes
 reading files, which the served path does not have (the client already holds the bytes).
@@ -19,7 +19,7 @@ __all__ = ["v2_body", "v2_images_per_s", "infer_images_per_s"]
 
 def v2_body(images: list[bytes]) -> tuple[bytes, dict[str, str]]:
     """An infer request with the binary-tensor extension, asking for class_index only (binary)."""
-    from stages import serve_v2
+    from stages.serve import v2 as serve_v2
 
     packed = serve_v2.pack_bytes(images)
     header = json.dumps({"inputs": [{"name": serve_v2.INPUT, "datatype": "BYTES", "shape": [len(images)],
@@ -72,8 +72,8 @@ def infer_images_per_s(model_dir: str, bodies: list[bytes], images: int, cfg: An
     """`raymill infer` (`cfg`, default InferConfig()) over folders of images/4 and `images` JPEGs,
     after an untimed warm-up: the end-to-end rate of the larger run, and the marginal rate between
     the two (start-up excluded)."""
-    from stages import infer
-    from workflow.core.config import InferConfig
+    from stages.infer import stage as infer
+    from stages.common.config import InferConfig
 
     cfg = cfg or InferConfig()
     runs = {}

@@ -2,8 +2,8 @@
 
 Two Serve apps on one Ray, the same two hops as `raymill serve` (ingress 0.25 CPU -> model 0.5 CPU,
 torch 1 thread, the benchmark's model: small_cnn width 32 at 64 px), the same JPEGs:
-  replica  the ingress forwards the bytes; the model replica decodes (stages.predict.preprocess)
-           in a thread, then predicts (what stages/serve.py does);
+  replica  the ingress forwards the bytes; the model replica decodes (stages.model.predict.preprocess)
+           in a thread, then predicts (what stages/serve/app.py does);
   ingress  the ingress decodes in a thread and sends the uint8 array; the model replica predicts.
 Reports c=1 p50 and c=8 requests/s, best of --rounds interleaved rounds:
 
@@ -26,7 +26,7 @@ def _apps(model_dir: str):
     from ray import serve
     from starlette.requests import Request
 
-    from stages.predict import load_model, predict_arrays, preprocess
+    from stages.model.predict import load_model, predict_arrays, preprocess
 
     @serve.deployment(ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=32)
     class Model:

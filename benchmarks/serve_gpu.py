@@ -2,7 +2,7 @@
 
     python -m benchmarks serve_gpu [--requests 400] [--levels 1,32] [--rounds 2]
 
-  model     resnet50, 10 classes, 224 px, random weights (stages.publish.save_model), fp32.
+  model     resnet50, 10 classes, 224 px, random weights (stages.model.publish.save_model), fp32.
   bodies    --bodies JPEGs of --size px (benchmarks/serve._jpegs), raw `image/jpeg` to /predict.
   variants  apps on one Ray, each on its own route, every model replica on a fifth of a GPU
             (serve.gpus_per_replica=0.2) so that the idle ones sit beside the measured one:
@@ -62,8 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _make_model(out: Path) -> None:
     import torch
 
-    from stages.models import build_model
-    from stages.publish import save_model
+    from stages.model.zoo import build_model
+    from stages.model.publish import save_model
 
     torch.manual_seed(0)
     info = {"architecture": "resnet50", "width": 32, "dropout": 0.0, "classes": [f"c{i}" for i in range(10)],
@@ -79,9 +79,9 @@ def _measure(args, model_dir: str, bodies: list[bytes]) -> tuple[dict, dict]:
     from benchmarks.gpu import Smi
     from benchmarks.serve import _free_port, _level
     from benchmarks.serve_apps import floor_app
-    from stages import serve as serve_stage
-    from workflow.core import session
-    from workflow.core.config import RayConfig, ServeConfig
+    from stages.serve import app as serve_stage
+    from stages.common import session
+    from stages.common.config import RayConfig, ServeConfig
 
     base = ServeConfig(port=_free_port(), use_gpu=True, gpus_per_replica=GPU_SHARE, request_timeout_s=60.0)
     session.start(RayConfig())
@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.serve import _jpegs
     from benchmarks.serve_batch import infer_images_per_s
-    from workflow.core import session
-    from workflow.core.config import InferConfig, RayConfig
+    from stages.common import session
+    from stages.common.config import InferConfig, RayConfig
 
     if reason := available():
         raise SystemExit(f"benchmarks serve_gpu: {reason}")

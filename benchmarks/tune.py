@@ -100,7 +100,7 @@ class _TrialClock:
 
 
 def _config(scheduler: str, args, seed: int = 0) -> Any:
-    from workflow.core.config import load_config
+    from stages.common.config import load_config
 
     return load_config(Path(__file__).resolve().parents[1] / "configs/smoke.yaml", [
         f"tune.scheduler={scheduler}", f"tune.num_samples={args.samples}", f"tune.max_epochs={args.max_epochs}",
@@ -111,7 +111,7 @@ def _config(scheduler: str, args, seed: int = 0) -> Any:
 
 
 def _search(scheduler: str, args, data, work: Path, seed: int = 0) -> dict[str, Any]:
-    from stages import tune
+    from stages.tune import stage as tune
 
     cfg, clock, out = _config(scheduler, args, seed), _TrialClock(), work / f"{scheduler}-{seed}"
     started = time.time()
@@ -192,10 +192,10 @@ def _time_to(reports: list[list[float]], target: float) -> float | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from stages import etl
+    from stages.etl import stage as etl
     from workflow import demo_data
-    from workflow.core import session
-    from workflow.core.config import EtlConfig, RayConfig
+    from stages.common import session
+    from stages.common.config import EtlConfig, RayConfig
 
     if args.quick:
         args.samples, args.max_epochs, args.images, args.seeds = 4, 3, 200, "0,1"

@@ -24,7 +24,7 @@ def _import_ray_on_loopback() -> None:
     and not on the machine's address. Ray reads the variable once, at import, so it is set for the
     import and removed again: inherited, it made the two-node tests' `ray start` abort ("Multi-node
     Ray clusters are not supported")."""
-    from workflow.core.exposure import LOCAL_ONLY_ENV
+    from stages.common.exposure import LOCAL_ONLY_ENV
 
     if LOCAL_ONLY_ENV in os.environ:
         return
@@ -66,8 +66,8 @@ def ray_session():
     holds a GPU share but sees no CUDA device runs on the CPU); nothing else asks for a GPU."""
     import ray
 
-    from workflow.core import session
-    from workflow.core.config import RayConfig
+    from stages.common import session
+    from stages.common.config import RayConfig
 
     yield session.start(RayConfig(num_cpus=2, num_gpus=1))
     ray.shutdown()
@@ -231,7 +231,7 @@ class FlakyS3Proxy:
 
 def demo_dataset(root: Path, etl_cfg, images: int, seed: int):
     """A demo ImageFolder tree of `images` images under `root`, put through the real ETL stage."""
-    from stages import etl
+    from stages.etl import stage as etl
     from workflow import demo_data
 
     demo_data.generate(root / "src", images=images, seed=seed)
@@ -257,7 +257,7 @@ def kill_one_train_worker(killed: list) -> bool:
 
 
 def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
-    """Decode-pool processes (stages.decode_pool: a forkserver and its children, which carry its
+    """Decode-pool processes (stages.feed.decode_pool: a forkserver and its children, which carry its
     command line) still alive on this machine after `timeout_s`, except this test process's own
     forkserver family. Ray's dashboard modules also use a forkserver: theirs name `ray.dashboard`."""
     import time
@@ -284,14 +284,14 @@ def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
 def smoke_run(tmp_path_factory):
     """`raymill run` on the smoke config, as `make run` runs it (a subprocess, the user's env),
     with every listening socket of its process tree sampled every 0.3 s while it runs
-    (workflow.core.exposure). Shared by the console test and the exposure test: one run, ~45 s."""
+    (stages.common.exposure). Shared by the console test and the exposure test: one run, ~45 s."""
     import subprocess
     import sys
     import time
     from types import SimpleNamespace
 
     from workflow import demo_data
-    from workflow.core import exposure
+    from stages.common import exposure
 
     root = tmp_path_factory.mktemp("smoke-run")
     demo_data.generate(root / "src", images=160, seed=2)

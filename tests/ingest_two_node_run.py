@@ -15,10 +15,11 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from stages import etl, train
-from workflow.core import session
+from stages.etl import stage as etl
+from stages.train import stage as train
+from stages.common import session
 from workflow import demo_data
-from workflow.core.config import load_config
+from stages.common.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages import serve_v2
+from stages.serve import v2 as serve_v2
 from tests.conftest import image_bytes
 
 __all__ = ["test_v2_encoding_is_what_tritonclient_decodes", "test_v2_tritonclient_ready_metadata_and_infer",

@@ -1,11 +1,9 @@
-"""The shape of the code base (ARCHITECTURE.md): floors checked on every import statement,
-functions that fit on a screen, benchmarks smaller than the product.
+"""The shape of the code base (ARCHITECTURE.md): floors checked on every import statement, no
+import cycle at any depth, functions that fit on a screen, benchmarks smaller than the product.
 
-ground floor  workflow/core/  config, storage, artifacts, session, locks, fingerprint, tracking:
-                              imports nothing from stages/ or the roof
-rooms         stages/         one module per stage plus the pieces they share: imports
-                              workflow.core and other stages, never the roof
-roof          workflow/       the CLI, the pipeline, the report: imports anything
+roof          workflow/        the CLI, the pipeline, the report, the demo data: imports anything
+stages        stages/<stage>/  one package per stage; a stage imports only the stages below it
+ground floor  stages/common/   config, storage, artifacts, session, locks, tracking...: imports no stage
 """
 from __future__ import annotations
 
@@ -15,7 +13,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOF = {"workflow.pipeline", "workflow.__main__", "workflow.report", "workflow.demo_data"}
+# The floors, lowest first: a package may import its own floor's modules and any lower floor's.
+# train, infer and serve share a floor and never import each other.
+FLOORS = [{"common"}, {"etl"}, {"feed"}, {"model"}, {"train", "infer", "serve"}, {"tune"}]
+LEVEL = {name: level for level, names in enumerate(FLOORS) for name in names}
+ROOF_FILES = {"__init__.py", "__main__.py", "pipeline.py", "report.py", "demo_data.py"}
 
 
 def _imports(path: Path) -> list[str]:
@@ -33,25 +35,106 @@ def _files(folder: str) -> list[Path]:
     return sorted((REPO / folder).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _files("workflow/core"), ids=lambda p: p.name)
-def test_ground_floor_imports_no_stage_and_no_roof(path):
-    bad = [m for m in _imports(path) if m.split(".")[0] == "stages" or m in ROOF
-           or (m.startswith("workflow.") and not m.startswith("workflow.core"))]
-    assert not bad, f"{path.relative_to(REPO)} imports {bad}: the ground floor must not import upward"
+def _module(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("path", _files("stages"), ids=lambda p: p.name)
-def test_stages_import_only_the_ground_floor(path):
-    bad = [m for m in _imports(path) if m.startswith("workflow") and not m.startswith("workflow.core")
-           and m != "workflow"]
-    assert not bad, f"{path.relative_to(REPO)} imports {bad}: a stage may import only workflow.core"
+def _package(module: str) -> str | None:
+    """The stage package a module belongs to (`stages.feed.streaming` -> `feed`), None outside stages/."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "stages" and len(parts) > 1 else None
 
 
-def test_the_check_sees_a_violation(tmp_path):
-    """The scanner itself must find an upward import, or the tests above prove nothing."""
+def _floor_violations(path: Path, module: str | None = None) -> list[str]:
+    own = _package(module or _module(path))
+    bad = []
+    for name in _imports(path):
+        target = _package(name)
+        if name.split(".")[0] == "workflow":
+            bad.append(f"{name} (the roof)")
+        elif target in LEVEL and target != own and LEVEL[target] >= LEVEL[own]:
+            bad.append(f"{name} (floor {LEVEL[target]} >= {own}'s {LEVEL[own]})")
+    return bad
+
+
+def test_every_stage_package_has_a_floor():
+    packages = {p.name for p in (REPO / "stages").iterdir() if (p / "__init__.py").exists()}
+    assert packages == set(LEVEL), f"packages {packages ^ set(LEVEL)}: give each a floor in FLOORS and ARCHITECTURE.md"
+    assert not [p.name for p in (REPO / "stages").glob("*.py") if p.name != "__init__.py"], \
+        "a module directly in stages/: put it in its stage's package"
+
+
+@pytest.mark.parametrize("path", _files("stages"), ids=lambda p: str(p.relative_to(REPO / "stages")))
+def test_a_package_imports_only_lower_floors(path):
+    bad = _floor_violations(path)
+    assert not bad, f"{path.relative_to(REPO)} imports {bad}: a stage imports only the floors below it"
+
+
+def test_the_roof_holds_only_the_roof():
+    extra = {p.name for p in (REPO / "workflow").rglob("*.py")} - ROOF_FILES
+    assert not extra, f"workflow/ holds {extra}: workflow/ is the roof (CLI, pipeline, report, demo data)"
+
+
+def _graph(roots: list[Path], base: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the product modules it imports. `from pkg import mod` is an edge to `pkg.mod` only:
+    the package's own `__init__` re-exporting `run` from a sibling is not a cycle."""
+    files = [p for root in roots for p in sorted(root.rglob("*.py"))]
+    modules = {_module(p, base): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name
+                       and not any(other.startswith(m + ".") for other in _imports(path) if other in modules)}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    cycle = _cycle(_graph([REPO / "stages", REPO / "workflow"]))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle) + "; move what they share to the lower module"
+
+
+def test_the_checks_see_a_violation(tmp_path):
+    """The scanners must find an upward import and a planted cycle, or the tests above prove nothing."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from workflow import pipeline\n    import stages.etl\n")
-    assert {"workflow", "workflow.pipeline", "stages.etl"} <= set(_imports(bad))
+    bad.write_text("def f():\n    from workflow import pipeline\n    import stages.etl.stage\n")
+    assert {"workflow", "workflow.pipeline", "stages.etl.stage"} <= set(_imports(bad))
+    feed = REPO / "stages" / "feed" / "streaming.py"
+    assert not _floor_violations(feed)
+    upward = tmp_path / "stages" / "feed" / "up.py"
+    upward.parent.mkdir(parents=True)
+    upward.write_text("from stages.train import loop\n")
+    assert _floor_violations(upward, "stages.feed.up")
+    roofward = tmp_path / "roofward.py"
+    roofward.write_text("def f():\n    from workflow.pipeline import run\n")
+    assert _floor_violations(roofward, "stages.common.x")
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("import json\nfrom pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.c import g\n")
+    (pkg / "c.py").write_text("from pkg.a import x\n")
+    assert _cycle(_graph([pkg], tmp_path)) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (pkg / "c.py").write_text("import json\n")
+    assert _cycle(_graph([pkg], tmp_path)) is None
 
 
 def _functions(folder: str):

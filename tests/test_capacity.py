@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from stages import capacity
-from workflow.core import session
-from workflow.core.config import ConfigError, load_config
+from stages.train import capacity
+from stages.common import session
+from stages.common.config import ConfigError, load_config
 from tests.conftest import REPO, make_tree
 
 TWO_CPUS = {"CPU": 2.0, "GPU": 0.0}
@@ -111,7 +111,7 @@ def test_serve_plan_fits_gpu_replicas_or_replaces_in_place_with_a_warning():
     cpu = session.plan_serve(_cfg().serve, [{"CPU": 2.0, "memory": 8 * 2**30}])
     assert cpu.gpus_per_replica == 0 and cpu.max_surge_percent == 100  # (2 - 0.25 ingress) / 0.5 = 3 fit
     # the plan reaches the deployment: fractional GPUs, surge off only where it can never fit
-    from stages import serve as serve_stage
+    from stages.serve import app as serve_stage
 
     options = serve_stage.deployment_options(whole, plan)
     assert options["ray_actor_options"]["num_gpus"] == 1.0 and options["max_surge_percent"] == 0
@@ -153,7 +153,7 @@ def test_free_node_resources_count_what_placement_groups_and_actors_hold(ray_ses
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from workflow.core import cluster
+    from stages.common import cluster
 
     @ray.remote(num_cpus=0.25, num_gpus=0.5)
     class Holder:

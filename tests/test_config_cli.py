@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from workflow.__main__ import main
-from workflow.core.config import ConfigError, load_config
+from stages.common.config import ConfigError, load_config
 from tests.conftest import BAD_FILES, REPO, make_tree
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -134,12 +134,12 @@ def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_ses
 
 
 def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):
-    from stages import etl
+    from stages.etl import stage as etl
 
     manifest = {"classes": ["a", "b"], "counts": {"train": {"a": 3}, "val": {"b": 1}, "test": {}},
                 "totals": {"files_in": 4, "rows_out": 4, "quarantined": 0},
                 "metrics": {"images_per_s": 1.0, "mb_written": 0.0, "seconds": 1.0}}
-    with caplog.at_level(logging.WARNING, logger="stages.etl"):
+    with caplog.at_level(logging.WARNING, logger="stages.etl.stage"):
         etl._log_summary(manifest)
     assert "['b'] have images but none in the train split" in caplog.text
     etl._log_summary({**manifest, "classes": ["a"], "counts": {"train": {"a": 3}, "val": {}, "test": {}}})

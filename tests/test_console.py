@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from workflow.core import tracking
+from stages.common import tracking
 
 MAX_LINES = 60  # the target for `make run` after pip's own output
 REPRS = re.compile(r"\b(TrainingReport|Checkpoint|Result|ObjectRef|ActorHandle|Dataset)\(")
@@ -65,7 +65,7 @@ def _printed_ui_command_serves_on_loopback(command: str) -> None:
     import urllib.request
 
     from tests.conftest import free_port
-    from workflow.core import exposure
+    from stages.common import exposure
 
     argv, port = shlex.split(command), free_port()
     assert argv[0] == "mlflow" and argv[argv.index("--host") + 1] == "127.0.0.1", command
@@ -120,8 +120,8 @@ def test_ray_trains_coordinator_timeout_is_one_line_in_every_worker(ray_session)
 
 def test_an_empty_test_split_reports_no_accuracy_not_zero():
     # a tiny or one-class data set can leave the test split empty: "test_acc 0.000 on 0 images" was untrue
-    from stages.publish import test_metrics
-    from workflow.core import console
+    from stages.model.publish import test_metrics
+    from stages.common import console
 
     scored = test_metrics({"test_acc": 0.0, "test_rows": 0}, "unused", {}, "unused")
     assert scored["acc"] is None and scored["rows"] == 0

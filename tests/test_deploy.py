@@ -243,7 +243,7 @@ def test_kuberay_ray_versions_match_pyproject_pin():
 
 
 def test_rayjob_entrypoint_runs_raymill_with_valid_overrides():
-    from workflow.core.config import load_config
+    from stages.common.config import load_config
 
     doc = kuberay_docs()["RayJob"]
     argv = shlex.split(doc["spec"]["entrypoint"])

@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from stages import etl
-from stages.images import decode_rgb
-from workflow.core import storage
-from workflow.core.artifacts import data_fingerprint
-from workflow.core.config import EtlConfig, S3Config
+from stages.etl import stage as etl
+from stages.etl.images import decode_rgb
+from stages.common import storage
+from stages.common.artifacts import data_fingerprint
+from stages.common.config import EtlConfig, S3Config
 from tests.conftest import BAD_FILES, FlakyS3Proxy, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
@@ -118,7 +118,7 @@ def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_
 
 
 def test_split_is_stable_when_files_are_added(tree, tmp_path):
-    from stages.etl import split_of
+    from stages.etl.stage import split_of
 
     fractions = CFG.split
     names = [f"c/{i}.jpg" for i in range(2000)]

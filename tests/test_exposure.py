@@ -1,6 +1,6 @@
 """Every open port accounted for: a real `raymill run` (ETL, 2-worker DDP train, batch inference)
 and `raymill serve`, run as a user runs them, with every listening socket of their process trees
-classified while they run (workflow.core.exposure: the same classification as `raymill doctor`)."""
+classified while they run (stages.common.exposure: the same classification as `raymill doctor`)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, free_port, interruptible
-from workflow.core import exposure
+from stages.common import exposure
 
 
 def _cli(*args: str) -> subprocess.Popen:

@@ -16,9 +16,11 @@ import pytest
 import torch
 from PIL import Image
 
-from stages import decoded_tier, meters, streaming
-from stages.decode_pool import DecodePool, DecodeSpec
-from stages.feed import PoolFeed, ThreadFeed
+from stages.feed import decoded_tier
+from stages.feed import meters
+from stages.feed import streaming
+from stages.feed.decode_pool import DecodePool, DecodeSpec
+from stages.feed.feeds import PoolFeed, ThreadFeed
 from tests.conftest import REPO, interruptible
 
 SPEC = DecodeSpec(size=32, raw=False, seed=3, epoch=1, augment=True, scale_min=0.3, crop=True, flip=True)
@@ -132,7 +134,7 @@ def test_pipe_pool_answers_raises_the_childs_error_and_skips_cancelled_work():
     import operator
     from concurrent.futures.process import BrokenProcessPool
 
-    from stages.pipe_pool import PipePool
+    from stages.feed.pipe_pool import PipePool
 
     pool = PipePool(1, multiprocessing.get_context("forkserver"), int, ())  # int(): a no-op initializer
     try:
@@ -159,7 +161,7 @@ def test_pipe_pool_answers_raises_the_childs_error_and_skips_cancelled_work():
 
 _CHILD = textwrap.dedent("""
     import sys, time
-    from stages.decode_pool import DecodePool
+    from stages.feed.decode_pool import DecodePool
     if __name__ == "__main__":
         pool = DecodePool(2, 4, 16, 2)
         print("ready", flush=True)
@@ -241,11 +243,11 @@ def test_verdict_names_slowed_decode_and_a_slow_step_with_true_numbers(shards):
 
 
 def test_a_restarted_worker_refills_its_tier_and_sees_the_same_epoch(shards):
-    """The worker's input side (stages.worker_feeds) without Ray: epoch 1 fills the tier as it
+    """The worker's input side (stages.feed.worker_feeds) without Ray: epoch 1 fills the tier as it
     trains; a restarted worker (a fresh object) refills it with one decode pass, and its epoch 2
     is the same batches, pixel for pixel."""
-    from stages.worker_feeds import WorkerFeeds
-    from workflow.core.config import TrainConfig
+    from stages.feed.worker_feeds import WorkerFeeds
+    from stages.common.config import TrainConfig
 
     refs, data = shards
     cfg = TrainConfig(batch_size=8, decoded_tier="host", shuffle_buffer_rows=16, prefetch_batches=2,

@@ -17,15 +17,16 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from stages import streaming
-from stages import etl, infer
-from stages.predict import load_model, predict_arrays, preprocess
-from stages.publish import save_model
-from stages.models import build_model
-from stages.predict import to_batch
+from stages.feed import streaming
+from stages.etl import stage as etl
+from stages.infer import stage as infer
+from stages.model.predict import load_model, predict_arrays, preprocess
+from stages.model.publish import save_model
+from stages.model.zoo import build_model
+from stages.model.predict import to_batch
 from workflow import demo_data
-from workflow.core import session
-from workflow.core.config import ConfigError, EtlConfig, InferConfig
+from stages.common import session
+from stages.common.config import ConfigError, EtlConfig, InferConfig
 from tests.conftest import BAD_FILES, image_bytes, make_tree
 
 INFO = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "image_size": 32, "resize": "crop",
@@ -140,9 +141,9 @@ def test_raw_folder_with_broken_files_every_file_once(setup, tmp_path):
 
 
 def test_a_raw_folder_is_read_with_the_rules_of_the_models_training_data(setup, tmp_path):
-    from stages.infer_decode import Reader
-    from stages.publish import model_info
-    from workflow.core.config import TrainConfig
+    from stages.infer.decode import Reader
+    from stages.model.publish import model_info
+    from stages.common.config import TrainConfig
 
     data, model_path = setup
     _, info = load_model(model_path)  # a model.json without `read` (published before it): ETL's defaults

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from stages import ingest_ray, streaming, train
-from stages.meters import EpochTimes, verdict
-from workflow.core.config import ConfigError, load_config
+from stages.feed import ray_data as ingest_ray
+from stages.feed import streaming
+from stages.train import stage as train
+from stages.feed.meters import EpochTimes, verdict
+from stages.common.config import ConfigError, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",

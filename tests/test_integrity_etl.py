@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stages import etl, sources
-from stages.predict import preprocess
-from stages.images import decode_rgb
-from workflow.core import locks, storage
-from workflow.core.config import EtlConfig, S3Config
+from stages.etl import stage as etl
+from stages.etl import sources
+from stages.model.predict import preprocess
+from stages.etl.images import decode_rgb
+from stages.common import locks, storage
+from stages.common.config import EtlConfig, S3Config
 from tests.conftest import REPO, free_port, image_bytes, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
@@ -142,7 +143,7 @@ def test_files_in_check_survives_python_dash_o(tmp_path):
 
 HOLDER = """
 import sys, time
-from workflow.core import locks, storage
+from stages.common import locks, storage
 with locks.output_lock(sys.argv[1], "etl"):
     print("locked", flush=True)
     time.sleep(600)
@@ -199,7 +200,7 @@ def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
 
 
 def test_a_run_that_lost_its_s3_lock_publishes_nothing(s3_bucket):
-    from workflow.core.artifacts import write_manifest
+    from stages.common.artifacts import write_manifest
 
     s3, out, fs, key = _s3_output(s3_bucket, "lost")
     with locks.output_lock(out, "etl", s3):
@@ -327,7 +328,7 @@ def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_sessio
     (tmp_path / "src" / "broken" / "x.jpg").write_bytes(b"not an image")
     (tmp_path / "src" / "empty").mkdir()  # as torchvision's ImageFolder counts it: a class
     (tmp_path / "src" / ".hidden").mkdir()  # hidden: not a class
-    with caplog.at_level("WARNING", logger="stages.etl"):
+    with caplog.at_level("WARNING", logger="stages.etl.stage"):
         art = etl.run(EtlConfig(image_size=16, max_bad_fraction=0.5), str(tmp_path / "src"), str(tmp_path / "out"))
     assert art.manifest["classes"] == ["bird", "broken", "cat", "empty"]  # the label space is the folders
     assert "['broken', 'empty'] have no usable image" in caplog.text
@@ -339,14 +340,14 @@ def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_sessio
 def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path, ray_session, caplog):
     """A folder copied from macOS is named in NFD ('e' + a combining accent), one made elsewhere in
     NFC: the same name to a person, so one class, and infer's true class matches either spelling."""
-    from stages.infer_decode import Reader
+    from stages.infer.decode import Reader
 
     nfc, nfd = "caf\u00e9", "cafe\u0301"
     make_tree(tmp_path / "src", per_class=4, bad=False, classes=("bird", nfc))
     (tmp_path / "src" / nfd).mkdir()
     for f in sorted((tmp_path / "src" / nfc).iterdir())[:2]:
         (tmp_path / "src" / nfd / f"mac-{f.name}").write_bytes(f.read_bytes())
-    with caplog.at_level("WARNING", logger="stages.etl"):
+    with caplog.at_level("WARNING", logger="stages.etl.stage"):
         art = etl.run(EtlConfig(image_size=16), str(tmp_path / "src"), str(tmp_path / "out"))
     assert art.manifest["classes"] == ["bird", nfc]
     assert sum(c.get(nfc, 0) for c in art.manifest["counts"].values()) == 6

@@ -14,11 +14,13 @@ import pytest
 
 import torch
 
-from stages import checkpoint_io, publish, train
-from stages import streaming
-from workflow.core import fingerprint, storage
+from stages.model import checkpoint_io
+from stages.model import publish
+from stages.train import stage as train
+from stages.feed import streaming
+from stages.common import fingerprint, storage
 from workflow.__main__ import main
-from workflow.core.config import ConfigError, S3Config, load_config, section_dict
+from stages.common.config import ConfigError, S3Config, load_config, section_dict
 from tests.conftest import REPO, demo_dataset
 
 SMOKE = REPO / "configs/smoke.yaml"

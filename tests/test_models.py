@@ -1,4 +1,4 @@
-"""Tests for stages.models (CPU only, fast)."""
+"""Tests for stages.model.zoo (CPU only, fast)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from stages.models import MIN_INPUT_PX, MODEL_NAMES, build_model, check_input_size, count_parameters
+from stages.model.zoo import MIN_INPUT_PX, MODEL_NAMES, build_model, check_input_size, count_parameters
 
 NUM_CLASSES = 7
 

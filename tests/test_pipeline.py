@@ -5,14 +5,14 @@ tracked on a real MLflow server, serves both)."""
 from __future__ import annotations
 
 from workflow import pipeline
-from workflow.core.config import load_config
+from stages.common.config import load_config
 from tests.conftest import REPO
 
 
 def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path):
     from tests.conftest import image_bytes, make_tree
-    from workflow.core.artifacts import Artifact, base_manifest, write_manifest
-    from workflow.core.config import section_dict
+    from stages.common.artifacts import Artifact, base_manifest, write_manifest
+    from stages.common.config import section_dict
 
     src = tmp_path / "src"
     make_tree(src, per_class=2, bad=False)
@@ -49,7 +49,7 @@ def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):
     import pytest
 
     from tests.conftest import make_tree
-    from workflow.core.config import ConfigError
+    from stages.common.config import ConfigError
 
     src, run = tmp_path / "src", tmp_path / "run"
     make_tree(src, per_class=2, bad=False)

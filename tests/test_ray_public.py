@@ -90,7 +90,7 @@ def _ray_listeners() -> list[tuple[str, str, int]]:
 
 
 def test_dashboard_is_loopback_only_and_refuses_requests_without_the_token(ray_session):
-    from workflow.core import session
+    from stages.common import session
 
     url = urlparse(session.dashboard_url() or "")
     assert url.hostname == "127.0.0.1", f"dashboard not started on loopback: {session.dashboard_url()}"
@@ -147,8 +147,8 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
     a cluster (nodes use instance profiles / their own env); the S3 endpoint only for a cluster."""
     import ray
 
-    from workflow.core import ray_start, session
-    from workflow.core.config import RayConfig
+    from stages.common import ray_start, session
+    from stages.common.config import RayConfig
 
     seen: dict = {}
     for name in ("RAY_API_SERVER_ADDRESS", "RAY_enable_metrics_collection"):  # start() sets them

@@ -20,12 +20,13 @@ import httpx
 import pytest
 from PIL import Image
 
-from stages import serve as serve_stage
-from stages import serve_http
+from stages.serve import app as serve_stage
+from stages.serve import http as serve_http
+from stages.serve import replica as serve_replica
 from tests.conftest import bomb_png, free_port, image_bytes, many_scans_jpeg
 # The /v2 (Open Inference Protocol) tests run here, against this module's served app: no second Serve start.
 from tests.serve_v2_cases import *  # noqa: F401,F403
-from workflow.core.config import ServeConfig
+from stages.common.config import ServeConfig
 
 CLASSES = ["bird", "cat", "dog"]
 MAX_BODY = 200_000
@@ -33,8 +34,8 @@ JPEG = {"content-type": "image/jpeg"}
 
 
 def _save_model(out, version: str) -> str:
-    from stages.publish import save_model
-    from stages.models import build_model
+    from stages.model.publish import save_model
+    from stages.model.zoo import build_model
 
     info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": CLASSES, "image_size": 32,
             "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": version}
@@ -92,7 +93,7 @@ def _check_prediction(body: dict) -> None:
 def test_decode_budget_admits_decodes_by_size_in_arrival_order():
     """Small images decode many at once; a large one waits its turn and is not overtaken; one
     over the budget runs alone; a request cancelled while it waits leaves the budget whole."""
-    from stages.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
+    from stages.serve.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
 
     assert decode_cost(image_bytes(1), ("JPEG",), 10**6) == 80 * 60 * DECODE_BYTES_PER_PIXEL
     assert decode_cost(b"not an image", ("JPEG",), 10**6) == 0  # fails at the header, before pixels
@@ -129,7 +130,7 @@ def test_decode_budget_admits_decodes_by_size_in_arrival_order():
 def test_a_cancelled_decode_holds_its_budget_until_its_thread_ends():
     """A client that hangs up cancels its request, not the thread decoding its image: the budget
     stays taken until the thread is done, so hung-up uploads cannot pile decodes past the memory."""
-    from stages.decode_budget import DecodeBudget
+    from stages.serve.decode_budget import DecodeBudget
 
     async def scenario() -> list[int]:
         budget, seen = DecodeBudget(100), []
@@ -148,7 +149,7 @@ def test_a_cancelled_decode_holds_its_budget_until_its_thread_ends():
 
 
 def test_deployment_options_and_decode_slots():
-    from workflow.core.config import ConfigError
+    from stages.common.config import ConfigError
 
     fixed = serve_stage.deployment_options(ServeConfig(num_replicas=3, max_queued_requests=5))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
@@ -164,9 +165,9 @@ def test_deployment_options_and_decode_slots():
         serve_stage.deployment_options(ServeConfig(autoscaling=True, min_replicas=3, max_replicas=2))
     assert serve_stage.base_url(ServeConfig(host="0.0.0.0", port=9)) == "http://127.0.0.1:9"
     # defaults: (2048 - 512) MB over 40 MP x 16 B per decode -> 2; never below 1; explicit wins
-    assert serve_stage.decode_slots(ServeConfig()) == 2
-    assert serve_stage.decode_slots(ServeConfig(replica_memory_mb=256)) == 1
-    assert serve_stage.decode_slots(ServeConfig(decode_slots=5)) == 5
+    assert serve_replica.decode_slots(ServeConfig()) == 2
+    assert serve_replica.decode_slots(ServeConfig(replica_memory_mb=256)) == 1
+    assert serve_replica.decode_slots(ServeConfig(decode_slots=5)) == 5
     assert serve_stage.ingress_env(ServeConfig()) == {}
     to = serve_stage.ingress_env(ServeConfig(ingress="throughput_optimized", max_body_bytes=10 * 2**20))
     assert to["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
@@ -179,20 +180,20 @@ def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_di
     CPU path. tests/gpu runs the other side on a GPU."""
     import torch
 
-    cpu = serve_stage.Classifier(ServeConfig(), model_dir)
-    gpu_asked = serve_stage.Classifier(ServeConfig(use_gpu=True), model_dir)
+    cpu = serve_replica.Classifier(ServeConfig(), model_dir)
+    gpu_asked = serve_replica.Classifier(ServeConfig(use_gpu=True), model_dir)
     assert cpu.device.type == "cpu" and not cpu._decode_apart
     assert gpu_asked._decode_apart == torch.cuda.is_available() == (gpu_asked.device.type == "cuda")
 
 
 def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monkeypatch):
     """Bad bytes -> an error result; a failing handler -> 503 whose body holds no exception text."""
-    replica = serve_stage.Classifier(ServeConfig(batching=False), model_dir)
+    replica = serve_replica.Classifier(ServeConfig(batching=False), model_dir)
     ok = asyncio.run(replica.classify(image_bytes(1)))
     assert ok["class_name"] in CLASSES and ok["model_version"] == "test-1"
     assert asyncio.run(replica.classify(b"not an image"))["error"] == "not_an_image"
     with monkeypatch.context() as m:
-        m.setattr("stages.serve.preprocess", lambda *a: [][1])
+        m.setattr("stages.serve.replica.preprocess", lambda *a: [][1])
         assert asyncio.run(replica.classify(image_bytes(1)))["error"] == "bad_image"
 
     async def secret_failure():

@@ -13,10 +13,10 @@ from collections import Counter
 import httpx
 import pytest
 
-from stages import serve as serve_stage
+from stages.serve import app as serve_stage
 from tests.conftest import free_port, image_bytes
 from tests.test_serve import JPEG, _save_model
-from workflow.core.config import ConfigError, ServeConfig
+from stages.common.config import ConfigError, ServeConfig
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +151,8 @@ def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path,
     """`raymill serve --model NEW` finds the running endpoint and the Ray serving it (not "auto")."""
     import ray
 
-    from stages import serve_endpoint
-    from workflow.core.config import ConfigError
+    from stages.serve import endpoint as serve_endpoint
+    from stages.common.config import ConfigError
 
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = proxy.model_copy(update={"app_name": "test-endpoint"})

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, free_port
-from workflow.core import tracking
+from stages.common import tracking, tracking_guard
 from workflow import demo_data
-from workflow.core.config import load_config
+from stages.common.config import load_config
 
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 
@@ -85,7 +85,7 @@ def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path
     every stage, or all but the one whose config changed (one pipeline run serves all three checks)."""
     from ray import serve as ray_serve
 
-    from stages import serve
+    from stages.serve import app as serve
     from workflow import pipeline
 
     demo_data.generate(tmp_path / "src", images=160, seed=3)
@@ -150,7 +150,8 @@ def _check_run_folder(run: Path, report: dict, rows: int) -> None:
 @pytest.mark.slow
 def test_server_down_mid_run_training_finishes_with_one_warning(tmp_path, ray_session, mlflow_server, caplog,
                                                                 capfd):
-    from stages import etl, train
+    from stages.etl import stage as etl
+    from stages.train import stage as train
 
     demo_data.generate(tmp_path / "src", images=120, seed=5)
     cfg = load_config(REPO / "configs/smoke.yaml", [f"tracking.uri={mlflow_server.uri}",
@@ -162,12 +163,12 @@ def test_server_down_mid_run_training_finishes_with_one_warning(tmp_path, ray_se
         mlflow_server.stop()  # ... and now it is gone for the rest of the run
         return train.run(cfg.train, data, str(tmp_path / "train"), ray_cfg=cfg.ray, tracking=handle)
 
-    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
+    caplog.set_level(logging.WARNING, logger="stages.common.tracking")
     started = time.monotonic()
     artifact = tracking.train(cfg, data, str(tmp_path / "train"), fit)
     assert artifact.manifest["metrics"]["epochs"] == 3 and (tmp_path / "train" / "model.pt").exists()
     assert not (tmp_path / "train" / tracking.TRACKING_FILE).exists()  # nothing to point at
-    driver = [r.getMessage() for r in caplog.records if r.name == "workflow.core.tracking"]
+    driver = [r.getMessage() for r in caplog.records if r.name == "stages.common.tracking"]
     assert len(driver) == 1 and mlflow_server.uri in driver[0] and "tracking.enabled=false" in driver[0]
     time.sleep(2)  # Ray forwards worker output asynchronously
     # Worker lines carry Ray's "(RayTrainWorker pid=...)" prefix; the driver's own line may be on
@@ -204,7 +205,7 @@ def test_sqlite_store_default_resume_and_disabled(tmp_path):
 
 def test_unreachable_server_warns_once_and_never_raises(caplog):
     cfg = load_config(None, [f"tracking.uri=http://127.0.0.1:{free_port()}", "tracking.timeout_s=1"])
-    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
+    caplog.set_level(logging.WARNING, logger="stages.common.tracking")
     started = time.monotonic()
     assert tracking.start(cfg.tracking, "unused", "x", {}) is None
     handle = {"uri": cfg.tracking.uri, "run_id": "0" * 32, "timeout_s": 1}
@@ -257,7 +258,7 @@ def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(
     # warning switched tracking off for the rest of the search (parent run and model included)
     from ray.tune.experiment import Trial
 
-    from workflow.core.tracking_tune import TrialLogger
+    from stages.common.tracking_tune import TrialLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = TrialLogger(tracking_uri=uri, experiment_name="pbt", max_epochs=4, tags={})
@@ -265,9 +266,9 @@ def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(
     trial = Trial("trainable", config={"lr": 0.1, "momentum": 0.9, "model": "cnn"}, stub=True, trial_id="t1")
     logger.log_trial_start(trial)
     trial.set_config({"lr": 0.12, "momentum": 0.9, "model": "cnn"})  # what PBT does before restarting it
-    caplog.set_level(logging.WARNING, logger="workflow.core.tracking")
+    caplog.set_level(logging.WARNING, logger="stages.common.tracking")
     logger.log_trial_start(trial)
-    assert not tracking.has_failed(uri) and not caplog.records
+    assert not tracking_guard.has_failed(uri) and not caplog.records
     client = _client(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("pbt").experiment_id])
     run_id = run.info.run_id
@@ -280,7 +281,7 @@ def test_the_mlflow_outcome_is_trials_mds_rule_a_trials_own_epochs_and_divergenc
     # "stopped_early") and knew no "diverged" (a NaN loss read "completed", FINISHED)
     from ray.tune.experiment import Trial
 
-    from workflow.core.tracking_tune import TrialLogger
+    from stages.common.tracking_tune import TrialLogger
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     logger = TrialLogger(tracking_uri=uri, experiment_name="ends", max_epochs=4, tags={})
@@ -300,7 +301,7 @@ def test_the_mlflow_outcome_is_trials_mds_rule_a_trials_own_epochs_and_divergenc
 
 
 def test_an_ad_hoc_infer_is_a_child_run_and_leaves_the_models_infer_accuracy(tmp_path):
-    from workflow.core.artifacts import Artifact
+    from stages.common.artifacts import Artifact
 
     cfg = load_config(None, [])
     model = tmp_path / "train"
@@ -319,8 +320,8 @@ def test_an_ad_hoc_infer_is_a_child_run_and_leaves_the_models_infer_accuracy(tmp
 
 def test_a_refused_stage_leaves_no_mlflow_run(tmp_path):
     # a train refused for another config in its output had left a FAILED run per attempt
-    from workflow.core.artifacts import Artifact
-    from workflow.core.config import ConfigError
+    from stages.common.artifacts import Artifact
+    from stages.common.config import ConfigError
 
     cfg = load_config(None, [])
     data = Artifact("etl", str(tmp_path / "etl"), {"counts": {"train": {"a": 1}}, "classes": ["a"]})

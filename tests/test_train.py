@@ -13,12 +13,12 @@ import pytest
 
 import torch
 
-from stages import streaming
-from stages import train
-from stages.predict import to_batch
-from stages.train_loop import precision_plan
-from workflow.core import session
-from workflow.core.config import ConfigError, S3Config, TrainConfig, load_config
+from stages.feed import streaming
+from stages.train import stage as train
+from stages.model.predict import to_batch
+from stages.train.loop import precision_plan
+from stages.common import session
+from stages.common.config import ConfigError, S3Config, TrainConfig, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
 
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
@@ -107,7 +107,7 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.put(dataset.path + "/", f"{bucket}/ds/", recursive=True)
     s3 = S3Config(endpoint_url=endpoint)
-    from workflow.core.artifacts import load_artifact
+    from stages.common.artifacts import load_artifact
 
     remote = load_artifact(f"s3://{bucket}/ds", "etl", s3)
     cfg = _cfg("train.data_format=tar", "train.checkpoint_every_steps=0", "train.ledger=false",
@@ -185,7 +185,7 @@ def test_gpu_performance_options_are_selected_by_config():
     y = to_batch(arrays, (0.5,) * 3, (0.25,) * 3, torch.device("cpu"), channels_last=False, pin_memory=False)
     assert y.is_contiguous() and torch.equal(x, y)
     # bf16 autocast on CPU, for real
-    from stages.models import build_model
+    from stages.model.zoo import build_model
 
     model = build_model("small_cnn", 3, width=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -213,7 +213,7 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
     shutil.copytree(dataset.path, copy)
     shard = next(copy.glob("shards/train-*.parquet"))
     shard.write_bytes(shard.read_bytes()[:-10])
-    from workflow.core.artifacts import load_artifact
+    from stages.common.artifacts import load_artifact
 
     cfg = _cfg()
     with pytest.raises(train.TrainError, match=shard.name):

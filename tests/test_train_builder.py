@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import inspect
 
-from stages import train, tune
-from workflow.core import storage
-from workflow.core.config import TrainConfig
+from stages.train import stage as train
+from stages.tune import stage as tune
+from stages.common import storage
+from stages.common.config import TrainConfig
 
 
 def test_shared_storage_path_gives_every_output_its_own_train_run():
@@ -25,7 +26,7 @@ def test_train_and_tune_build_their_trainer_through_one_function():
 def test_one_training_loop_serves_train_workers_and_one_worker_trials():
     """No second copy of the loop: a one-worker trial calls the same `train_loop` as a Train
     worker, with Tune's hooks; the loop itself calls no Ray Train or Tune API directly."""
-    from stages import train_loop
+    from stages.train import loop as train_loop
 
     assert "train_loop(loop, TuneHooks())" in inspect.getsource(tune._run_trial)
     assert "train_loop(config)" in inspect.getsource(train._entry)
@@ -42,7 +43,7 @@ def test_stored_raw_is_answered_in_one_place():
 def test_ray_data_tasks_get_one_cpu_where_the_node_has_room_and_fit_a_small_one():
     """train.data_cpus_per_task unset: 1 CPU a task (Ray's default) beside one GPU worker on a
     16-core node, what is left (0.25 at most) beside two CPU workers on 2 cores; a set value wins."""
-    from workflow.core import session
+    from stages.common import session
 
     gpu_node = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
     ray_data = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1)

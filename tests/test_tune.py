@@ -25,10 +25,12 @@ import pytest
 
 from ray.tune import Callback
 
-from stages import etl, predict, tune
-from stages import streaming
+from stages.etl import stage as etl
+from stages.model import predict
+from stages.tune import stage as tune
+from stages.feed import streaming
 from workflow import demo_data
-from workflow.core.config import ConfigError, load_config
+from stages.common.config import ConfigError, load_config
 from tests.conftest import REPO, stray_decode_processes
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
@@ -193,8 +195,8 @@ def test_a_loaded_optimiser_takes_this_runs_lr_momentum_and_weight_decay():
 
     import torch
 
-    from stages.train_loop import Worker, _optimizer, make_schedule
-    from workflow.core.config import TrainConfig
+    from stages.train.loop import Worker, _optimizer, make_schedule
+    from stages.common.config import TrainConfig
 
     def state(cfg: TrainConfig, steps: int):
         model = torch.nn.Linear(2, 2)
@@ -338,7 +340,7 @@ def test_default_search_space_covers_augmentation_and_length():
 
 
 def test_trials_fill_two_cpus_beside_the_data_reserve():
-    from workflow.core import session
+    from stages.common import session
 
     cfg = load_config(REPO / "configs/smoke.yaml")
     plan = session.plan_trials(cfg.tune, cfg.train, {"CPU": 2.0, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
@@ -356,8 +358,8 @@ def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build(
     same weights and the same torch RNG state as a fresh seeded build would give it."""
     import torch
 
-    from stages.models import build_model
-    from stages.run_hooks import TuneHooks
+    from stages.model.zoo import build_model
+    from stages.train.run_hooks import TuneHooks
 
     hooks = object.__new__(TuneHooks)  # no Ray needed to build models
 

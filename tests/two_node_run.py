@@ -27,12 +27,14 @@ from pathlib import Path
 import ray
 from ray.cluster_utils import Cluster
 
-from stages import etl, infer, train
-from workflow.core import session
+from stages.etl import stage as etl
+from stages.infer import stage as infer
+from stages.train import stage as train
+from stages.common import session
 from workflow import demo_data
 from workflow.__main__ import main as cli_main
-from workflow.core.artifacts import load_artifact
-from workflow.core.config import load_config
+from stages.common.artifacts import load_artifact
+from stages.common.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CAPACITY_TIMEOUT_S = 20  # with the 15 s start timeout below: 2 start attempts, then CapacityError
@@ -142,7 +144,7 @@ def main(workdir: str, mode: str) -> None:
     cluster.wait_for_nodes()
     # A lost node leaves too few CPUs for the full group: retry the group's start sooner. Set in
     # the driver's environment, which Ray Train copies to its controller (and a user's setting
-    # wins over the one stages/capacity.py derives from train.capacity_timeout_s).
+    # wins over the one stages/train/capacity.py derives from train.capacity_timeout_s).
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
     ray.init(address=cluster.address, logging_level="WARNING")
     overrides = _overrides(mode, work)

@@ -13,8 +13,8 @@ import signal
 import sys
 import time
 
-from workflow.core import console, storage
-from workflow.core.config import ConfigError, load_config
+from stages.common import console, storage
+from stages.common.config import ConfigError, load_config
 
 __all__ = ["main"]
 
@@ -139,7 +139,7 @@ def cmd_etl(args) -> int:
         overrides.append(f"etl.formats={fmts}")
     cfg = load_config(args.config, overrides)
     from stages import etl
-    from workflow.core import session
+    from stages.common import session
 
     session.start(cfg.ray)
     artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
@@ -163,8 +163,8 @@ def cmd_verify(args) -> int:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import train
-    from workflow.core import tracking
-    from workflow.core.artifacts import load_artifact
+    from stages.common import tracking
+    from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
@@ -178,8 +178,8 @@ def cmd_train(args) -> int:
 def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import tune
-    from workflow.core import tracking
-    from workflow.core.artifacts import load_artifact
+    from stages.common import tracking
+    from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
     artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
@@ -193,7 +193,7 @@ def cmd_tune(args) -> int:
 def cmd_infer(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import infer
-    from workflow.core import session, tracking
+    from stages.common import session, tracking
 
     session.start(cfg.ray)
     artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
@@ -206,7 +206,7 @@ def cmd_serve(args) -> int:
     extra = [f"serve.{k}={v}" for k, v in (("host", args.host), ("port", args.port),
                                             ("num_replicas", args.replicas)) if v is not None]
     cfg = load_config(args.config, list(args.overrides) + extra)
-    from stages import serve_endpoint as endpoint
+    from stages.serve import endpoint
 
     if endpoint.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
         address = cfg.ray.address or endpoint.endpoint_ray_address(cfg.serve)
@@ -214,14 +214,14 @@ def cmd_serve(args) -> int:
         # the token (~/.ray/auth_token) only in token mode, read when Ray is first imported.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         from stages import serve
-        from workflow.core import session
+        from stages.common import session
 
         session.start(cfg.ray.model_copy(update={"address": address}))
         url = serve.update(cfg.serve, args.model, s3=cfg.s3)
         print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
         return 0
     from stages import serve
-    from workflow.core import session
+    from stages.common import session
 
     serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
@@ -255,8 +255,8 @@ def cmd_run(args) -> int:
 
 def cmd_doctor(args) -> int:
     """Every listening port of this user's Ray processes, classified as tests/test_exposure.py
-    does (workflow.core.exposure); exit 1 when one is exposed."""
-    from workflow.core import exposure
+    does (stages.common.exposure); exit 1 when one is exposed."""
+    from stages.common import exposure
 
     rows = exposure.rows(exposure.process_tree(args.pid) if args.pid else exposure.ray_processes())
     if not rows:
@@ -273,7 +273,7 @@ def cmd_doctor(args) -> int:
 
 def _loopback_if_local(args) -> None:
     """Before anything imports Ray: a run that starts its own local Ray keeps it on loopback
-    (workflow.core.session.keep_local_on_loopback), read by Ray when it is imported."""
+    (stages.common.session.keep_local_on_loopback), read by Ray when it is imported."""
     if not hasattr(args, "overrides") or os.environ.get("RAY_ADDRESS"):
         return
     try:
@@ -281,7 +281,7 @@ def _loopback_if_local(args) -> None:
     except ConfigError:
         return  # the command itself reports it, with the fix
     if cfg.ray.address is None:
-        from workflow.core import session  # imports no Ray
+        from stages.common import session  # imports no Ray
 
         session.keep_local_on_loopback()
 

@@ -209,7 +209,7 @@ def _render(rng: np.random.Generator, cls: str, w: int, h: int) -> Image.Image:
     short = min(w, h)
     r = 0.5 * short * rng.uniform(0.55, 0.85)  # shape diameter 55-85% of the short side
     # keep the shape inside the centred short-side square, so a centre-crop loader
-    # (stages.images.decode_rgb's default) never cuts it off
+    # (stages.etl.images.decode_rgb's default) never cuts it off
     cx = rng.uniform((w - short) / 2 + r, (w + short) / 2 - r)
     cy = rng.uniform((h - short) / 2 + r, (h + short) / 2 - r)
     theta = math.radians(rng.uniform(-MAX_ROTATION_DEG, MAX_ROTATION_DEG))

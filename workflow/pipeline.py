@@ -16,13 +16,13 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from stages import etl, infer, serve, streaming, train, tune
+from stages import etl, infer, serve, train, tune
+from stages.common import session, storage, tracking
+from stages.common.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, listed_files, load_artifact
+from stages.common.config import Config, ConfigError, section_dict
+from stages.common.locks import LOCK_NAME, output_lock
+from stages.feed import streaming
 from workflow import report
-
-from workflow.core import session, storage, tracking
-from workflow.core.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, listed_files, load_artifact
-from workflow.core.config import Config, ConfigError, section_dict
-from workflow.core.locks import LOCK_NAME, output_lock
 
 __all__ = ["run", "stage", "etl_inputs", "needed_splits"]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from workflow.core import console, storage, tracking
-from workflow.core.artifacts import Artifact
-from workflow.core.config import Config
+from stages.common import console, storage, tracking
+from stages.common.artifacts import Artifact
+from stages.common.config import Config
 
 __all__ = ["write", "summary"]
 

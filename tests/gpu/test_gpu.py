@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages import decoded_tier, infer, meters, train
+from stages.feed import decoded_tier
+from stages.infer import stage as infer
+from stages.feed import meters
+from stages.train import stage as train
 from tests.conftest import REPO, demo_dataset
-from workflow.core import session
-from workflow.core.config import load_config
+from stages.common import session
+from stages.common.config import load_config
 
 # train.num_workers unset: planned, one worker per GPU (the acceptance run's default on any GPU node)
 SETTINGS = ["train.model=resnet18", "train.use_gpu=true", "train.num_workers=null", "train.epochs=2",
@@ -23,8 +26,8 @@ SETTINGS = ["train.model=resnet18", "train.use_gpu=true", "train.num_workers=nul
 def gpu_ray():
     import ray
 
-    from workflow.core import session
-    from workflow.core.config import RayConfig
+    from stages.common import session
+    from stages.common.config import RayConfig
 
     yield session.start(RayConfig())  # every CPU and GPU of the device
     ray.shutdown()
@@ -128,11 +131,11 @@ def test_serve_on_the_gpu_answers_v2_batches_and_rolls_on_one_gpu(gpu_ray, tmp_p
     import httpx
     from ray import serve
 
-    from stages import serve as serve_stage
+    from stages.serve import app as serve_stage
     from tests.conftest import free_port, image_bytes
     from tests.test_serve import _save_model
     from tests.test_serve_rollout import _load
-    from workflow.core.config import ServeConfig
+    from stages.common.config import ServeConfig
 
     cfg = ServeConfig(port=free_port(), use_gpu=True, gpus_per_replica=0.5, request_timeout_s=60.0)
     url = serve_stage.start(cfg, _save_model(tmp_path / "v1", "gpu-1"))

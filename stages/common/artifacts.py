@@ -1,0 +1,148 @@
+"""Artifacts: what a stage returns, and the `manifest.json` that makes every output folder explain itself."""
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import platform
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from stages.common import locks, storage
+
+__all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
+           "base_manifest", "config_hash", "data_fingerprint", "manifest_kind"]
+
+MANIFEST = storage.MANIFEST
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A published stage output: its folder URI and its manifest."""
+    stage: str
+    path: str
+    manifest: dict[str, Any] = field(repr=False)
+
+    def uri(self, relative: str) -> str:
+        return storage.join(self.path, relative)
+
+
+@functools.cache
+def code_version() -> dict[str, str]:
+    """raymill version plus the git commit when running from a checkout (provenance)."""
+    try:
+        version = metadata.version("raymill")
+    except metadata.PackageNotFoundError:
+        version = "0+unknown"
+    info = {"raymill": version, "python": platform.python_version()}
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        if sha:
+            info["git_commit"] = sha
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def new_run_id() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+
+
+def config_hash(section: dict[str, Any]) -> str:
+    return storage.sha256_bytes(json.dumps(section, sort_keys=True).encode())[:16]
+
+
+def data_fingerprint(manifest: dict[str, Any]) -> str:
+    """What an ETL output *contains*, independent of where and when it was written.
+
+    Checkpoints, searches and stage reuse compare this, so re-running the same ETL on the same
+    images (a new run id in the shard names) keeps old checkpoints valid, and new data does not.
+    """
+    shards = sorted((s["split"], s["format"], s["rows"], s["sha256"]) for s in manifest.get("shards", []))
+    return config_hash({"classes": manifest.get("classes"), "config": manifest.get("config"),
+                        "shards": shards})
+
+
+def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": f"raymill.{stage}", "schema_version": 1,
+            "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "code": code_version(), "config": config, "config_hash": config_hash(config),
+            "inputs": inputs}
+
+
+def write_manifest(out: str, manifest: dict[str, Any], s3: Any | None = None) -> None:
+    """Write `out/manifest.json` atomically. It is the publish step: write it last.
+
+    A run that lost its S3 output lock to another run (see locks.ensure_held) publishes nothing."""
+    locks.ensure_held(out, s3)
+    fs, path = storage.filesystem(out, s3)
+    data = json.dumps(manifest, indent=2, sort_keys=False).encode()
+    storage.write_bytes_atomic(fs, storage.join(path, MANIFEST), data)
+
+
+def unpublish(out: str, s3: Any | None = None) -> None:
+    """Remove `out/manifest.json` before a run rewrites the folder's files: an --overwrite killed
+    mid-write must leave no manifest at all, never the old run's manifest over new files."""
+    fs, root = storage.filesystem(out, s3)
+    if fs.exists(storage.join(root, MANIFEST)):
+        fs.rm_file(storage.join(root, MANIFEST))
+
+
+def manifest_kind(fs, folder: str) -> str | None:
+    """The kind ('raymill.etl', ...) that `folder`'s manifest.json names; None for no manifest, or
+    one that is some other tool's file (not JSON, not an object, no raymill kind)."""
+    path = storage.join(folder, MANIFEST)
+    if not fs.exists(path):
+        return None
+    try:
+        kind = storage.read_json(fs, path).get("kind")
+    except (ValueError, AttributeError):  # not JSON, or not an object
+        return None
+    return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
+
+
+def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) -> Artifact:
+    """Load a published output folder; a folder without a manifest was never published."""
+    fs, root = storage.filesystem(path, s3)
+    manifest_path = storage.join(root, MANIFEST)
+    if not fs.exists(manifest_path):
+        raise FileNotFoundError(f"no {MANIFEST} in '{path}': not a published raymill output "
+                                f"(run the stage that makes it first)")
+    manifest = storage.read_json(fs, manifest_path)
+    kind = manifest.get("kind", "")
+    if stage and kind != f"raymill.{stage}":
+        raise ValueError(f"'{path}' holds a {kind or 'unknown'} output, not raymill.{stage}")
+    return Artifact(kind.removeprefix("raymill."), str(path).rstrip("/"), manifest)
+
+
+def find_published(out: str, stage: str, config: dict[str, Any], inputs: dict[str, Any],
+                   s3: Any | None = None) -> Artifact | None:
+    """What `stage` already published in `out` from this config and these inputs, or None.
+
+    A finished stage is handed back, not re-fitted: re-fitting re-published the same model and
+    registered it in MLflow again, and a restored Tune snapshot can run its last trial again."""
+    try:
+        done = load_artifact(out, stage, s3)
+        have = done.manifest.get("inputs", {})
+        same = done.manifest.get("config") == config and all(have.get(k) == v for k, v in inputs.items())
+    except (FileNotFoundError, ValueError, AttributeError):  # none, another kind, or not an object
+        return None
+    return done if same else None
+
+
+def listed_files(manifest: dict[str, Any]) -> list[str]:
+    """The files a published manifest names, relative to its folder: `files` (a list, or a dict
+    keyed by name), ETL's shards and its quarantine file."""
+    files = manifest.get("files") or []
+    named = list(files) if isinstance(files, (list, dict)) else []
+    named += [s["path"] for s in manifest.get("shards") or [] if isinstance(s, dict) and "path" in s]
+    quarantine = manifest.get("quarantine")
+    if isinstance(quarantine, dict) and quarantine.get("path"):
+        named.append(quarantine["path"])
+    return [str(n) for n in named]

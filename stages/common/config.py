@@ -1,0 +1,398 @@
+"""One typed, frozen config tree for every stage, loaded from YAML plus `a.b=value` overrides.
+
+Each stage receives only its own section. Unknown or mistyped keys raise `ConfigError`
+with the full key path and the fix; the CLI turns that into exit code 2.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from stages.common.overrides import ConfigError, merge, parse_overrides
+from stages.common.storage import check_location
+
+__all__ = [
+    "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
+    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "TrackingConfig", "load_config",
+    "parse_overrides",
+]
+
+
+class Section(BaseModel):
+    # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RayConfig(Section):
+    address: str | None = None  # None: embedded local Ray; "auto" or "host:port" joins a cluster
+    num_cpus: float | None = None  # local Ray only; None = all cores of this machine
+    num_gpus: int | None = None  # local Ray only
+    object_store_memory_mb: int | None = None  # local Ray only; None = Ray's default
+    # On: Ray Train frees the placement groups of stopped runs through the State API, which the
+    # dashboard process serves. Safe by default: loopback only, and Ray 2.60's token auth is on
+    # (anyone reaching an open dashboard can run code: CVE-2023-48022).
+    include_dashboard: bool = True
+    dashboard_host: str = "127.0.0.1"  # other interfaces only when asked explicitly
+    # CPUs kept free for Ray Data read/decode tasks while trainers or trials hold the rest;
+    # without it 2 workers x 1 CPU on 2 CPUs deadlocks (see README, "Resource plan").
+    data_reserved_cpus: float = Field(0.5, gt=0)
+
+
+class S3Config(Section):
+    # Credentials stay in the environment (AWS_ACCESS_KEY_ID, ...), never in config files.
+    endpoint_url: str | None = None  # e.g. http://127.0.0.1:5000 for MinIO/moto; env AWS_ENDPOINT_URL also works
+    region: str | None = None
+    anon: bool = False
+    max_attempts: int | None = Field(None, ge=1)  # per S3 request; unset: botocore's (AWS_MAX_ATTEMPTS)
+
+
+class RunSection(Section):
+    name: str = "demo"
+    dir: Annotated[str, AfterValidator(check_location)] = "runs/demo"  # run folder: local path or s3:// URI
+    source: Annotated[str, AfterValidator(check_location)] = "data/demo"  # ImageFolder tree: path or s3:// prefix
+    seed: int = 0
+    force: bool = False  # recompute stages even when their inputs and config are unchanged
+
+
+def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:
+    from PIL import Image  # Pillow's own list of the formats it can open, once its plugins load
+
+    Image.init()
+    names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as images.open_image reads them
+    unknown = [n for n in names if n not in Image.OPEN]
+    if not names or unknown:
+        raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
+                         "[JPEG, PNG, WEBP, BMP]")
+    return names
+
+
+# Pillow format names (etl.allowed_formats, serve.allowed_formats): upper-cased, each one Pillow opens
+ImageFormats = Annotated[tuple[str, ...], AfterValidator(_pillow_names)]
+
+
+class SplitFractions(Section):
+    train: float = Field(0.8, ge=0, le=1)
+    val: float = Field(0.1, ge=0, le=1)
+    test: float = Field(0.1, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _sum_to_one(self) -> "SplitFractions":
+        total = self.train + self.val + self.test
+        if not math.isclose(total, 1.0, abs_tol=1e-6):
+            raise ValueError(f"train+val+test must sum to 1, got {total:g}; adjust etl.split.*")
+        return self
+
+
+class EtlConfig(Section):
+    image_size: int = Field(64, ge=8, le=4096)  # output side length, px (square)
+    resize: Literal["crop", "stretch"] = "crop"  # crop: shorter side to size then centre crop
+    formats: tuple[Literal["parquet", "tar"], ...] = ("parquet", "tar")
+    # encoded: small shards, decode cost at train time; raw: uint8 HWC, ~10x bytes, no decode.
+    parquet_encoding: Literal["encoded", "raw"] = "encoded"
+    codec: Literal["jpeg", "png"] = "jpeg"  # codec of stored encoded images (tar always encoded)
+    jpeg_quality: int = Field(90, ge=1, le=100)
+    shard_max_rows: int = Field(1000, ge=1)
+    shard_max_mb: float = Field(64.0, gt=0)
+    # Smaller shards when the input would otherwise make fewer tasks than this: parallelism for
+    # small jobs. Raise it to ~4x the cluster's CPUs on big clusters.
+    min_shards: int = Field(8, ge=1)
+    split: SplitFractions = SplitFractions()
+    max_bad_fraction: float = Field(0.5, ge=0, le=1)  # more bad files than this fails the job
+    max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
+    max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread
+    allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
+    # Symlinks in the source: inside_source follows only links that resolve inside the source tree;
+    # never quarantines every link; always follows any (reads whatever they point at).
+    follow_symlinks: Literal["inside_source", "never", "always"] = "inside_source"
+    cpus_per_task: float = Field(1.0, gt=0)
+
+    @field_validator("formats")
+    @classmethod
+    def _one_of_each(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or len(set(v)) != len(v):  # none publishes no shards; a repeat lists each shard twice
+            raise ValueError("list each shard format once, at least one: [parquet], [tar] or [parquet, tar]")
+        return v
+
+
+class AugmentConfig(Section):
+    random_resized_crop: bool = True
+    scale_min: float = Field(0.6, gt=0, le=1)  # min area fraction kept by the random crop
+    # Off by default: a mirror image is another class for digits, text, arrows, left/right
+    # signs. On held-out orientation-sensitive data flip=true cost 5 points (0.933 vs 0.982).
+    # Turn it on for mirror-symmetric classes (animals, objects); the default search tries both.
+    flip: bool = False
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.25, 0.25, 0.25)
+
+
+class TrainConfig(Section):
+    model: str = "small_cnn"
+    width: int = Field(32, ge=4)  # base channel width (small_cnn only)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    epochs: int = Field(10, ge=1)
+    batch_size: int = Field(64, ge=1)  # per worker
+    lr: float = Field(0.05, gt=0)
+    weight_decay: float = Field(5e-4, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    warmup_epochs: float = Field(0.5, ge=0)
+    num_workers: int | None = Field(None, ge=1)  # None: planned (session.planned_workers)
+    min_workers: int | None = Field(None, ge=1)  # set for elastic training: (min_workers, num_workers)
+    use_gpu: bool = False
+    cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by stages.common.session
+    gpus_per_worker: float = Field(1.0, gt=0)
+    # auto: bf16 on a GPU that supports it, else fp32. channels_last None: on (faster on GPUs and,
+    # measured, on CPUs too).
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    channels_last: bool | None = None
+    pin_memory: bool = True  # GPU only: pinned host buffers + non_blocking copies
+    data_format: Literal["parquet", "tar"] = "parquet"
+    shuffle_buffer_rows: int = Field(512, ge=1)
+    prefetch_batches: int = Field(4, ge=0)
+    # Decode + augment processes per worker (stages.feed.decode_pool), outside the loop's GIL. None: the
+    # plan's (stages.common.session: one per CPU of the worker); 0: decode in train.decode_threads
+    # threads of the training process instead (the old path).
+    decode_processes: int | None = Field(None, ge=0)
+    decode_threads: int = Field(2, ge=1)
+    # Decoded tier (stages.feed.decoded_tier): from epoch 2 on, each rank trains on the decoded,
+    # pre-augmentation pixels of its epoch-1 rows, kept in memory and augmented as tensor ops.
+    # auto: on the GPU if they fit in decoded_tier_gpu_share of its memory, else in host memory if
+    # they fit in decoded_tier_host_gb, else off (said in the log). gpu/host: only there.
+    decoded_tier: Literal["off", "auto", "gpu", "host"] = "off"
+    decoded_tier_gpu_share: float = Field(0.3, gt=0, le=0.9)
+    decoded_tier_host_gb: float = Field(8.0, gt=0)
+    augment: AugmentConfig = AugmentConfig()
+    checkpoint_every_steps: int = Field(0, ge=0)  # 0: only at epoch ends
+    num_to_keep: int = Field(2, ge=1)
+    max_failures: int = Field(3, ge=0)
+    # After a node loss Ray Train waits for room for the whole group (or min_workers); past this
+    # many seconds of waiting, training stops with an error naming what is missing (exit 1).
+    capacity_timeout_s: float = Field(600.0, gt=0)
+    storage_path: Annotated[str, AfterValidator(check_location)] | None = None  # Ray Train storage (local or s3://); None: <run dir>/ray
+    cache_dir: str = "~/.cache/raymill/shards"  # local copies of remote shards
+    cache_max_gb: float = Field(20.0, gt=0)
+    ledger: bool = False  # record every consumed sample key (tests, audits)
+    max_steps: int | None = Field(None, ge=1)  # stop early (benchmarks, smoke runs)
+    # stream: each worker reads its own shards (exact mid-epoch resume). ray_data: Ray Data decodes
+    # on any CPU of the cluster, epoch-granular resume (README, "Which ingest when").
+    ingest: Literal["stream", "ray_data"] = "stream"
+    data_cpus_per_task: float | None = Field(None, gt=0)  # ray_data: CPUs a decode task; unset: planned
+    object_store_cache: bool = False  # ray_data: decode once, keep decoded train set in the object store
+    # Extra custom resources per worker, e.g. {accelerator: 1}: pins workers to the nodes that have them.
+    worker_resources: dict[str, float] = Field(default_factory=dict)
+
+
+class Distribution(Section):
+    type: Literal["loguniform", "uniform", "choice", "randint"]
+    lower: float | None = None
+    upper: float | None = None
+    values: tuple[Any, ...] | None = None
+
+    @model_validator(mode="after")
+    def _check_args(self) -> "Distribution":
+        if self.type == "choice":
+            if not self.values:
+                raise ValueError("type 'choice' needs a non-empty 'values' list")
+        elif self.lower is None or self.upper is None or self.lower >= self.upper:
+            raise ValueError(f"type '{self.type}' needs 'lower' < 'upper'")
+        elif self.type == "loguniform" and self.lower <= 0:
+            raise ValueError("type 'loguniform' needs 'lower' > 0")
+        return self
+
+
+class TuneConfig(Section):
+    enabled: bool = False
+    num_samples: int = Field(8, ge=1)
+    metric: str = "val_acc"
+    mode: Literal["max", "min"] = "max"
+    scheduler: Literal["asha", "fifo", "pbt"] = "asha"
+    max_epochs: int = Field(6, ge=1)  # budget per trial; also the upper end of a searched train.epochs
+    grace_period: int = Field(1, ge=1)
+    reduction_factor: int = Field(3, ge=2)
+    perturbation_interval: int = Field(1, ge=1)  # pbt: epochs between exploit/explore steps
+    seed: int = 0
+    workers_per_trial: int = Field(1, ge=1)
+    max_concurrent_trials: int | None = Field(None, ge=1)  # None: as many as fit (session.plan_trials)
+    max_failures: int = Field(1, ge=0)  # retries per trial
+    handoff: Literal["reuse"] = "reuse"  # publish the best trial's best checkpoint
+    # Default: optimiser, augmentation and training length, the knobs that mattered on real data
+    # (see default_search_space). train.epochs is searched within tune.max_epochs.
+    search_space: dict[str, Distribution] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_and_removed(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if data.get("handoff") == "retrain":
+            raise ValueError("tune.handoff=retrain was removed; the search publishes the best trial's "
+                             "checkpoint. To retrain with its params, copy best.json's train_config "
+                             "into --set train.* and run `raymill train`")
+        if not data.get("search_space"):
+            space = default_search_space(int(data.get("max_epochs", 6)))
+            if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
+                space.pop("epochs")
+            data = {**data, "search_space": space}
+        return data
+
+    @field_validator("search_space")
+    @classmethod
+    def _known_params(cls, space: dict[str, Distribution]) -> dict[str, Distribution]:
+        known = set(TrainConfig.model_fields)
+        for key in space:
+            if key.split(".")[0] not in known:
+                raise ValueError(f"search_space key '{key}' is not a train.* field; valid: {sorted(known)}")
+        return space
+
+
+def default_search_space(max_epochs: int) -> dict[str, Distribution]:
+    """lr, weight decay, the augmentation switches and the training length (half to all of
+    `max_epochs`: the LR schedule decays to its end, so length is a real choice, not a cut-off)."""
+    lengths = tuple(sorted({max(1, max_epochs // 2), max_epochs}))
+    return {
+        "lr": Distribution(type="loguniform", lower=0.005, upper=0.2),
+        "weight_decay": Distribution(type="loguniform", lower=1e-5, upper=1e-3),
+        "augment.flip": Distribution(type="choice", values=(False, True)),
+        "augment.random_resized_crop": Distribution(type="choice", values=(True, False)),
+        "epochs": Distribution(type="choice", values=lengths),
+    }
+
+
+class InferConfig(Section):
+    split: Literal["train", "val", "test"] = "test"
+    batch_size: int = Field(128, ge=1)
+    num_actors: int | None = Field(None, ge=1)  # unset: one per GPU with use_gpu, else 1 (session.plan_infer)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    top_k: int = Field(3, ge=1)
+    # Where images are decoded: `tasks` (Ray Data CPU tasks, then an actor pool that only predicts),
+    # `actor` (each actor decodes its own items), `auto` (tasks with use_gpu, actor on a CPU).
+    decode: Literal["auto", "tasks", "actor"] = "auto"
+    decode_cpus_per_task: float = Field(1.0, gt=0)
+
+
+class ServeConfig(Section):
+    host: str = "127.0.0.1"  # other interfaces only when asked explicitly
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: bool = False
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(2, ge=1)
+    cpus_per_replica: float = Field(0.5, gt=0)
+    use_gpu: bool = False
+    # GPUs each model replica holds with use_gpu. A fraction lets replicas share one device, and
+    # lets a rollout's new replica start beside the old one on a one-GPU node (session.plan_serve).
+    gpus_per_replica: float = Field(1.0, gt=0, le=1)
+    batching: bool = True
+    max_batch_size: int = Field(16, ge=1)
+    # 0: batch whatever is queued, never hold a lone request (5 ms cost 23-28% of p50, RESULTS.md P5)
+    batch_wait_timeout_s: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(32, ge=1)
+    max_queued_requests: int = Field(64, ge=-1)
+    request_timeout_s: float = Field(10.0, gt=0)
+    max_body_bytes: int = Field(10 * 1024 * 1024, ge=1)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    # ETL's default list: a model trained on BMP files answers for BMP uploads too
+    allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
+    top_k: int = Field(3, ge=1)
+    app_name: str = "raymill"
+    # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve_v2.py).
+    model_name: str = Field("raymill", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    # Images one /v2 infer request may carry; they go through one forward pass together.
+    max_images_per_request: int = Field(64, ge=1)
+    # Their pixels together (headers, before any decode; at least max_image_pixels): decode time is pixels.
+    max_request_pixels: int = Field(100_000_000, ge=1)
+    # Memory Ray reserves per model replica; concurrent decodes are capped to fit in it
+    # (stages.serve.replica.decode_slots: 2 at the defaults, each up to max_image_pixels x 16 B).
+    replica_memory_mb: int = Field(2048, ge=256)
+    decode_slots: int = Field(0, ge=0)  # 0: derived from replica_memory_mb and max_image_pixels
+    # proxy: Serve's HTTP proxy. throughput_optimized: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 at Ray start.
+    ingress: Literal["proxy", "throughput_optimized"] = "proxy"
+    # true: the model runs in its own deployment and the ingress retries a call whose replica
+    # died (a replica kill loses no request). false: the model runs inside the ingress replica:
+    # one Serve hop less (~6 ms at c=1 on 2 cores), but a killed replica fails its in-flight requests.
+    model_deployment: bool = True
+    ingress_replicas: int = Field(1, ge=1)
+    ingress_cpus: float = Field(0.25, gt=0)
+    # Extra replicas during a model update (percent of num_replicas): 100 = new ones start
+    # before old ones stop, so an update loses no request; 0 = no spare resources needed.
+    max_surge_percent: int = Field(100, ge=0, le=100)
+    # Serve's per-request access log line in each replica's log file (Serve's LoggingConfig).
+    access_log: bool = True
+
+
+class TrackingConfig(Section):
+    """MLflow experiment tracking (stages/common/tracking.py). Failures warn once and never stop a stage."""
+    enabled: bool = True
+    # None: SQLite inside the run folder (`raymill run`) or --output (`raymill train/tune`). A path on
+    # the head is invisible to workers on other nodes: clusters set a server, e.g. http://head:5000.
+    uri: str | None = None
+    experiment: str = "raymill"
+    model_name: str = "raymill"  # registered model name; each trained model becomes a new version
+    timeout_s: float = Field(5.0, gt=0)  # per HTTP request to a tracking server, no retries
+
+
+class Config(Section):
+    ray: RayConfig = RayConfig()
+    s3: S3Config = S3Config()
+    run: RunSection = RunSection()
+    etl: EtlConfig = EtlConfig()
+    train: TrainConfig = TrainConfig()
+    tune: TuneConfig = TuneConfig()
+    infer: InferConfig = InferConfig()
+    serve: ServeConfig = ServeConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+
+def _explain(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        path = ".".join(str(p) for p in item["loc"])
+        if item["type"] == "extra_forbidden":
+            parent = _section_at(item["loc"][:-1])
+            valid = ", ".join(sorted(parent.model_fields)) if parent else "see README"
+            lines.append(f"unknown config key '{path}'; valid keys here: {valid}")
+        else:
+            lines.append(f"config key '{path}': {item['msg']} (got {item.get('input')!r})")
+    return "; ".join(lines)
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (or defaults when `path` is None) and apply `a.b=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' not found; pass --config with an existing YAML file")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections (ray, etl, train, ...)")
+    data = merge(data, parse_overrides(overrides))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e)) from None
+
+
+def section_dict(section: BaseModel) -> dict[str, Any]:
+    """JSON-ready dict of a config section, for manifests."""
+    return section.model_dump(mode="json")

@@ -1,0 +1,146 @@
+"""What a person sees in the terminal: raymill's own lines, one per event; Ray's chatter in Ray's logs.
+
+Ray keeps writing everything to its session log files (/tmp/ray/session_latest/logs): Ray Data to
+ray-data.log, Ray Train to ray-train-*.log. Only the terminal copy is quietened. `--verbose`
+(env RAYMILL_VERBOSE=1, forwarded to Ray workers) brings all of it back.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+__all__ = ["setup", "verbose", "quiet_ray", "train_logging_config", "quiet_train_worker", "epoch",
+           "VERBOSE_ENV", "WORKER_SETUP_HOOK", "worker_setup", "quiet_torch_cpp"]
+
+VERBOSE_ENV = "RAYMILL_VERBOSE"
+_OURS = ("raymill", "workflow", "stages", "benchmarks")  # loggers that speak at INFO by default
+
+log = logging.getLogger("raymill.train")
+
+
+def setup(verbose: bool = False) -> None:
+    """Logging for the CLI process: raymill at INFO, libraries (matplotlib, alembic, ...) at WARNING."""
+    os.environ[VERBOSE_ENV] = "1" if verbose else "0"  # read by Ray workers (session forwards it)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[raymill] %(message)s",
+                        stream=sys.stderr, force=True)
+    for name in _OURS:
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def quiet_ray() -> None:
+    """After `ray.init`: Ray Data's INFO banners and text progress go to ray-data.log only.
+
+    Ray Data configures the `ray.data` logger with a file handler and a console handler when it
+    is imported; the console one is raised to WARNING, so warnings and errors still show.
+    Interactive progress bars (tqdm, on a terminal) are not log records and stay.
+    """
+    if verbose():
+        return
+    import ray.data  # noqa: F401  (importing it configures the `ray.data` logger)
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)
+    # Tune's TensorBoard logger warns on every search that a list (worker_nodes) is no scalar
+    logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
+
+
+# Ray's documented per-process hook (runtime_env "worker_process_setup_hook"): runs in every worker
+# process of the job, Train's controller actor included, whose console raymill cannot reach otherwise.
+WORKER_SETUP_HOOK = "stages.common.console.worker_setup"
+# Ray Train 2.60's controller logs this warning, with a 20-line traceback, when its autoscaling
+# coordinator does not answer within a fixed 5 s (no setting changes it); training goes on. Seen
+# in 4 of 8 trainer starts on a 16-core GPU node.
+_COORDINATOR = ("ray.train.", "Failed to send resource request")
+_COORDINATOR_LINE = ("Ray Train's autoscaling coordinator did not answer within its fixed 5 s; the "
+                     "resource request is retried and training goes on (harmless; --verbose shows why)")
+
+
+def worker_setup() -> None:
+    """Rewrite that one record (matched by logger-name prefix and message) into one line without
+    its traceback. A record factory, because the logger is created by Ray after this hook runs
+    and its handlers are Train's own."""
+    if verbose():
+        return
+    make = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        if record.name.startswith(_COORDINATOR[0]) and str(record.msg).startswith(_COORDINATOR[1]):
+            record.msg, record.args, record.exc_info = _COORDINATOR_LINE, (), None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def quiet_torch_cpp() -> dict[str, str]:
+    """Env for Ray workers when this host's name does not resolve (said once, here).
+
+    torch's c10d store then warns "The hostname of the client socket cannot be retrieved" in every
+    GPU worker. The fix at the source is a resolvable hostname (/etc/hosts); without it, torch's
+    documented TORCH_CPP_LOG_LEVEL=ERROR silences its C++ warnings in the workers.
+    """
+    import socket
+
+    if verbose() or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        return {}
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+        return {}
+    except OSError:
+        logging.getLogger("raymill.session").warning(
+            "this host's name (%s) does not resolve: torch's C++ warnings are silenced in Ray workers "
+            "(TORCH_CPP_LOG_LEVEL=ERROR) instead of a c10d warning per worker; add it to /etc/hosts to "
+            "fix it at the source", socket.gethostname())
+        return {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+def train_logging_config():
+    """`ray.train.LoggingConfig` for a trainer's RunConfig: Train's own INFO lines (resource
+    requests, checkpoint paths, `TrainingReport(...)` reprs) stay in Train's log files."""
+    import ray.train
+
+    return ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING")
+
+
+def quiet_train_worker() -> None:
+    """Call first in a Ray Train worker loop: the worker's root logger to WARNING, raymill's at INFO.
+
+    Ray Train sets a worker's root logger to INFO with a console handler. Its per-report line
+    ("Reporting training result N: TrainingReport(...)") is logged under a logger named after
+    its file path, not `ray.train`, so `LoggingConfig(log_level=...)` does not hold it back
+    (the execution context module of Ray Train V2, Ray 2.60).
+    """
+    if verbose():
+        return
+    logging.getLogger().setLevel(logging.WARNING)
+    # Ray's own loggers carry their handler and INFO level: "Checkpoint successfully created at"
+    # came once per report of every Tune trial
+    for name in ("ray.train", "ray.tune"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in _OURS:
+        logging.getLogger(name).setLevel(logging.INFO)
+
+
+def score(value: float | None) -> str:
+    """An accuracy for a console line: 'n/a' when nothing was scored (an empty split), never 0.000."""
+    return "n/a" if value is None or value != value else f"{value:.3f}"
+
+
+def epoch(row: dict[str, Any], epochs: int) -> None:
+    """The one console line of an epoch; call it on rank 0 only.
+
+    A log record, not print(): Ray Train patches print() on workers to both print and log it,
+    which showed every epoch line twice.
+    """
+    log.info(f"[raymill] train: epoch {row['epoch']}/{epochs} loss {row['train_loss']:.3f} "
+             f"acc {row['train_acc']:.3f} val_acc {row['val_acc']:.3f} | {row['images_per_s']:.0f} images/s, "
+             f"input wait {row['wait_s']:.1f}s, device busy {row['compute_s']:.1f}s of "
+             f"{row.get('wall_s', 0):.1f}s ({row.get('device_utilisation', 0):.0%}), "
+             f"stall {row['stall_fraction']:.1%}, tier {row.get('tier', '-')} | {row['verdict']}")

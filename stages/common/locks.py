@@ -1,0 +1,304 @@
+"""One writer per output folder: an exclusive lock file `<out>/.raymill.lock` held for the whole run.
+
+Two runs on one output would publish a manifest that names the other run's deleted shards, so
+every stage that publishes takes this lock first, and a second run fails with exit 2 naming the
+holder (owner, host, pid, since when).
+
+- Local (and NFS) folders: `fcntl.flock` on the lock file. The kernel releases it when the holder
+  dies, however it dies, so a lock left by a killed run is never stale: the next run takes it and
+  says whose it was.
+- S3: a conditional PUT (`If-None-Match: *`, AWS S3 since 2024-08, MinIO, moto) creates the lock
+  object only if it is absent. The holder rewrites it every HEARTBEAT_S with `If-Match: <its ETag>`.
+  A lock whose heartbeat is older than STALE_AFTER_S, or whose pid is gone on this host, is stale;
+  it is taken over with `If-Match: <the stale ETag>`, so of two runs taking it over one wins.
+
+The lock is re-entrant within a process (the pipeline holds its stage folder while the stage
+function takes the same lock), and it checks that the folder's manifest, if any, is of `kind`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import getpass
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Iterator
+
+from stages.common import storage
+from stages.common.storage import MANIFEST
+from stages.common.config import ConfigError
+
+__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "ensure_held",
+           "HEARTBEAT_S", "STALE_AFTER_S"]
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = ".raymill.lock"
+HEARTBEAT_S = 30.0  # S3 only: how often the holder proves it is alive
+STALE_AFTER_S = 180.0  # S3 only: a lock not refreshed for this long belongs to a dead run
+
+_held: dict[str, int] = {}  # lock path -> depth, for re-entrancy within this process
+_locks: dict[str, Any] = {}  # lock path -> the lock this process holds on it
+_held_guard = threading.Lock()
+
+
+class OutputLockedError(ConfigError):
+    """Another run holds the output's lock."""
+
+
+class OutputKindError(ConfigError):
+    """The output folder holds another stage's published output."""
+
+
+def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
+    """Refuse an output whose manifest.json is another stage's: publishing would unpublish it."""
+    fs, root = storage.filesystem(out, s3)
+    if fs.isfile(root):
+        raise OutputKindError(f"output '{out}' is a file; --output names a folder (new, or this stage's own)")
+    path = storage.join(root, MANIFEST)
+    if not fs.exists(path):
+        return
+    try:
+        found = storage.read_json(fs, path).get("kind", "unknown")
+    except (ValueError, AttributeError):  # not JSON, or JSON but not an object: some other tool's file
+        found = "non-raymill"
+    if found != f"raymill.{kind}":
+        raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
+                              f"raymill.{kind} there would unpublish it. Choose another --output")
+
+
+def _holder_info(token: str, kind: str) -> dict[str, Any]:
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    try:
+        owner = getpass.getuser()
+    except Exception:  # no user name in some containers
+        owner = str(os.getuid())
+    return {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "kind": kind,
+            "token": token, "since": now, "heartbeat_unix": time.time()}
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "another run (holder details not readable)"
+    return (f"a raymill {holder.get('kind', '?')} run of {holder.get('owner', '?')} on host "
+            f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}")
+
+
+def _locked_error(out: str, holder: dict[str, Any] | None) -> OutputLockedError:
+    return OutputLockedError(f"output '{out}' is locked by {_describe(holder)} ({LOCK_NAME}). Wait for it "
+                             f"to finish, or choose another --output; a lock whose process is gone is "
+                             f"taken over by itself")
+
+
+@contextlib.contextmanager
+def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
+    """Hold the exclusive lock on `out` (local folder or s3:// prefix) for the body of the `with`."""
+    fs, path, key = _lock_path(out, s3)
+    with _held_guard:
+        depth = _held.get(key, 0)
+        if depth:
+            _held[key] = depth + 1
+    if depth:
+        try:
+            yield
+        finally:
+            with _held_guard:
+                _held[key] -= 1
+        return
+    check_output_kind(out, kind, s3)
+    lock = _S3Lock(fs, path, out, kind) if storage.is_remote(out) else _LocalLock(path, out, kind)
+    lock.acquire()
+    with _held_guard:
+        _held[key], _locks[key] = 1, lock
+    failed = False
+    try:
+        check_output_kind(out, kind, s3)  # again: the folder may have changed while we waited
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        with _held_guard:
+            del _held[key], _locks[key]
+        try:
+            lock.release()
+        except Exception as e:  # an S3 endpoint gone mid-run: report the run's own error, not this
+            if not failed:
+                raise
+            log.warning("could not release the lock on '%s' (%s: %s); a later run takes it over once it "
+                        "is stale", out, type(e).__name__, e)
+
+
+def _lock_path(out: str, s3: Any | None) -> tuple[Any, str, str]:
+    fs, root = storage.filesystem(out, s3)
+    path = storage.join(root, LOCK_NAME)
+    return fs, path, f"{'s3' if storage.is_remote(out) else 'file'}:{path}"
+
+
+def ensure_held(out: str, s3: Any | None = None) -> None:
+    """Raise OutputLockedError if this process's S3 lock on `out` now belongs to another run.
+
+    An flock cannot be lost while its holder lives. An S3 lock can: a run whose heartbeats failed
+    for STALE_AFTER_S looks dead and is taken over, and must then not publish over the new run.
+    No-op for a folder this process holds no lock on.
+    """
+    key = _lock_path(out, s3)[2]
+    with _held_guard:
+        lock = _locks.get(key)
+    if isinstance(lock, _S3Lock):
+        lock.ensure()
+
+
+class _LocalLock:
+    def __init__(self, path: str, out: str, kind: str):
+        self.path, self.out, self.kind, self.fd = path, out, kind, -1
+        self.created_folder = False
+
+    def acquire(self) -> None:
+        import fcntl
+
+        folder = os.path.dirname(self.path)
+        self.created_folder = not os.path.isdir(folder)
+        os.makedirs(folder, exist_ok=True)
+        for _ in range(20):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_json_fd(fd)
+                os.close(fd)
+                raise _locked_error(self.out, holder) from None
+            # The previous holder may have unlinked the file between our open and our flock.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        else:
+            raise OutputLockedError(f"could not lock '{self.out}': its {LOCK_NAME} keeps changing")
+        previous = _read_json_fd(fd)
+        if previous:
+            log.warning("lock: took over %s from %s (that process is gone)", self.path, _describe(previous))
+        data = json.dumps(_holder_info(uuid.uuid4().hex, self.kind)).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still locked: a waiter that opened it re-checks the inode
+        os.close(self.fd)  # closing releases the flock
+        if self.created_folder:  # a run that failed before writing anything leaves no empty folder
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.path))
+
+
+def _read_json_fd(fd: int) -> dict[str, Any] | None:
+    for _ in range(5):  # the holder writes its details just after taking the lock
+        try:
+            data = os.pread(fd, 65536, 0)
+            if data:
+                return json.loads(data)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return None
+
+
+class _S3Lock:
+    """Conditional PUTs on one object; a heartbeat thread keeps it fresh while the run lives."""
+
+    def __init__(self, fs, path: str, out: str, kind: str):
+        self.fs, self.path, self.out, self.kind = fs, path, out, kind
+        self.info = _holder_info(uuid.uuid4().hex, kind)
+        self.etag: str | None = None
+        self._mutex = threading.Lock()  # a heartbeat's PUT and its new ETag are one step for ensure()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _put(self, **condition: str) -> str:
+        self.info["heartbeat_unix"] = time.time()
+        response = self.fs.pipe_file(self.path, json.dumps(self.info).encode(), **condition)
+        return response["ETag"]
+
+    def acquire(self) -> None:
+        for _ in range(3):
+            try:
+                self.etag = self._put(mode="create")  # If-None-Match: *
+                break
+            except FileExistsError:
+                pass
+            etag, holder = self._read()
+            if etag is None:
+                continue  # released between our PUT and our read: try again
+            if not _is_stale(holder):
+                raise _locked_error(self.out, holder)
+            try:
+                self.etag = self._put(IfMatch=etag)  # only one of several racing runs wins
+                log.warning("lock: took over %s from %s (stale)", self.path, _describe(holder))
+                break
+            except OSError:
+                continue  # someone else took it over first: look again
+        else:
+            raise _locked_error(self.out, self._read()[1])
+        self._thread = threading.Thread(target=self._heartbeat, name="raymill-lock", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> tuple[str | None, dict[str, Any] | None]:
+        self.fs.invalidate_cache(self.path)
+        try:
+            etag = self.fs.info(self.path)["ETag"]
+            holder = json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None, None
+        except ValueError:
+            holder = None  # unreadable: treated by age alone below
+        return etag, holder
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                with self._mutex:
+                    self.etag = self._put(IfMatch=self.etag)
+            except Exception as e:  # taken over (we looked dead) or the endpoint is down
+                log.error("lock: could not refresh %s (%s); another run may take it over", self.path, e)
+
+    def ensure(self) -> None:
+        with self._mutex:
+            etag, holder = self._read()
+            mine = etag == self.etag
+        if not mine:
+            raise OutputLockedError(f"output '{self.out}' lock ({LOCK_NAME}) was taken over by "
+                                    f"{_describe(holder)} while this run held it (its heartbeat could not "
+                                    f"be refreshed): nothing was published. Rerun once that run is done")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        etag, _ = self._read()
+        if etag == self.etag:  # never delete a lock another run took over
+            self.fs.rm_file(self.path)
+
+
+def _is_stale(holder: dict[str, Any] | None) -> bool:
+    if not holder:
+        return True
+    age_s = time.time() - float(holder.get("heartbeat_unix", 0))
+    if age_s > STALE_AFTER_S:
+        return True
+    if holder.get("host") == socket.gethostname() and holder.get("pid") != os.getpid():
+        try:
+            os.kill(int(holder["pid"]), 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, ValueError, KeyError):
+            return False
+    return False

@@ -1,0 +1,91 @@
+"""Starting Ray: the one place `ray.init` is called (re-exported by stages.common.session, where
+every plan lives). A local Ray keeps its servers on loopback with token auth, and the State API
+points at this process's own dashboard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from stages.common.cluster import cluster_resources
+from stages.common.config import RayConfig
+from stages.common.exposure import check_loopback, keep_local_on_loopback
+
+__all__ = ["start", "dashboard_url"]
+
+log = logging.getLogger(__name__)
+
+# Settings (not secrets) a cluster's workers need to reach the same S3 endpoint. Never credentials:
+# Ray logs the runtime env (README, "Credentials on a cluster"); local workers inherit the env.
+_FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                  "RAYMILL_VERBOSE",  # stages.common.console: --verbose reaches workers
+                  "TORCH_CPP_LOG_LEVEL")  # console.quiet_torch_cpp
+_DASHBOARD: dict[str, str] = {}
+
+
+def start(cfg: RayConfig) -> dict[str, float]:
+    """Start (or join) Ray once per process and return the cluster's resources.
+
+    Embedded local Ray by default; `ray.address` joins a running cluster. Token authentication
+    is Ray 2.60's default and is left on. The dashboard (on unless `ray.include_dashboard=false`)
+    binds to `ray.dashboard_host`, 127.0.0.1 by default: it also hosts the State API that Ray
+    Train uses to free the placement groups of stopped runs. A local run keeps every Ray server
+    on loopback (`keep_local_on_loopback`).
+    """
+    if cfg.address is None:
+        keep_local_on_loopback()
+    import ray
+
+    from stages.common import console
+
+    first = not ray.is_initialized()
+    if first:
+        kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
+                        "logging_level": logging.INFO if console.verbose() else logging.WARNING}
+        os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
+        runtime_env: dict = {"worker_process_setup_hook": console.WORKER_SETUP_HOOK}
+        if cfg.address:
+            env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+            kwargs.update(address=cfg.address, runtime_env={**runtime_env, **({"env_vars": env} if env else {})})
+        else:
+            kwargs["runtime_env"] = runtime_env
+            # The dashboard agent's Prometheus endpoint listens on every interface without the
+            # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
+            os.environ.setdefault("RAY_enable_metrics_collection", "0")
+            if cfg.include_dashboard:
+                kwargs["dashboard_port"] = _point_state_api_at_own_dashboard(cfg.dashboard_host)
+            # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever
+            # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
+            kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
+                          object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
+        context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        if not cfg.address:
+            check_loopback()
+        if getattr(context, "dashboard_url", None):
+            _DASHBOARD["url"] = f"http://{context.dashboard_url}"
+            log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
+        console.quiet_ray()
+    resources = cluster_resources()
+    log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
+            resources["CPU"], resources["GPU"], cfg.address or "local")
+    return resources
+
+
+def _point_state_api_at_own_dashboard(host: str) -> int:
+    """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
+    for the API server) before Ray starts, so every Ray process inherits it. Without it a State
+    API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
+    machine's processes and fails with "Found multiple active Ray instances" beside another
+    local Ray; the placement groups of stopped trials then stay reserved, and new trials wait."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
+    os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
+    return port
+
+
+def dashboard_url() -> str | None:
+    """The dashboard this process started (None if Ray was started elsewhere or without one)."""
+    return _DASHBOARD.get("url")

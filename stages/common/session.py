@@ -1,0 +1,328 @@
+"""Where CPUs/GPUs are planned so no stage can deadlock, and Ray is started (stages.common.ray_start).
+
+The trap this module exists for: TorchTrainer with 2 workers x 1 CPU on a 2-CPU Ray holds every
+CPU, and Ray Data's read tasks then wait forever. Every plan here keeps `data_reserved_cpus` free.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+from stages.common.cluster import cluster_resources, units_that_fit
+from stages.common.config import ConfigError, InferConfig, ServeConfig, TrainConfig, TuneConfig
+from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noqa: F401 (re-exported)
+from stages.common.ray_start import dashboard_url, start  # noqa: F401 (re-exported)
+
+__all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
+           "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
+           "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
+
+log = logging.getLogger(__name__)
+DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """Resources for one TorchTrainer run: what each worker holds, and what stays free."""
+    num_workers: int
+    min_workers: int | None
+    cpus_per_worker: float
+    gpus_per_worker: float
+    use_gpu: bool
+    data_reserved_cpus: float
+    total_cpus: float
+    decode_processes: int = 0  # per worker (stages.feed.decode_pool); 0: threads, or Ray Data decodes
+    torch_threads: int = 1  # intra-op threads of a worker (session.torch_threads)
+    data_cpus_per_task: float = 0.0  # each Ray Data read/decode task (train.ingest=ray_data)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
+                 slots: int = 1, keep_reserve: bool | None = None) -> WorkerPlan:
+    """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`.
+
+    The Ray Data reserve is kept when Ray Data runs beside the trainers (`train.ingest=ray_data`,
+    or `keep_reserve`); a `stream` run has no Ray Data task to leave room for. Then:
+    - `stream`: each worker gets its share of the CPUs, within one node (on a GPU node, its
+      share of that node's CPUs per GPU), and decodes in that many processes, below the loop's
+      priority: a decode-heavy run uses every core;
+    - `ray_data`: a worker keeps 1 CPU for its loop at most, and Ray Data gets the rest.
+    """
+    reserve = data_reserved_cpus if (train.ingest == "ray_data" if keep_reserve is None else keep_reserve) else 0.0
+    total_cpus, total_gpus = resources["CPU"], resources["GPU"]
+    n = planned_workers(train, resources)
+    workers = n * slots
+    free = total_cpus - reserve
+    if free <= 0:
+        raise ConfigError(f"the cluster has {total_cpus:g} CPUs, all needed by ray.data_reserved_cpus="
+                          f"{reserve:g}; lower ray.data_reserved_cpus or add CPUs")
+    cpus = train.cpus_per_worker or math.floor(_cpu_share(train, resources, free / workers) * 100) / 100
+    if cpus <= 0 or cpus * workers > free + 1e-9:
+        raise ConfigError(
+            f"train.num_workers={n} x {slots} trainer(s) x {cpus:g} CPU needs "
+            f"{cpus * workers:g} CPUs but only {free:g} of {total_cpus:g} are free after "
+            f"ray.data_reserved_cpus={reserve:g}; lower train.num_workers or "
+            f"train.cpus_per_worker, or add nodes")
+    if train.use_gpu and train.gpus_per_worker * workers > total_gpus + 1e-9:
+        raise ConfigError(
+            f"train.use_gpu with train.num_workers={n} x {slots} needs "
+            f"{train.gpus_per_worker * workers:g} GPUs but the cluster has {total_gpus:g}; lower "
+            f"train.num_workers, set train.gpus_per_worker below 1, or set train.use_gpu=false")
+    if train.min_workers is not None and train.min_workers > n:
+        raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
+                          f"{n}; set min_workers <= num_workers")
+    # Ray Data tasks: 1 CPU (Ray's default) with 2+ CPUs left beside the trainers, else what fits;
+    # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,284 img/s, 1-CPU ones 4,372-4,788 (RESULTS gpu).
+    left = math.floor((total_cpus - cpus * workers) * 100 + 1e-6) / 100
+    data_cpus = (train.data_cpus_per_task or (1.0 if left >= 2 else min(DATA_TASK_CPUS, left))) if reserve else 0.0
+    plan = WorkerPlan(n, train.min_workers, cpus,
+                      train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
+                      total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus), data_cpus)
+    decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
+              f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
+              else f"{train.decode_threads} decode threads")
+    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
+             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
+    return plan
+
+
+def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
+    """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
+    one-GPU node trains on it rather than refusing a second worker), else 2 (DDP on a laptop)."""
+    if train.num_workers:
+        return train.num_workers
+    return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9)) if train.use_gpu else 2
+
+
+def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:
+    """CPUs per worker when the config does not say: an even share, within what one node holds."""
+    if train.ingest == "ray_data":
+        return min(1.0, even)  # the loop's own CPU; decoding runs in Ray Data's tasks
+    if train.use_gpu and "node_cpus_per_gpu" in resources:
+        return min(even, resources["node_cpus_per_gpu"] * train.gpus_per_worker)
+    return min(even, resources.get("max_node_cpus", resources["CPU"]))
+
+
+def torch_threads(train: TrainConfig, cpus: float) -> int:
+    """Intra-op threads of a worker. Beside decode processes, a CPU worker keeps half its CPUs (2-core
+    box, 1 worker: 0.53 of the cores' bound with 2 threads, 0.69 with 1; a 2-thread step cost 2.67
+    CPU ms an image, 1.84 on one), and a GPU worker one: its host work is launches and a uint8 copy,
+    and idle intra-op threads spin at normal priority, starving the SCHED_IDLE decoders (emulated GPU,
+    2 decode processes: 1,333-1,359 img/s fed with 2 torch threads, 1,653-1,681 with 1)."""
+    cores = max(1, int(cpus + 0.5))
+    return cores if _decode_processes(train, cpus) == 0 else 1 if train.use_gpu else max(1, cores // 2)
+
+
+def _decode_processes(train: TrainConfig, cpus: float) -> int:
+    if train.decode_processes is not None:
+        return train.decode_processes
+    if train.ingest == "ray_data":
+        return 0
+    # One per CPU of the worker. They run at a lower priority (stages.feed.decode_pool.NICE), so the
+    # loop that launches kernels (or computes, on a CPU) is never queued behind them: it gets a
+    # core when it needs one, and the decoders take every cycle it leaves.
+    return max(1, int(cpus + 0.5))
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """How many trials run at once, and what each holds. `in_function`: a trial of one `stream`
+    worker runs the loop inside its Tune function actor, which holds the worker's CPUs (and GPU):
+    no TorchTrainer, controller or second placement group, so it starts in seconds. A trial of
+    several workers (or `ray_data`, which needs Train's dataset shards) is a 0.01-CPU driver that
+    runs a TorchTrainer, whose workers hold the resources."""
+    concurrent_trials: int
+    workers: WorkerPlan
+    in_function: bool = False
+
+    def trial_resources(self, worker_resources: dict[str, float]) -> dict[str, float]:
+        """What Tune reserves for one trial (`worker_resources`: train.worker_resources)."""
+        if not self.in_function:
+            return {"CPU": TRIAL_DRIVER_CPUS}
+        w = self.workers
+        return {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.use_gpu else {}),
+                **worker_resources}
+
+
+# A trial's driver only launches and watches its trainer. Tune refuses a trial with no
+# resources at all (an empty head bundle), so it asks for a token 0.01 CPU.
+TRIAL_DRIVER_CPUS = 0.01
+# Below 1 CPU per worker a trial trains a little slower, but two trials side by side finish a
+# search sooner than one at a time (the 2-CPU case: 2 x 0.74 CPU beside the 0.5 Ray Data reserve).
+MIN_TRIAL_CPUS_PER_WORKER = 0.7
+
+
+def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float],
+                data_reserved_cpus: float) -> TrialPlan:
+    """How many Tune trials (each a TorchTrainer) run at once, filling the cluster beside Ray Data.
+
+    Each trial worker gets up to 1 CPU; when that would leave room for only one trial, workers
+    get less (down to MIN_TRIAL_CPUS_PER_WORKER) so that a second trial fits.
+    """
+    per_trial = train.model_copy(update={"num_workers": tune.workers_per_trial, "min_workers": None})
+    workers = tune.workers_per_trial
+
+    def free(n: int) -> float:  # CPUs for trial workers when n trials (and their drivers) run
+        return resources["CPU"] - data_reserved_cpus - n * TRIAL_DRIVER_CPUS
+
+    def most(cpus_per_worker: float) -> int:  # most trials whose workers each get this many CPUs
+        n = int(free(1) // (cpus_per_worker * workers) + 1e-9)
+        return next((k for k in range(n, 0, -1) if k * cpus_per_worker * workers <= free(k) + 1e-9), 0)
+
+    if per_trial.cpus_per_worker:
+        fit = most(per_trial.cpus_per_worker)
+    else:
+        fit = most(1.0) if most(1.0) >= 2 else most(MIN_TRIAL_CPUS_PER_WORKER)
+    if train.use_gpu:
+        fit = min(fit, int(resources["GPU"] // (train.gpus_per_worker * workers)))
+    concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
+    if concurrent < 1:
+        cpus = per_trial.cpus_per_worker or MIN_TRIAL_CPUS_PER_WORKER
+        raise ConfigError(
+            f"one trial needs tune.workers_per_trial={workers} x {cpus:g} CPU but only "
+            f"{free(1):g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
+            f"tune.workers_per_trial or train.cpus_per_worker")
+    plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
+                        data_reserved_cpus, slots=concurrent, keep_reserve=True)
+    in_function = workers == 1 and train.ingest == "stream"
+    log.info("trial plan: %d trial(s) at a time, %s", concurrent,
+             "each in its Tune function actor" if in_function else "each a TorchTrainer")
+    return TrialPlan(concurrent, plan, in_function)
+
+
+@dataclass(frozen=True)
+class ServeTrainPlan:
+    """CPUs for Serve replicas and a trainer that run at once, beside the Ray Data reserve."""
+    serve_replicas: int
+    serve_cpus: float
+    workers: WorkerPlan
+
+
+def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict[str, float],
+                         data_reserved_cpus: float) -> ServeTrainPlan:
+    """Fit serve's replicas (at their maximum count) and one trainer into `resources`.
+
+    A replica holds its CPUs for as long as the app is up, so while `raymill run --serve`
+    retrains on a cluster that still serves the previous model, the trainer only gets what
+    Serve and the Ray Data reserve leave. Raises ConfigError naming the keys when that is nothing.
+    """
+    replicas = serve.max_replicas if serve.autoscaling else serve.num_replicas
+    serve_cpus = replicas * serve.cpus_per_replica
+    serve_gpus = replicas * serve.gpus_per_replica if serve.use_gpu else 0.0
+    key = "serve.max_replicas" if serve.autoscaling else "serve.num_replicas"
+    left = resources["CPU"] - data_reserved_cpus - serve_cpus
+    if left <= 1e-9:
+        raise ConfigError(
+            f"{key}={replicas} x serve.cpus_per_replica={serve.cpus_per_replica:g} CPU plus "
+            f"ray.data_reserved_cpus={data_reserved_cpus:g} leave {max(left, 0):g} of {resources['CPU']:g} "
+            f"CPUs for training; lower serve.cpus_per_replica or {key}, or add CPUs")
+    if serve_gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"serve.use_gpu with {key}={replicas} x serve.gpus_per_replica="
+                          f"{serve.gpus_per_replica:g} needs {serve_gpus:g} GPUs but the cluster has "
+                          f"{resources['GPU']:g}; lower serve.gpus_per_replica, set serve.use_gpu=false or add GPUs")
+    rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
+    try:
+        workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
+                          f"training: lower {key} or serve.cpus_per_replica)") from None
+    return ServeTrainPlan(replicas, serve_cpus, workers)
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """What each model replica asks Ray for, and how a rollout replaces replicas."""
+    replicas: int  # started now (serve.min_replicas with autoscaling)
+    cpus_per_replica: float
+    gpus_per_replica: float
+    fit: int  # model replicas the nodes hold beside the ingress (and what other work holds)
+    max_surge_percent: int  # serve.max_surge_percent, or 0 when the surge can never be scheduled
+    warning: str | None = None
+
+
+def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = "") -> ServePlan:
+    """Fit the model replicas onto the cluster's nodes, or refuse with the keys to change.
+
+    Serve waits forever for a replica Ray cannot place, so a plan that cannot be scheduled is a
+    config error. `nodes` are totals, or what is free beside other work (`held` names it:
+    stages.common.cluster.free_node_resources). A rolling update first starts
+    ceil(max_surge_percent x replicas / 100) new replicas beside the old ones; when they can never
+    fit (one GPU, a whole-GPU replica), the update replaces replicas in place (max_surge_percent 0)
+    and warns of the gap.
+    """
+    replicas = serve.min_replicas if serve.autoscaling else serve.num_replicas
+    gpus = serve.gpus_per_replica if serve.use_gpu else 0.0
+    need = {"CPU": serve.cpus_per_replica, "GPU": gpus, "memory": serve.replica_memory_mb * 2**20}
+    nodes = sorted((dict(n) for n in nodes), key=lambda n: -n.get("CPU", 0.0))
+    if serve.model_deployment and nodes:  # the ingress replicas' CPUs, taken where most are
+        nodes[0]["CPU"] = nodes[0].get("CPU", 0.0) - serve.ingress_replicas * serve.ingress_cpus
+    fit = units_that_fit(need, nodes)
+    key = "serve.min_replicas" if serve.autoscaling else "serve.num_replicas"
+    have = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU/{n.get('memory', 0) / 2**20:.0f} MB"
+                     for n in nodes) + (f" free beside what other work holds: {held}" if held else "")
+    if fit < replicas:
+        fix = "lower serve.gpus_per_replica (a fraction shares a GPU) or " if gpus else ""
+        if gpus and not any(n.get("GPU", 0) > 0 for n in nodes):
+            fix = "the cluster has no GPU: set serve.use_gpu=false, add GPU nodes, or "
+        raise ConfigError(
+            f"{key}={replicas} replica(s) of serve.cpus_per_replica={serve.cpus_per_replica:g} CPU, "
+            f"{gpus:g} GPU (serve.use_gpu, serve.gpus_per_replica) and serve.replica_memory_mb="
+            f"{serve.replica_memory_mb} can{'not' if held else ' never'} be scheduled: the nodes ({have}) "
+            f"hold {fit}; {'stop that work (serve.delete another app), ' if held else ''}"
+            f"{fix}lower {key} or serve.cpus_per_replica, or add nodes")
+    surge = (serve.max_surge_percent * replicas + 99) // 100
+    surge_pct, warning = serve.max_surge_percent, None
+    if surge and fit < replicas + surge:
+        surge_pct = 0
+        fix = (f"set serve.gpus_per_replica={gpus / 2:g} (or less) so that old and new share the GPUs, or add "
+               f"GPUs" if gpus else "lower serve.cpus_per_replica or serve.replica_memory_mb, or add nodes")
+        warning = (f"a rollout's {surge} new replica(s) ({gpus:g} GPU, {serve.cpus_per_replica:g} CPU each) "
+                   f"cannot start beside the {replicas} old one(s): the nodes ({have}) hold {fit}. Updates "
+                   f"replace replicas in place: while one restarts, {replicas - 1} of {replicas} serve "
+                   f"(with 1, requests wait out the new replica's start-up). To keep serving at full "
+                   f"capacity, {fix}")
+    plan = ServePlan(replicas, serve.cpus_per_replica, gpus, fit, surge_pct, warning)
+    log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, %d fit, max_surge_percent=%d",
+             replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
+    return plan
+
+
+def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
+    """Batch inference's plan: `decode` (tasks|actor), the actors (`num_actors`) and each one's
+    num_cpus/num_gpus, and with decode=tasks each decode task's CPUs and how many run at once.
+    Decode tasks get only the CPUs the actor pool leaves, and a pool that leaves none is refused:
+    it would starve Ray Data."""
+    gpus, total, per_task = (1.0 if infer.use_gpu else 0.0), resources["CPU"], infer.decode_cpus_per_task
+    decode = infer.decode if infer.decode != "auto" else "tasks" if infer.use_gpu else "actor"
+    actors = planned_actors(infer, resources, decode)
+    named = f"infer.num_actors={actors}" if infer.num_actors else f"{actors} actor(s) (infer.num_actors unset)"
+    if actors * gpus > resources["GPU"] + 1e-9:
+        raise ConfigError(f"infer.use_gpu with {named} needs {actors:g} GPUs but the cluster has "
+                          f"{resources['GPU']:g}; lower infer.num_actors or set infer.use_gpu=false")
+    left = total - actors * infer.cpus_per_actor
+    if left < -1e-9:  # Ray Data ran fewer actors than planned, and metrics.json counted them all
+        raise ConfigError(f"{named} x infer.cpus_per_actor={infer.cpus_per_actor:g} need "
+                          f"{actors * infer.cpus_per_actor:g} CPUs but the cluster has {total:g}; lower them")
+    if decode == "tasks" and left < per_task - 1e-9:
+        raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
+                          f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
+                          f"task (infer.decode_cpus_per_task={per_task:g}); lower them, or set infer.decode=actor")
+    tasks = int(left / per_task + 1e-9) if decode == "tasks" else 0
+    return {"decode": decode, "num_actors": actors, "num_cpus": infer.cpus_per_actor, "num_gpus": gpus,
+            "decode_cpus": per_task if tasks else 0.0, "decode_tasks": tasks}
+
+
+def planned_actors(infer: InferConfig, resources: dict[str, float], decode: str) -> int:
+    """`infer.num_actors`, or where unset: with use_gpu one actor per GPU the cluster has (as
+    training plans its workers: an 8-GPU node predicts on all 8), as many as the CPUs hold (those
+    of a GPU node, and with decode=tasks one decode task's left beside them); on a CPU, 1. Made
+    on the cluster's totals, as training's plan is: beside other GPU work, set infer.num_actors."""
+    if infer.num_actors or not infer.use_gpu:
+        return infer.num_actors or 1
+    cpus = resources["CPU"] - (infer.decode_cpus_per_task if decode == "tasks" else 0.0)
+    # a GPU node's CPUs may hold fewer actors than it has GPUs
+    per_gpu = min(1.0, resources.get("node_cpus_per_gpu", math.inf) / infer.cpus_per_actor)
+    return max(1, min(int(resources["GPU"] * per_gpu + 1e-9), int(cpus / infer.cpus_per_actor + 1e-9)))

@@ -1,0 +1,327 @@
+"""The one place raymill talks to MLflow: runs, params, per-epoch metrics, artifacts, the model.
+
+A run is a small JSON-able handle (`{"uri", "run_id", ...}`) so the driver can hand it to the
+rank-0 training worker, which logs per-epoch metrics natively (Ray Train V2 rejects logger
+callbacks). Tracking never fails a stage: the first error in a process logs one warning with the
+fix, and tracking stays off in that process from then on.
+
+Default store: SQLite in the run folder (MLflow 3's own default backend; its file store is
+deprecated). `tracking.uri` points every process at one server instead, which clusters need.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.common import locks, storage
+from stages.common.tracking_guard import failed as _failed, guarded as _guarded, warn_once as _warn_once
+from stages.common.artifacts import Artifact, code_version, config_hash
+from stages.common.config import Config, ConfigError, TrackingConfig, section_dict
+
+__all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "log_epoch", "log_files",
+           "register_model", "end", "train", "tune", "tune_callbacks", "log_infer", "find",
+           "ui_command", "TRACKING_FILE"]
+
+log = logging.getLogger(__name__)
+
+Handle = dict[str, Any]  # {"uri", "run_id", "experiment_id", "timeout_s", "resumed"}: JSON, crosses processes
+TRACKING_FILE = "tracking.json"  # next to model.pt: which MLflow run made this model
+EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "stall_fraction",
+                 "wait_s", "compute_s", "device_utilisation", "decode_images_per_s", "test_acc", "lr")
+
+
+def store_uri(cfg: TrackingConfig, folder: str) -> str | None:
+    """`tracking.uri`, else SQLite in `folder`; None (tracking off) for a remote folder without a server."""
+    if cfg.uri:
+        return cfg.uri
+    if storage.is_remote(folder):
+        _warn_once(folder, f"tracking: no tracking.uri and '{folder}' is remote, so there is no place for "
+                           f"an SQLite store; set tracking.uri=http://<host>:5000 (see README). Not tracked")
+        return None
+    path = Path(storage.local_path(folder)).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path / 'mlflow.db'}"
+
+
+def ui_command(uri: str) -> str:
+    """The command that browses `uri`: MLflow's UI on loopback for a local store (`make run`
+    installs the `ui` extra, full mlflow, which the skinny client lacks: flask and the web app)."""
+    if uri.startswith("sqlite:"):
+        return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    return f"open {uri}"
+
+
+def _client(uri: str, timeout_s: float = 5.0):
+    # A dead server must cost one short request, not MLflow's default of 7 retries with backoff.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout_s))))
+    from mlflow import MlflowClient
+
+    if os.environ.get("RAYMILL_VERBOSE") != "1":  # schema set-up chatter on first use of a store;
+        for name in ("alembic", "mlflow"):  # after the import: importing mlflow configures its logger
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _experiment_id(client, name: str, uri: str, folder: str | None) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    # SQLite: artifacts beside the database, not in ./mlruns of whatever directory we run from.
+    # A server stores (or proxies) artifacts itself.
+    location = None
+    if uri.startswith("sqlite:") and folder:
+        location = Path(storage.local_path(folder)).resolve().joinpath("mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start(cfg: TrackingConfig, folder: str, run_name: str, tags: dict[str, str],
+          parent: Handle | None = None) -> Handle | None:
+    """Start an MLflow run for the output `folder`, or resume the unfinished one it already has."""
+    uri = store_uri(cfg, folder)
+    if uri is None or uri in _failed:
+        return None
+    probe: Handle = {"uri": uri, "run_id": "", "timeout_s": cfg.timeout_s}
+    return _start(probe, cfg, folder, run_name, tags, parent)
+
+
+@_guarded()
+def _start(probe: Handle, cfg: TrackingConfig, folder: str, run_name: str, tags: dict[str, str],
+           parent: Handle | None) -> Handle:
+    uri = probe["uri"]
+    client = _client(uri, cfg.timeout_s)
+    experiment_id = _experiment_id(client, cfg.experiment, uri, folder)
+    output = storage.local_path(folder) if not storage.is_remote(folder) else folder
+    output = str(Path(output).resolve()) if not storage.is_remote(folder) else output
+    # Ray Train resumes an interrupted stage in the same folder with the same config: so does this.
+    same = f"tags.`raymill.output` = '{output}' and attributes.status != 'FINISHED'"
+    if "raymill.config_hash" in tags:
+        same += f" and tags.`raymill.config_hash` = '{tags['raymill.config_hash']}'"
+    previous = client.search_runs([experiment_id], same, max_results=1)
+    if previous:
+        run = previous[0]
+        client.update_run(run.info.run_id, status="RUNNING")
+        log.info("tracking: resuming MLflow run %s", run.info.run_id)
+    else:
+        all_tags = {**tags, "raymill.output": output, "raymill.git_commit": code_version().get("git_commit", "")}
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent["run_id"]
+        run = client.create_run(experiment_id, tags=all_tags, run_name=run_name)
+    return {"uri": uri, "run_id": run.info.run_id, "experiment_id": experiment_id,
+            "timeout_s": cfg.timeout_s, "resumed": bool(previous)}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+    return flat
+
+
+@_guarded()
+def log_params(handle: Handle, params: dict[str, Any]) -> None:
+    """Log a nested dict as `a.b` params (values as text, MLflow's 6000-character limit)."""
+    from mlflow.entities import Param
+
+    client = _client(handle["uri"], handle["timeout_s"])
+    run = client.get_run(handle["run_id"])
+    have = run.data.params
+    items = [Param(k, v[:6000]) for k, v in _flatten(params).items() if k not in have]  # resume: keep first
+    for start_at in range(0, len(items), 100):  # MLflow's batch limit is 100 params
+        client.log_batch(handle["run_id"], params=items[start_at:start_at + 100])
+
+
+@_guarded()
+def log_metrics(handle: Handle, metrics: dict[str, Any], step: int | None = None) -> None:
+    import time
+
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    _client(handle["uri"], handle["timeout_s"]).log_batch(handle["run_id"], metrics=items)
+
+
+def log_epoch(handle: Handle | None, row: dict[str, Any]) -> None:
+    """Rank 0's per-epoch hook: the epoch's metrics, with the epoch number as MLflow's step."""
+    log_metrics(handle, {k: row[k] for k in EPOCH_METRICS if k in row}, step=int(row["epoch"]))
+
+
+@_guarded()
+def log_files(handle: Handle, files: dict[str, str | bytes], artifact_path: str | None = None) -> None:
+    """Upload `{name: local path or bytes}` into the run's artifacts (under `artifact_path`)."""
+    client = _client(handle["uri"], handle["timeout_s"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, content in files.items():
+            local = Path(tmp) / name
+            local.write_bytes(content if isinstance(content, bytes) else Path(content).read_bytes())
+            client.log_artifact(handle["run_id"], str(local), artifact_path)
+
+
+@_guarded()
+def register_model(handle: Handle, name: str, artifact_path: str = "model") -> str | None:
+    """Register the run's `model/` artifacts as a new version of `name`; returns the version."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(handle["uri"], handle["timeout_s"])
+    try:
+        client.create_registered_model(name, description="raymill image classifier (model.pt + model.json)")
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    source = f"{client.get_run(handle['run_id']).info.artifact_uri}/{artifact_path}"
+    return client.create_model_version(name, source, run_id=handle["run_id"]).version
+
+
+@_guarded()
+def _discard(handle: Handle) -> None:
+    """A refused stage did no work: a run started for it is deleted (each refusal had left a FAILED
+    run beside the real ones); a resumed run, which holds an earlier attempt's history, is ended."""
+    client = _client(handle["uri"], handle["timeout_s"])
+    if handle.get("resumed"):
+        client.set_terminated(handle["run_id"], status="FAILED")
+    else:
+        client.delete_run(handle["run_id"])
+
+
+@_guarded()
+def end(handle: Handle, status: str = "FINISHED") -> None:
+    _client(handle["uri"], handle["timeout_s"]).set_terminated(handle["run_id"], status=status)
+
+
+# ---- stage runs: what the pipeline and the CLI call ---------------------------------------------
+def _data_params(data: Artifact) -> dict[str, Any]:
+    counts = data.manifest.get("counts", {})
+    return {"path": data.path, "manifest_hash": config_hash(data.manifest),
+            "classes": len(data.manifest.get("classes", [])),
+            **{f"rows_{split}": sum(c.values()) for split, c in counts.items()}}
+
+
+def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | None) -> None:
+    """After publish: final metrics, artifacts, the registered model, and `tracking.json` beside it."""
+    if handle is None:
+        return
+    fs, root = storage.filesystem(artifact.path, s3)
+
+    def read(*names: str) -> dict[str, bytes]:
+        return {n: fs.cat_file(storage.join(root, n)) for n in names if fs.exists(storage.join(root, n))}
+
+    final = artifact.manifest.get("metrics", {})  # per-epoch names keep their per-epoch histories
+    log_metrics(handle, {k: v for k, v in final.items() if k not in EPOCH_METRICS})
+    log_files(handle, read("model.json", "curves.png", "manifest.json", "search.png", "trials.md"))
+    log_files(handle, read("model.pt", "model.json"), artifact_path="model")
+    version = register_model(handle, cfg.tracking.model_name)
+    end(handle, "FINISHED")
+    if handle["uri"] in _failed:
+        return  # nothing to point at: the run is incomplete
+    record = {**{k: v for k, v in handle.items() if k != "resumed"},
+              "model_name": cfg.tracking.model_name if version else None, "model_version": version}
+    storage.write_bytes_atomic(fs, storage.join(root, TRACKING_FILE), json.dumps(record, indent=2).encode())
+    log.info("tracking: MLflow run %s%s; browse with: %s", handle["run_id"],
+             f", model {cfg.tracking.model_name} v{version}" if version else "", ui_command(handle["uri"]))
+
+
+def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: str,
+             section: dict[str, Any], body: Callable[[Handle | None], Artifact],
+             reuse: Callable[[], Artifact | None] | None) -> Artifact:
+    if not cfg.tracking.enabled:
+        return body(None)
+    # The stage's output lock first (the stage takes it again, re-entrantly): a second run refused
+    # for a busy output had resumed the running job's MLflow run and marked it FAILED.
+    with locks.output_lock(out, stage, cfg.s3):
+        if reuse is not None and (done := reuse()) is not None:
+            return done  # its MLflow run and model version stand: a new run had registered it again
+        handle = start(cfg.tracking, store or out, f"{cfg.run.name}-{stage}",
+                       {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
+        log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
+                            "code": code_version()})
+        try:
+            artifact = body(handle)
+        except ConfigError:  # refused before any work (another config in the output, a bad key)
+            _discard(handle)
+            raise
+        except BaseException:
+            end(handle, "FAILED")
+            raise
+        _finish(cfg, handle, artifact, cfg.s3)
+    return artifact
+
+
+def train(cfg: Config, data: Artifact, out: str, fit: Callable[[Handle | None], Artifact],
+          store: str | None = None, reuse: Callable[[], Artifact | None] | None = None) -> Artifact:
+    """Run `fit(handle)` (the train stage) as one MLflow run in the store of `store` (default `out`).
+
+    `fit` passes the handle to the rank-0 worker for per-epoch metrics (`log_epoch`). `reuse()`,
+    called under the output's lock, returns the model `out` already holds for this run, if any:
+    then nothing is fitted or tracked again.
+    """
+    return _tracked(cfg, data, out, store, "train", section_dict(cfg.train), fit, reuse)
+
+
+def tune(cfg: Config, data: Artifact, out: str, fit: Callable[[list], Artifact],
+         store: str | None = None, reuse: Callable[[], Artifact | None] | None = None) -> Artifact:
+    """Run `fit(callbacks)` (the tune stage) as a parent MLflow run; each trial becomes a child run.
+    `reuse` as for `train`."""
+    section = {**section_dict(cfg.tune), "train": section_dict(cfg.train)}
+    return _tracked(cfg, data, out, store, "tune", section,
+                    lambda parent: fit(tune_callbacks(parent, cfg.tracking, cfg.tune.max_epochs)), reuse)
+
+
+def find(model_path: str, s3: Any | None = None) -> dict[str, Any] | None:
+    """The MLflow run recorded beside a published model (`tracking.json`), if any."""
+    fs, root = storage.filesystem(model_path, s3)
+    path = storage.join(root, TRACKING_FILE)
+    return storage.read_json(fs, path) if fs.exists(path) else None
+
+
+def log_infer(cfg: Config, model_path: str, preds: Artifact, own_run: bool = False) -> None:
+    """Batch inference's accuracy goes into the MLflow run of the model it used (the pipeline's
+    infer on its own test split), or with `own_run` into a child run of it (`raymill infer` on any
+    data: each such run had overwritten the model run's infer_accuracy with its own)."""
+    if not cfg.tracking.enabled:
+        return
+    handle = find(model_path, cfg.s3)
+    if handle is None:
+        log.info("tracking: %s has no %s (trained untracked); infer metrics not tracked", model_path,
+                 TRACKING_FILE)
+        return
+    target = _child_run(handle, {"mlflow.parentRunId": handle["run_id"], "raymill.stage": "infer",
+                                 "raymill.output": preds.path}) if own_run else handle
+    metrics = preds.manifest.get("metrics", {})
+    log_metrics(target, {f"infer_{k}": metrics[k] for k in ("accuracy", "rows", "errors", "images_per_s")
+                         if k in metrics})
+    log_files(target, {"infer_manifest.json": json.dumps(preds.manifest, indent=2).encode()})
+    if own_run:
+        end(target, "FINISHED")
+
+
+@_guarded()
+def _child_run(parent: Handle, tags: dict[str, str]) -> Handle:
+    client = _client(parent["uri"], parent["timeout_s"])
+    run = client.create_run(parent["experiment_id"], tags=tags, run_name="infer")
+    return {**parent, "run_id": run.info.run_id}
+
+
+def tune_callbacks(parent: Handle | None, cfg: TrackingConfig, max_epochs: int) -> list:
+    """Callbacks for the Tuner's `RunConfig(callbacks=...)`: one child MLflow run per trial under `parent`.
+
+    Ray's `MLflowLoggerCallback`, guarded like the rest of this module, and ending a trial that the
+    scheduler stopped before `max_epochs` as KILLED with tag `raymill.outcome=stopped_early`.
+    """
+    if parent is None:
+        return []
+    from stages.common.tracking_tune import TrialLogger  # imports Ray: only when a search runs
+
+    return [TrialLogger(tracking_uri=parent["uri"], experiment_name=cfg.experiment, max_epochs=max_epochs,
+                        tags={"mlflow.parentRunId": parent["run_id"], "raymill.stage": "tune-trial"})]
+

@@ -1,0 +1,80 @@
+"""Tune's MLflow logger: Ray's `MLflowLoggerCallback`, made failure-proof and outcome-aware.
+
+Separate from stages/common/tracking.py because it imports Ray at module level (a Tuner pickles its
+callbacks by reference, so the class must live at module level).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ray.air.integrations.mlflow import MLflowLoggerCallback
+
+from stages.common import trials
+from stages.common.tracking_guard import has_failed, warn_failure
+
+__all__ = ["TrialLogger"]
+
+
+class TrialLogger(MLflowLoggerCallback):
+    """One child run per trial, tagged `raymill.outcome` by trials.md's rule: a trial the scheduler
+    (ASHA) stopped before its planned epochs ends KILLED (`stopped_early`); failed and diverged trials
+    FAILED; the rest FINISHED."""
+
+    def __init__(self, *, max_epochs: int, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.max_epochs = max_epochs
+
+    def _guard(self, what: str, fn: Callable, *args: Any) -> None:
+        uri = self.tracking_uri or ""
+        if has_failed(uri):
+            return
+        try:
+            fn(*args)
+        except Exception as e:  # a dead server must not stop the search
+            warn_failure(uri, e, f"the search goes on untracked ({what})")
+
+    def setup(self, *args: Any, **kwargs: Any) -> None:
+        # A dead server must cost one short request, not MLflow's default retries with backoff.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        self._trial_runs = {}
+        self._guard("setup", super().setup)
+
+    def log_trial_start(self, trial) -> None:
+        if trial in self._trial_runs:  # restarted by a PBT exploit: a donor's weights, an explored config
+            self._guard("trial exploit", self._log_explored, trial)
+        else:
+            self._guard("trial start", super().log_trial_start, trial)
+            self._guard("trial start", self._log_explored, trial)
+
+    def _log_explored(self, trial) -> None:
+        """The trial's numeric config as metrics `config.<key>` at its current iteration. MLflow
+        params are write-once: logging PBT's explored lr as a param again raised, and the one
+        warning then turned tracking off for the rest of the search, its model included."""
+        from mlflow import MlflowClient
+
+        step = int((trial.last_result or {}).get("training_iteration", 0))
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        for key, value in trial.config.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                client.log_metric(self._trial_runs[trial], f"config.{key}", float(value), step=step)
+
+    def log_trial_result(self, iteration: int, trial, result: dict) -> None:
+        if trial in self._trial_runs:
+            self._guard("trial result", super().log_trial_result, iteration, trial, result)
+
+    def log_trial_end(self, trial, failed: bool = False) -> None:
+        if trial in self._trial_runs:
+            self._guard("trial end", self._end, trial, failed)
+
+    def _end(self, trial, failed: bool) -> None:
+        outcome, epochs, _ = trials.ended(trial, failed, self.max_epochs)  # trials.md's rule
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        run_id = self._trial_runs[trial]
+        client.set_tag(run_id, "raymill.outcome", outcome)
+        client.set_tag(run_id, "raymill.epochs", str(epochs))
+        # a diverged trial (NaN loss) left no usable model: FAILED, its tag says why
+        client.set_terminated(run_id, status={"failed": "FAILED", "diverged": "FAILED",
+                                              "stopped_early": "KILLED"}.get(outcome, "FINISHED"))

@@ -1,0 +1,399 @@
+"""ETL stage: an ImageFolder tree (local or s3://) -> checksummed parquet and WebDataset tar shards.
+
+Layout of the work (measured, see benchmarks/RESULTS.md): the driver lists paths and plans one
+Ray Data row per shard; each task opens, decodes and writes its own files and returns only
+metadata. Image bytes never travel through the object store, so memory stays flat as input grows.
+
+Publishing: shards carry the run id in their names and `manifest.json` is written last, in one
+atomic write. A reader sees the old output or the new one, never a mix or a partial shard.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stages.common import storage
+from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, new_run_id, write_manifest
+from stages.common.config import ConfigError, EtlConfig, section_dict
+from stages.common.locks import LOCK_NAME, output_lock
+from stages.etl import shards
+from stages.etl import sources
+from stages.etl.shards import count_rows
+
+__all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
+           "root_cause", "check_apart"]
+
+log = logging.getLogger(__name__)
+
+
+class EtlError(RuntimeError):
+    """The ETL job failed; nothing was published."""
+
+
+class OutputExistsError(ConfigError):
+    """The output already holds a published dataset and overwrite was not asked for."""
+
+
+class InputNotFoundError(ConfigError):
+    """The input path does not exist, or is not what the stage reads (a file, another stage's output)."""
+
+
+@dataclass(frozen=True)
+class Listing:
+    classes: list[str]
+    files: list[tuple[str, int]]  # (path relative to source as the OS names it, size in bytes) in class folders
+    rejected: list[dict[str, Any]]  # quarantine rows found by listing (loose files, links, FIFOs): never read
+    hidden: int  # dotfiles such as .DS_Store, skipped and counted
+    fingerprint: str = ""  # names, sizes and mtimes of everything listed: changes when the source does
+
+
+def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source") -> Listing:
+    """List an ImageFolder tree: the class is the first folder under `source`."""
+    fs, root = storage.filesystem(source, s3)
+    if not fs.exists(root) or not fs.isdir(root):
+        what = "is a file, not a folder" if fs.exists(root) else "does not exist"
+        raise InputNotFoundError(f"input '{source}' {what}; pass --input (run.source for `raymill run`) "
+                                 f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file>")
+    entries, hidden = sources.list_tree(fs, root, follow_symlinks)
+    files, rejected, classes, spellings = [], [], set(), {}
+    for entry in entries:
+        if entry.problem:
+            rejected.append(sources.entry_row(entry))
+        elif "/" not in entry.rel:
+            rejected.append(sources.entry_row(replace(entry, problem=(
+                "outside_class_folder", "file is not inside a <class_name>/ folder"))))
+        else:
+            folder = entry.rel.split("/", 1)[0]
+            name = sources.class_name(folder)
+            classes.add(name)
+            spellings.setdefault(name, set()).add(folder)
+            files.append((entry.rel, entry.size))
+    if not files:
+        raise InputNotFoundError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
+                       f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
+    sources.check_spellings(spellings)
+    # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
+    # is the folders (_log_summary names every class without a usable image)
+    empty = sorted(set(sources.top_folders(fs, root)) - classes)
+    return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty))
+
+
+def sample_key(relpath: str) -> str:
+    """Stable id of a source file: dot-free (WebDataset keys) and independent of the run."""
+    return storage.sha256_bytes(sources.name_bytes(relpath))[:20]
+
+
+def split_of(relpath: str, fractions: Any) -> str:
+    """Hash-based split: adding files never moves an existing file to another split."""
+    u = int(storage.sha256_bytes(b"split:" + sources.name_bytes(relpath))[:16], 16) / 16**16
+    if u < fractions.train:
+        return "train"
+    return "val" if u < fractions.train + fractions.val else "test"
+
+
+def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[dict[str, Any]]:
+    """One task per shard. Files are ordered by key, a hash, so shards mix classes.
+
+    Shards hold at most etl.shard_max_rows rows, and fewer when that would leave fewer than
+    `parallelism` (etl.min_shards) tasks; it is config, not the cluster's size, so the same
+    config gives the same shards anywhere. One 1,000-row task on a 2,000-image job would keep a core idle for half
+    the run (measured, benchmarks/RESULTS.md).
+    """
+    label_of = {name: i for i, name in enumerate(listing.classes)}
+    by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
+    for rel, size in listing.files:
+        label = label_of[sources.class_of(rel)]
+        by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label, size))
+    rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
+    tasks = []
+    for split, items in by_split.items():
+        items.sort()
+        for index, start in enumerate(range(0, len(items), rows_per_task)):
+            tasks.append({"split": split, "index": index, "items": items[start:start + rows_per_task]})
+    return tasks
+
+
+def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
+        overwrite: bool = False) -> Artifact:
+    """Run ETL from `source` into `out` and return the published artifact.
+
+    The output is locked for the run (stages.common.locks): a second run on it exits 2 naming this one.
+    """
+    check_apart(source, out)
+    if (kind := manifest_kind(*storage.filesystem(source, s3))) is not None:  # once "100% bad files"
+        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
+    _check_task_fits(cfg)
+    with output_lock(out, "etl", s3):
+        return _run_locked(cfg, source, out, s3, overwrite)
+
+
+def check_apart(source: str, out: str, key: str = "--output") -> None:
+    """Refuse an output inside the input (or the input itself): its files would become images of a
+    class named after it on the next run, and --overwrite would write into the source (ETL, infer).
+    `key` is what the user set the output with (`run.dir` for the pipeline)."""
+    def norm(uri: str) -> str:
+        return (uri.rstrip("/") if storage.is_remote(uri) else storage.local_path(uri).rstrip("/")) + "/"
+
+    if norm(out).startswith(norm(source)):
+        raise ConfigError(f"output '{out}' is inside the input '{source}'; choose a {key} outside the "
+                          "input folder")
+
+
+def _check_task_fits(cfg: EtlConfig) -> None:
+    """Refuse a task size no node can run: Ray Data would wait for it forever."""
+    import ray
+
+    from stages.common import cluster
+
+    nodes = cluster.node_resources() if ray.is_initialized() else []
+    if nodes and cluster.units_that_fit({"CPU": cfg.cpus_per_task}, nodes) == 0:
+        largest = max(n.get("CPU", 0.0) for n in nodes)
+        raise ConfigError(f"etl.cpus_per_task={cfg.cpus_per_task:g} exceeds the CPUs of every node (the "
+                          f"largest has {largest:g}): its tasks would wait forever; lower etl.cpus_per_task")
+
+
+def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:
+    started = time.perf_counter()
+    listing = discover(source, s3, cfg.follow_symlinks)
+    out_fs, out_root = storage.filesystem(out, s3)
+    previous = _check_output(out_fs, out_root, out, overwrite)
+    run_id = new_run_id()
+    tasks = plan_tasks(listing, cfg, parallelism=cfg.min_shards)
+    log.info("etl: %d files in %d classes -> %d shard task(s), run %s",
+             len(listing.files), len(listing.classes), len(tasks), run_id)
+    try:
+        results = _execute(tasks, cfg, source, out, s3, run_id, listing.classes)
+        quarantine = _quarantine_rows(results, listing)
+        _check_bad_fraction(cfg, quarantine, len(listing.files) + len(listing.rejected), out)
+        manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
+        quarantine_rel = f"quarantine-{run_id}.jsonl"
+        manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
+        _publish(out, manifest, s3, out_fs, out_root)
+    except BaseException:
+        # A write can raise after the store committed it (an S3 response timeout): then the
+        # manifest names these shards, and deleting them would publish a dataset with holes.
+        if _published_run(out_fs, out_root) not in (run_id, "unknown"):
+            _remove_run_files(out_fs, out_root, run_id)
+        raise
+    _remove_stale(out_fs, out_root, manifest, previous)
+    _log_summary(manifest)
+    return Artifact("etl", str(out).rstrip("/"), manifest)
+
+
+def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse a used output unless overwriting; return the manifest being replaced, if any."""
+    manifest_path = storage.join(root, "manifest.json")
+    if fs.exists(manifest_path):
+        if not overwrite:
+            raise OutputExistsError(f"output '{out}' already holds a published dataset; pass --overwrite "
+                                    f"to replace it (atomically), or choose another --output")
+        return storage.read_json(fs, manifest_path)
+    ours = [p for p in fs.find(root) if not p.endswith("/" + LOCK_NAME)] if fs.exists(root) else []
+    if ours and not overwrite:
+        raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
+                                f"--output so two runs' shards never mix")
+    return None
+
+
+def _publish(out: str, manifest: dict[str, Any], s3: Any | None, fs, root: str) -> None:
+    """Write the manifest: the publish step. A write that raised after the store committed it
+    (a response timeout on S3) is a publish, not a failure: the manifest names these shards."""
+    try:
+        write_manifest(out, manifest, s3)
+    except Exception as e:
+        if _published_run(fs, root) != manifest["run_id"]:
+            raise
+        log.warning("etl: the manifest write raised %s: %s, but the store committed it; published",
+                    type(e).__name__, e)
+
+
+def _published_run(fs, root: str) -> str | None:
+    """run_id of the manifest in `root` now; None when there is none; "unknown" when unreadable."""
+    try:
+        fs.invalidate_cache(root)
+        return storage.read_json(fs, storage.join(root, "manifest.json")).get("run_id")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # the endpoint that just failed may still be failing: keep the files
+        log.warning("etl: cannot tell whether the manifest was published (%s); keeping this run's files; "
+                    "check with: raymill verify", e)
+        return "unknown"
+
+
+def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, classes: list[str]):
+    import ray.data
+
+    fn_kwargs = {"cfg": section_dict(cfg), "source": source, "out": out,
+                 "s3": storage.s3_options(s3), "run_id": run_id, "classes": classes}
+    rows = [{"task": json.dumps(t)} for t in tasks]
+    # Each row is a whole shard's work and returns only metadata, so Ray Data's per-operator
+    # reservation (which held this pipeline to one task at a time here) buys nothing.
+    ray.data.DataContext.get_current().op_resource_reservation_enabled = False
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
+    ds = ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cfg.cpus_per_task)
+    try:
+        return [json.loads(row["result"]) for row in ds.iter_rows()]
+    except Exception as e:
+        raise EtlError(f"ETL task failed, nothing was published: {root_cause(e)}") from e
+
+
+def root_cause(e: BaseException) -> str:
+    """The deepest exception of the chain that says something. A Ray task or actor error's text is
+    the remote traceback: its last line is the remote error (Ray Data's SystemException under it
+    is empty, and once was all an actor that failed to start left in the message)."""
+    said = e
+    while e.__cause__ is not None:
+        e = e.__cause__
+        said = e if str(e).strip() else said
+    text = str(said).strip()
+    if '\n  File "' in text:  # a remote traceback: its last line names the error
+        text = text.splitlines()[-1]
+    return f"{type(said).__name__}: {text}"
+
+
+def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:
+    rows = [q for r in results for q in r["quarantine"]]
+    rows += listing.rejected
+    return sorted(rows, key=lambda q: q["path"])
+
+
+def _check_bad_fraction(cfg: EtlConfig, quarantine: list, files_in: int, out: str) -> None:
+    fraction = len(quarantine) / max(1, files_in)
+    if fraction > cfg.max_bad_fraction:
+        reasons = Counter(q["reason"] for q in quarantine).most_common()
+        raise EtlError(f"{len(quarantine)} of {files_in} files ({fraction:.0%}) are bad, over "
+                       f"etl.max_bad_fraction={cfg.max_bad_fraction}; reasons: {dict(reasons)}. "
+                       f"Fix the input or raise etl.max_bad_fraction; nothing was published to '{out}'")
+
+
+def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dict[str, Any]:
+    shard_list = sorted((s for r in results for s in r["shards"]), key=lambda s: s["path"])
+    counts: dict[str, dict[str, int]] = {"train": {}, "val": {}, "test": {}}
+    for r in results:
+        for name, n in r["counts"].items():
+            counts[r["split"]][name] = counts[r["split"]].get(name, 0) + n
+    rows_out = sum(sum(c.values()) for c in counts.values())
+    seconds = time.perf_counter() - started
+    manifest = base_manifest("etl", section_dict(cfg), {"source": str(source),
+                                                       "source_listing": listing.fingerprint})
+    manifest.update({
+        "run_id": run_id, "classes": listing.classes,
+        "image_shape": [cfg.image_size, cfg.image_size, 3],
+        "counts": {split: dict(sorted(c.items())) for split, c in counts.items()},
+        "shards": shard_list,
+        "totals": {"files_in": len(listing.files) + len(listing.rejected), "rows_out": rows_out,
+                   "quarantined": len(quarantine), "hidden_skipped": listing.hidden},
+        "metrics": {"seconds": round(seconds, 3), "images_per_s": round(rows_out / seconds, 1),
+                    "mb_written": round(sum(s["bytes"] for s in shard_list) / 1e6, 3)},
+    })
+    totals = manifest["totals"]
+    if totals["files_in"] != totals["rows_out"] + totals["quarantined"]:  # not assert: python -O drops those
+        raise EtlError(f"files_in={totals['files_in']} != rows_out={totals['rows_out']} + quarantined="
+                       f"{totals['quarantined']}: a file was lost; nothing was published. Please report this")
+    return manifest
+
+
+def _write_quarantine(fs, root: str, relative: str, quarantine: list) -> dict[str, Any]:
+    data = "".join(json.dumps(q, sort_keys=True) + "\n" for q in quarantine).encode()
+    storage.write_bytes_atomic(fs, storage.join(root, relative), data)
+    return {"path": relative, "count": len(quarantine), "sha256": storage.sha256_bytes(data),
+            "bytes": len(data), "reasons": dict(Counter(q["reason"] for q in quarantine))}
+
+
+def _remove_run_files(fs, root: str, run_id: str) -> None:
+    """Best effort: delete this run's unpublished files (the manifest never named them)."""
+    try:
+        for path in fs.find(root):
+            if run_id in path.rsplit("/", 1)[-1]:
+                fs.rm_file(path)
+    except Exception as e:  # the endpoint may be the thing that failed
+        log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
+
+
+def _remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
+    """After an overwrite is published, delete the files of the manifest it replaced.
+
+    Only files that manifest named: another run's shards, or anything else in the folder, are not
+    ours to delete (a killed run's leftovers are listed in the log for the user to remove).
+    """
+    keep = {s["path"] for s in manifest["shards"]} | {manifest["quarantine"]["path"]}
+    named = set()
+    if previous:
+        named = {s["path"] for s in previous.get("shards", [])} | {previous.get("quarantine", {}).get("path")}
+    for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
+        if _is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
+            fs.rm_file(storage.join(root, relative))
+    fs.invalidate_cache(root)
+    leftovers = [p for p in fs.find(root) if _is_shard_file(p[len(root):].lstrip("/"))
+                 and p[len(root):].lstrip("/") not in keep | named]
+    if leftovers:
+        log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
+                    len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
+
+
+def _is_shard_file(relative: str) -> bool:
+    return relative.startswith("shards/") or relative.startswith("quarantine-")
+
+
+def _log_summary(m: dict[str, Any]) -> None:
+    t, x = m["totals"], m["metrics"]
+    log.info("etl: files_in=%d rows_out=%d quarantined=%d images/s=%.1f MB_written=%.2f seconds=%.1f",
+             t["files_in"], t["rows_out"], t["quarantined"], x["images_per_s"], x["mb_written"], x["seconds"])
+    empty = [c for c in m["classes"] if not any(counts.get(c) for counts in m["counts"].values())]
+    if empty:  # still a class (the label space is the folders), but a model never sees one of it
+        log.warning("etl: class(es) %s have no usable image (the folder is empty or every file was quarantined); "
+                    "a model trained on this data never learns them: fix or remove those folders", empty)
+    if len(m["classes"]) == 1:  # it trains to accuracy 1.000 and answers that class for any image
+        log.warning("etl: one class (%s): a classifier needs at least two class folders", m["classes"][0])
+    untrained = [c for c in m["classes"] if c not in empty and not m["counts"]["train"].get(c)]
+    if untrained:  # a split hashes each file: a class of a few images can miss the train split
+        log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "
+                    "them: add images to those folders or raise etl.split.train", untrained)
+
+
+def verify(out: str, s3: Any | None = None) -> list[str]:
+    """Recompute every shard's size, sha256 and row count; return one line per problem."""
+    artifact = load_artifact(out, "etl", s3)  # no manifest, or another stage's: the caller's error
+    fs, root = storage.filesystem(out, s3)
+    manifest = artifact.manifest
+    if not isinstance(manifest.get("shards"), list) or not isinstance(manifest.get("quarantine"), dict):
+        return ["manifest.json lists no shards or no quarantine file: not an ETL manifest raymill wrote"]
+    problems = _rows_add_up(manifest)
+    for entry in manifest["shards"] + [{**manifest["quarantine"], "format": None}]:
+        problems += _entry_problems(fs, root, entry)
+    return problems
+
+
+def _rows_add_up(manifest: dict[str, Any]) -> list[str]:
+    """Each format's shards hold every row once: a shard listed twice or left out shows here."""
+    rows_out, problems = manifest.get("totals", {}).get("rows_out"), []
+    for fmt in sorted({s.get("format") for s in manifest["shards"]}):
+        held = sum(s.get("rows", 0) for s in manifest["shards"] if s.get("format") == fmt)
+        if held != rows_out:
+            problems.append(f"the {fmt} shards hold {held} rows, the manifest's totals say rows_out={rows_out}")
+    return problems
+
+
+def _entry_problems(fs, root: str, entry: dict[str, Any]) -> list[str]:
+    rel = str(entry.get("path", ""))
+    if not rel or rel.startswith("/") or ".." in rel.split("/"):  # a manifest must not point outside
+        return [f"outside the output: {rel!r}"]
+    path = storage.join(root, rel)
+    try:
+        if not fs.isfile(path):
+            return [f"missing: {rel}"]
+        digest, size = storage.sha256_file(fs, path)
+        if size != entry["bytes"]:
+            return [f"truncated or resized: {rel} has {size} bytes, manifest says {entry['bytes']}"]
+        if digest != entry["sha256"]:
+            return [f"altered: {rel} sha256 {digest[:12]}... != manifest {entry['sha256'][:12]}..."]
+        if entry["format"] and count_rows(fs, path, entry["format"]) != entry["rows"]:
+            return [f"row count differs: {rel}"]
+    except (OSError, KeyError, ValueError) as e:  # unreadable, or a manifest entry without its fields
+        return [f"unreadable: {rel} ({type(e).__name__})"]
+    return []

@@ -1,0 +1,345 @@
+"""Batch inference stage: an exported model over ETL shards or a raw image folder (local or s3://).
+
+Layout of the work (the ETL lesson, PLATFORM.md): the driver plans small work items (one per shard,
+or one per raw file, a few hundred to a block). Two plans (`infer.decode`, session.plan_infer):
+- `actor` (the CPU default): each Ray Data actor loads the model once, then opens and decodes its
+  own files. Image bytes never cross the object store; only prediction rows do.
+- `tasks` (the GPU default): Ray Data CPU tasks read and decode (stages.infer.decode), and a pool
+  of actors holding the devices only predicts, infer.batch_size images a call. Decoded pixels
+  cross the object store, and the GPU no longer waits for JPEG decoding on its actor's few CPUs.
+Both report the device's busy time (CUDA events around the forward pass, stages.feed.meters).
+
+Preprocessing is the project's one eval transform: `predict.preprocess` for raw files (what ETL
+stores for training) and `data.decode_sample` for shards, so batch inference, serving and the
+train stage's test evaluation agree prediction for prediction.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from stages.common import session, storage
+from stages.common.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
+                                     write_manifest)
+from stages.common.config import InferConfig, section_dict
+from stages.common.locks import output_lock
+from stages.infer import decode as infer_decode
+from stages.feed import meters
+from stages.model import predict
+from stages.etl import sources
+from stages.feed import streaming
+from stages.etl.stage import InputNotFoundError, check_apart, root_cause
+
+__all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
+
+log = logging.getLogger(__name__)
+
+FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
+
+SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
+                    ("class_name", pa.string()), ("class_index", pa.int32()),
+                    ("top_k_classes", pa.list_(pa.string())), ("top_k_probs", pa.list_(pa.float64())),
+                    ("error", pa.string()), ("error_detail", pa.string())])
+# What the actors return: SCHEMA plus each row's share of its batch's device busy seconds, summed
+# by the driver (over every actor) and dropped before publishing.
+BUSY = pa.field("busy_s", pa.float64())
+
+
+class InferError(RuntimeError):
+    """Batch inference failed; nothing was published."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str  # "etl" (shards of one split) or "images" (raw files)
+    items: list[dict[str, Any]]  # work items, one Ray Data row each
+    blocks: int
+    rows: int  # prediction rows the output must hold: one per sample, errors included
+    reader: dict[str, Any]  # how the actors read the items (Predictor kwargs)
+    inputs: dict[str, Any]  # provenance for the manifest
+
+
+def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None) -> Artifact:
+    """Predict every image of `source` with the model in `model_path`; publish into `out`.
+
+    `out` is locked for the run, and refused when it holds another stage's output (exit 2).
+    """
+    check_apart(source, out)  # predictions written among the images would be read as images next time
+    with output_lock(out, "infer", s3):
+        return _run_locked(cfg, model_path, source, out, s3)
+
+
+def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: Any | None) -> Artifact:
+    started = time.perf_counter()
+    # Actors may run in another working directory or on another node: hand them absolute paths.
+    model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
+    _, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
+    resources = session.cluster_resources()
+    decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
+    plan = _plan(cfg, source, info, s3, max(decode["num_actors"], decode["decode_tasks"]))
+    unpublish(out, s3)
+    log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
+             plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
+                                                               if decode["decode_tasks"] else ""))
+    table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
+    table = table.sort_by([("path", "ascending"), ("key", "ascending")])
+    if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
+        raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
+    metrics = _metrics(table, info["classes"], time.perf_counter() - started)
+    metrics.update(_device_metrics(cfg, decode, metrics["rows"] - metrics["errors"], busy_s, wall_s))
+    inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
+              "model_version": info.get("version"), **plan.inputs}
+    manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
+    log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
+             "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
+             metrics["device_busy_s"], 100 * metrics["device_utilisation"], metrics["decode"], metrics["errors"],
+             metrics.get("accuracy"))
+    return Artifact("infer", str(out).rstrip("/"), manifest)
+
+
+def _publish(cfg: InferConfig, out: str, s3: Any | None, table: pa.Table, metrics: dict, inputs: dict,
+             kind: str, classes: list[str]) -> dict[str, Any]:
+    """Write predictions and metrics, then the manifest (the publish step, last); return it."""
+    fs, root = storage.filesystem(out, s3)
+    files = {"predictions.parquet": _parquet_bytes(table),
+             "metrics.json": json.dumps(metrics, indent=2).encode()}
+    for name, payload in files.items():
+        storage.write_bytes_atomic(fs, storage.join(root, name), payload)
+    manifest = base_manifest("infer", section_dict(cfg), inputs)
+    manifest.update({"source_kind": kind, "classes": classes,
+                     "metrics": {k: v for k, v in metrics.items() if k != "confusion"},  # the CLI prints these
+                     "files": {n: {"bytes": len(b), "sha256": storage.sha256_bytes(b)}
+                               for n, b in files.items()}})
+    write_manifest(out, manifest, s3)
+    return manifest
+
+
+def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None, parallel: int) -> Plan:
+    """`parallel`: how many workers read at once (actors, or decode tasks): raw files get at least
+    that many blocks."""
+    fs, root = storage.filesystem(source, s3)
+    if not fs.exists(root):
+        raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
+    if _raymill_kind(fs, root) == "raymill.etl":
+        return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
+    if not fs.isdir(root):
+        raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
+    return _plan_files(fs, root, source, parallel, infer_decode.read_rules(info)["follow_symlinks"])
+
+
+def _raymill_kind(fs, folder: str) -> str | None:
+    """The kind a raymill manifest names; None for no manifest, or a manifest.json that is some
+    other tool's file among the images (the folder is then read as images)."""
+    kind = manifest_kind(fs, folder)
+    if kind not in (None, "raymill.etl"):
+        raise InputNotFoundError(f"'{folder}' is a {kind} output; pass an ETL output or an image folder")
+    return kind
+
+
+def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
+    """One item per shard of `cfg.split`; parquet when ETL wrote it (one read, no tar parsing)."""
+    m = data.manifest
+    fmt = "parquet" if "parquet" in m["config"]["formats"] else "tar"
+    refs = streaming.shard_refs(m, data.path, cfg.split, fmt)
+    if not refs:
+        raise InferError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
+                         f"(counts: {m['counts']}); choose another infer.split")
+    raw = storage.stored_raw(m, fmt)
+    if raw and m["config"]["image_size"] != info["image_size"]:
+        raise InferError(f"'{data.path}' stores raw {m['config']['image_size']} px pixels but the model "
+                         f"expects {info['image_size']} px; re-run ETL at that size or with encoded parquet")
+    items = [asdict(r) for r in refs]
+    return Plan("etl", items, len(items), sum(r.rows for r in refs),
+                {"mode": "etl", "raw": raw, "etl_classes": m["classes"]},
+                {"format": fmt, "split": cfg.split, "data_run_id": m.get("run_id")})
+
+
+def _plan_files(fs, root: str, source: str, parallel: int, follow_symlinks: str) -> Plan:
+    """Every non-hidden entry is an item: links out of the folder (as the training data's
+    etl.follow_symlinks judged them), FIFOs and unreadable files come back as error rows (never
+    read, never dropped); a non-UTF-8 name travels as hex bytes."""
+    entries, hidden = sources.list_tree(fs, root, follow_symlinks)
+    items = []
+    for e in entries:
+        name = sources.shown(e.rel)
+        reason, detail = e.problem or ("", "")
+        items.append({"path": name, "name_hex": "" if name == e.rel else sources.name_bytes(e.rel).hex(),
+                      "size": e.size, "reason": reason, "detail": detail})
+    if not items:
+        raise InferError(f"no files under '{source}'; pass an image folder or an ETL output")
+    blocks = max(min(len(items), parallel), math.ceil(len(items) / FILES_PER_BLOCK))
+    return Plan("images", items, blocks, len(items), {"mode": "images", "source": source},
+                {"files": len(items), "hidden_skipped": hidden})
+
+
+def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Ray Data's map_batches arguments for each stage, in order (no model, no data): `decode`
+    (infer.decode=tasks only: CPU tasks) and `predict` (the actor pool).
+
+    Every batch_size is explicit: Ray Data refuses batch_size=None when the actors ask for GPUs
+    (infer.use_gpu). Work items go one block's worth to a call (to the decode tasks, or to actors
+    that decode); decoded images reach the predicting actors infer.batch_size at a time. The actors
+    are a fixed pool, each holding its GPU for the whole run; the decode tasks get the CPUs the
+    pool leaves (session.plan_infer). Ray Data fuses a task stage into the next actor stage when
+    both ask for the same resources, so on a CPU with equal CPU requests the actors decode after all.
+    """
+    import ray.data
+
+    res = session.plan_infer(cfg, resources)
+    items = {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow"}
+    pool = {"compute": ray.data.ActorPoolStrategy(size=res["num_actors"]), "num_cpus": res["num_cpus"],
+            "num_gpus": res["num_gpus"]}
+    if res["decode"] == "actor":
+        return {"predict": {**items, **pool}}
+    return {"decode": {**items, "num_cpus": res["decode_cpus"],
+                       "compute": ray.data.TaskPoolStrategy(size=res["decode_tasks"])},
+            "predict": {"batch_size": cfg.batch_size, "batch_format": "pyarrow", **pool}}
+
+
+def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resources: dict[str, float],
+             s3: Any | None) -> tuple[pa.Table, float, float]:
+    """Run the plan: (prediction rows, device busy seconds summed over the actors, wall seconds)."""
+    import ray.data
+
+    stages = map_batches_kwargs(cfg, plan, resources)
+    actor = {"model_path": model_path, "s3": storage.s3_options(s3), "top_k": cfg.top_k, "use_gpu": cfg.use_gpu,
+             "threads": max(1, int(cfg.cpus_per_actor))}
+    ds = ray.data.from_items(plan.items, override_num_blocks=plan.blocks)
+    if "decode" in stages:
+        ds = ds.map_batches(infer_decode.decode_batch, **stages["decode"], fn_kwargs={
+            "info": info, "s3": actor["s3"], "reader": plan.reader, "rows_per_batch": cfg.batch_size})
+        ds = ds.map_batches(BatchPredictor, fn_constructor_kwargs=actor, **stages["predict"])
+    else:
+        ds = ds.map_batches(Predictor, fn_constructor_kwargs={**actor, "batch_size": cfg.batch_size, **plan.reader},
+                            **stages["predict"])
+    started = time.perf_counter()
+    try:
+        tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
+    except Exception as e:
+        raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
+    wall_s = time.perf_counter() - started
+    table = pa.concat_tables(tables) if tables else SCHEMA.append(BUSY).empty_table()
+    busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
+    return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
+
+
+class BatchPredictor:
+    """Ray Data actor (infer.decode=tasks): loads the model once, then predicts decoded images."""
+
+    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
+        torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
+        if use_gpu and not torch.cuda.is_available():  # Ray declared a GPU that torch cannot use
+            raise RuntimeError(f"infer.use_gpu: this actor holds a GPU in Ray, but torch {torch.__version__} sees no "
+                               f"CUDA device (CUDA build: {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); set infer.use_gpu=false, or give the "
+                               "GPU nodes a CUDA build of torch and working drivers")
+        self.model, self.info = predict.load_model(model_path, s3)
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.model.to(self.device)
+        self.top_k, self.meter = top_k, meters.StepMeter(self.device)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        samples = batch.select(["key", "path", "true_class"]).to_pylist()
+        errors, details = batch["error"].to_pylist(), batch["error_detail"].to_pylist()
+        good = [i for i, e in enumerate(errors) if e is None]
+        images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
+        busy = self.meter.busy_s()
+        rows = self._predict_rows(samples, good, images, errors, details)
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+    def _predict_rows(self, samples: list[dict], good: list[int], images, errors: list, details: list) -> list[dict]:
+        """One row per sample: a prediction for each of `good` (whose pixels are `images`, in order),
+        the error reason for the rest."""
+        preds = dict(zip(good, predict.predict_arrays(self.model, self.info, images, self.top_k, self.device,
+                                                      self.meter)))
+        return [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
+
+
+class Predictor(BatchPredictor):
+    """Ray Data actor (infer.decode=actor): loads the model once, then reads, decodes and predicts
+    its work items (stages.infer.decode.Reader), decoding in threads: Pillow releases the GIL."""
+
+    def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
+                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
+        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
+        self.batch_size = batch_size
+        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes)
+        self.pool = ThreadPoolExecutor(max_workers=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        samples = [s for item in batch.to_pylist() for s in self.reader.samples(item)]
+        rows: list[dict[str, Any]] = []
+        busy = self.meter.busy_s()
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start:start + self.batch_size]  # read lazily: one batch of bytes at a time
+            decoded = list(self.pool.map(self.reader.decode, chunk))
+            good = [i for i, d in enumerate(decoded) if d[0] is not None]
+            rows += self._predict_rows(chunk, good, [decoded[i][0] for i in good], [d[1] for d in decoded],
+                                       [d[2] for d in decoded])
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+
+def _with_busy(rows: list[dict[str, Any]], busy_s: float) -> pa.Table:
+    """Prediction rows, each with an equal share of the device busy seconds it took to make them."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    return table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
+
+
+def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None) -> dict[str, Any]:
+    """One output row; prediction columns stay null for an error row."""
+    row = {"key": sample["key"], "path": sample["path"], "true_class": sample["true_class"],
+           "error": error, "error_detail": detail}
+    if pred is not None:
+        row.update(class_name=pred["class_name"], class_index=pred["class_index"],
+                   top_k_classes=[t["class_name"] for t in pred["top_k"]],
+                   top_k_probs=[t["probability"] for t in pred["top_k"]])
+    return row
+
+
+def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, Any]:
+    """Counts, accuracy over labelled predicted rows, confusion matrix[true][predicted] in class order."""
+    true, pred = table["true_class"].to_pylist(), table["class_name"].to_pylist()
+    errors = [e for e in table["error"].to_pylist() if e]
+    pairs = [(t, p) for t, p in zip(true, pred) if t is not None and p is not None]
+    order = list(classes) + sorted({t for t, _ in pairs} - set(classes))  # data classes the model lacks
+    index = {c: i for i, c in enumerate(order)}
+    matrix = [[0] * len(order) for _ in order]
+    for t, p in pairs:
+        matrix[index[t]][index[p]] += 1
+    metrics: dict[str, Any] = {"rows": table.num_rows, "errors": len(errors), "labelled": len(pairs)}
+    if pairs:  # absent, not null, when no row has a known label
+        metrics["correct"] = sum(t == p for t, p in pairs)
+        metrics["accuracy"] = metrics["correct"] / len(pairs)
+    metrics.update({"error_reasons": dict(sorted(Counter(errors).items())), "seconds": round(seconds, 3),
+                    "images_per_s": round(table.num_rows / max(seconds, 1e-9), 1),
+                    "confusion": {"classes": order, "matrix": matrix}})
+    return metrics
+
+
+def _device_metrics(cfg: InferConfig, plan: dict, predicted: int, busy_s: float, wall_s: float) -> dict[str, Any]:
+    """The device's share of the run, as training reports it (stages.feed.meters): busy seconds summed
+    over the actors (CUDA events around each forward pass; on a CPU, the forward pass's wall time)
+    against the actors' wall (`predict_wall_s` x `actors`, the planned pool, from the plan's start
+    to its last row: model loads and waits for decoded images count as idle)."""
+    return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "actors": plan["num_actors"],
+            "predict_wall_s": round(wall_s, 3), "device_busy_s": round(busy_s, 4),
+            "device_utilisation": round(min(1.0, busy_s / max(wall_s * plan["num_actors"], 1e-9)), 4),
+            "device_images_per_s": round(predicted / max(busy_s, 1e-9), 1)}
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    pq.write_table(table, sink := io.BytesIO(), compression="zstd")
+    return sink.getvalue()

@@ -1,0 +1,186 @@
+"""Online serving: a Ray Serve app that classifies one image per /predict request, or N per
+Open Inference Protocol request (/v2/models/<serve.model_name>/infer, stages/serve/v2.py).
+
+Two deployments in one app, bound here: `Ingress` (stages/serve/http.py: FastAPI, limits, JSON
+errors, retry on a lost model replica) and `Classifier` (stages/serve/replica.py: decode, dynamic
+batching, forward pass).
+
+Serve's proxy answers a few cases itself with a plain-text body: 503 past max_queued_requests and
+408 past request_timeout_s. Note: the proxy honours a client's `x-request-timeout-seconds` header
+over request_timeout_s (0 disables it), so put a reverse proxy that strips it in front when the
+timeout is a protection, not just a default.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from ray import serve
+
+from stages.common import cluster, session
+from stages.common.config import ConfigError, RayConfig, ServeConfig
+from stages.serve.endpoint import base_url
+from stages.serve.http import Ingress
+from stages.serve.replica import Classifier
+
+__all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "base_url", "ingress_env",
+           "apply_ingress_env"]
+
+log = logging.getLogger(__name__)
+
+# Longest wait for other work to free room for a replica before `start` refuses the plan.
+ROOM_WAIT_S = 30.0
+SHUTDOWN_WAIT_S = 30.0  # how long stopping `raymill serve` waits for the app's replicas to go
+
+
+def deployment_options(cfg: ServeConfig, plan: session.ServePlan | None = None) -> dict[str, Any]:
+    """The model deployment's options: replicas or autoscaling, overload limits, resources.
+
+    `plan` (session.plan_serve) may turn the rollout surge off where it can never be scheduled.
+    """
+    gpus = cfg.gpus_per_replica if cfg.use_gpu else 0
+    options: dict[str, Any] = {
+        "max_ongoing_requests": cfg.max_ongoing_requests,
+        "max_queued_requests": cfg.max_queued_requests,  # past it callers get 503
+        # old replicas serve until replacements are up (0: replaced in place, see session.plan_serve)
+        "max_surge_percent": cfg.max_surge_percent if plan is None else plan.max_surge_percent,
+        # A killed replica is noticed at the next health check (default every 10 s): check often,
+        # so the replacement starts within seconds (the ingress retries calls meanwhile).
+        "health_check_period_s": 2.0,
+        "logging_config": {"enable_access_log": cfg.access_log},
+        "ray_actor_options": {"num_cpus": cfg.cpus_per_replica, "num_gpus": gpus,
+                              "memory": cfg.replica_memory_mb * 2**20},
+    }
+    if cfg.autoscaling:
+        if cfg.min_replicas > cfg.max_replicas:
+            raise ConfigError(f"serve.min_replicas={cfg.min_replicas} exceeds serve.max_replicas="
+                              f"{cfg.max_replicas}; set min_replicas <= max_replicas")
+        options["autoscaling_config"] = {"min_replicas": cfg.min_replicas, "max_replicas": cfg.max_replicas}
+    else:
+        options["num_replicas"] = cfg.num_replicas
+    return options
+
+
+def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None, plan: session.ServePlan | None = None):
+    """The bound Serve application (not yet running): ingress -> model deployment, or one
+    deployment holding both when serve.model_deployment is false."""
+    if not cfg.model_deployment:
+        return Ingress.options(**deployment_options(cfg, plan)).bind(None, cfg, model_path, s3)
+    model = serve.deployment(Classifier).options(**deployment_options(cfg, plan)).bind(cfg, model_path, s3)
+    ingress = Ingress.options(num_replicas=cfg.ingress_replicas, max_queued_requests=cfg.max_queued_requests,
+                              max_ongoing_requests=cfg.max_ongoing_requests,
+                              max_surge_percent=cfg.max_surge_percent,
+                              logging_config={"enable_access_log": cfg.access_log},
+                              ray_actor_options={"num_cpus": cfg.ingress_cpus})
+    return ingress.bind(model, cfg)
+
+
+def ingress_env(cfg: ServeConfig) -> dict[str, str]:
+    """Environment Serve reads once at start-up for `serve.ingress`; set it before ray.init.
+
+    "throughput_optimized" is Ray's RAY_SERVE_THROUGHPUT_OPTIMIZED=1 bundle (gRPC proxy->replica,
+    direct ingress on 127.0.0.1, user code on the replica's loop). gRPC's default 4 MB message
+    cap is raised past max_body_bytes so a body the app accepts always reaches it.
+    """
+    if cfg.ingress == "proxy":
+        return {}
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+            "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(cfg.max_body_bytes + 2**20)}
+
+
+def apply_ingress_env(cfg: ServeConfig) -> None:
+    """Export ingress_env(cfg) for a Ray this process is about to start (not for one running)."""
+    import ray
+
+    env = ingress_env(cfg)
+    if ray.is_initialized() and any(os.environ.get(k) != v for k, v in env.items()):
+        log.warning("serve.ingress=%s needs %s before Ray starts; Ray is already running, so the "
+                    "running ingress mode stays", cfg.ingress, env)
+    os.environ.update(env)
+
+
+def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/",
+          wait_for_room_s: float = ROOM_WAIT_S) -> str:
+    """Deploy the classifier as Serve app `cfg.app_name` and return its base URL.
+
+    Starts Ray (defaults: local) if the caller hasn't. host, port and request_timeout_s are per
+    Ray cluster: Serve keeps the first values it started with. When the app is already running,
+    this is a rolling update to `model_path` (see `update`). A plan that the nodes could never
+    hold is refused at once; one that other work leaves no room for, after `wait_for_room_s`.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        apply_ingress_env(cfg)
+        session.start(RayConfig())
+    plan = _plan_with_room(cfg, wait_for_room_s)
+    if plan.warning:
+        log.warning("serve: %s", plan.warning)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
+    serve.run(build_app(cfg, model_path, s3, plan), name=cfg.app_name, route_prefix=route_prefix)
+    url = base_url(cfg) + route_prefix.rstrip("/")
+    log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs; Open Inference "
+             "Protocol: POST /v2/models/%s/infer)", cfg.app_name, url, cfg.model_name)
+    return url
+
+
+def _plan_with_room(cfg: ServeConfig, wait_s: float) -> session.ServePlan:
+    """The serve plan on what is free now beside other apps, trainers and trials, waited for up
+    to `wait_s` (an app deleted a moment ago, or a run ending, frees its share within seconds).
+    Only on a Ray this process started (its dashboard, no autoscaler): on a joined cluster the
+    autoscaler may add the room, so the plan is made on the nodes' totals, as Ray sees them."""
+    if session.dashboard_url() is None:
+        return session.plan_serve(cfg, cluster.node_resources())
+    deadline, never_checked = time.monotonic() + wait_s, True
+    while True:
+        nodes, held = cluster.free_node_resources(own_app=cfg.app_name)
+        try:
+            return session.plan_serve(cfg, nodes, held)
+        except ConfigError:
+            if not held or time.monotonic() >= deadline:  # nothing else holds room: it never fits
+                raise
+        if never_checked:  # what the nodes could never hold is refused at once, not waited for
+            session.plan_serve(cfg, cluster.node_resources())
+            never_checked = False
+        time.sleep(1.0)
+
+
+def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/") -> str:
+    """Roll a running app to `model_path` with no failed request (Serve's rolling update).
+
+    With serve.max_surge_percent (default 100) Serve starts the replacement replicas first, then
+    drains the old ones (each finishes its in-flight requests), so the app never has fewer
+    replicas than configured; the surge needs that much spare CPU, GPU and memory for the rollout.
+    Where it can never fit (session.plan_serve), replicas are replaced in place, with a warning.
+    """
+    return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
+
+
+def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
+    """Delete the app; Serve itself (proxy, controller) keeps running for other apps.
+
+    `serve.delete` asks the controller at once, then polls until the replicas are gone. A replica
+    that drains slowly (a loaded node) must not keep Ctrl-C or SIGTERM from ending the process, so
+    the poll is bounded: past `wait_s` the controller goes on deleting without this process.
+    """
+    from ray.serve.exceptions import RayServeException
+
+    done = threading.Event()
+
+    def delete() -> None:
+        try:
+            serve.delete(cfg.app_name)
+        except RayServeException:  # Serve isn't running: nothing to delete
+            pass
+        except Exception:  # logged: this runs on the way out, after the caller's own error if any
+            log.exception("serve: deleting app %r failed", cfg.app_name)
+        finally:
+            done.set()
+
+    threading.Thread(target=delete, name="raymill-serve-delete", daemon=True).start()
+    if not done.wait(wait_s):
+        log.warning("serve: app %r is still stopping after %.0f s; Serve's controller finishes deleting it",
+                    cfg.app_name, wait_s)

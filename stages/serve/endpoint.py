@@ -1,0 +1,60 @@
+"""Finding a running `raymill serve` endpoint and the Ray behind it; imports no Ray at module level.
+
+`raymill serve --model NEW` on a port that already answers rolls that endpoint to NEW. It must
+join the Ray that serves the port, before anything imports Ray (Ray reads RAY_AUTH_MODE once).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from stages.common.config import ConfigError, ServeConfig
+
+__all__ = ["base_url", "endpoint_running", "record_endpoint", "endpoint_ray_address"]
+
+
+def base_url(cfg: ServeConfig) -> str:
+    """The URL a local client uses; a wildcard bind address is reached through loopback."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(cfg.host, cfg.host)
+    return f"http://{host}:{cfg.port}"
+
+
+def endpoint_running(cfg: ServeConfig) -> bool:
+    """Whether a raymill app answers /healthz at cfg's host:port."""
+    import httpx
+
+    try:
+        body = httpx.get(f"{base_url(cfg)}/healthz", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    return isinstance(body, dict) and body.get("status") == "ok" and "ingress_pid" in body
+
+
+def _endpoint_file(cfg: ServeConfig) -> Path:
+    return Path(os.path.expanduser("~/.cache/raymill/serve")) / f"{cfg.port}.json"
+
+
+def record_endpoint(cfg: ServeConfig) -> Path:
+    """Note which Ray serves cfg.port, so a later `raymill serve --model NEW` joins that Ray.
+
+    Ray's own "auto" address means "the cluster started last on this machine", which on a
+    shared machine can be somebody else's; this file (mode 600) names the right one.
+    """
+    import ray
+
+    path = _endpoint_file(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid()}))
+    path.chmod(0o600)
+    return path
+
+
+def endpoint_ray_address(cfg: ServeConfig) -> str:
+    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint)."""
+    path = _endpoint_file(cfg)
+    try:
+        return json.loads(path.read_text())["ray_address"]
+    except (OSError, ValueError, KeyError):
+        raise ConfigError(f"an endpoint answers on port {cfg.port} but {path} does not name its Ray; "
+                          f"pass --set ray.address=<that Ray's address> to update it") from None

@@ -1,0 +1,365 @@
+"""The HTTP face of the Serve app: a FastAPI ingress that checks requests and calls the model.
+
+Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
+  POST /predict   raw image body (Content-Type image/jpeg|png|webp) or multipart/form-data with a
+                  file field -> {class_name, class_index, top_k, model_version, latency_ms}
+  GET  /healthz   {"status": "ok", "pid": a model replica's pid, "ingress_pid", "version"}
+  GET  /metadata  {classes, image_size, architecture, version, ...}
+  /v2/...         the Open Inference Protocol (KServe v2), N images a request: stages/serve_v2.py
+
+Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
+503 when the model side fails (the detail never echoes exception text; the replica log has it).
+The body limit is enforced while the bytes stream in, before any multipart parsing or decode.
+The model runs in its own deployment (stages.serve.replica.Classifier); a call whose model replica dies
+mid-request is retried here on another replica (prediction is idempotent), so a replica kill
+costs latency, not a failed request.
+"""
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
+import asyncio
+import logging
+import os
+import time
+import zlib
+from typing import Any, Awaitable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from stages.common.config import ServeConfig
+from stages.serve import v2 as serve_v2
+from stages.serve.replica import Classifier
+from stages.serve.v2 import V2Error
+
+__all__ = ["Ingress", "HTTPError", "printable", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2",
+           "IMAGE_STATUS", "MEDIA_TYPES"]
+
+log = logging.getLogger(__name__)
+
+# Pillow format name -> the raw-body Content-Type that announces it.
+MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "BMP": "image/bmp",
+               "GIF": "image/gif", "TIFF": "image/tiff"}
+# BadImage.reason -> HTTP status; reasons not listed are 400 (the bytes are not a usable image).
+IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large": 413}
+# Health routes answer HEAD too, as HTTP asks of every GET route: load balancers probe with it.
+_PROBE = ["GET", "HEAD"]
+_GZIP_MEMBERS = 16  # members of one gzip body (a streaming compressor writes a few)
+# A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
+_MODEL_ATTEMPTS = 3
+_ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+_MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
+_V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
+              "POST /v2/models/{name}[/versions/{version}]/infer")
+
+
+class HTTPError(Exception):
+    """A request the app rejects: becomes `{"error": error, "detail": detail}` with `status`."""
+
+    def __init__(self, status: int, error: str, detail: str = "", headers: Optional[dict] = None):
+        super().__init__(f"{status} {error}: {detail}")
+        self.status, self.error, self.detail, self.headers = status, error, detail, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.error, "detail": printable(self.detail)}, self.status, self.headers)
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a client's lone surrogate ('\\ud800' is legal JSON) quoted
+    in an error message made the error response itself fail to encode, a 500."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+async def guarded(work: Awaitable[JSONResponse]) -> JSONResponse:
+    """Await a handler's work; every failure becomes a JSON 4xx/503, never Serve's bare 500."""
+    try:
+        return await work
+    except HTTPError as e:
+        return e.response()
+    except Exception:  # a bug or a sick model: the client gets no internals, the log gets all
+        log.exception("request failed inside the app")
+        return HTTPError(503, "internal_error", "the server failed on this request; retry later").response()
+
+
+async def guarded_v2(work: Awaitable[Response]) -> Response:
+    """`guarded` for the /v2 routes: failures become the protocol's `{"error": "..."}` body."""
+    try:
+        return await work
+    except V2Error as e:
+        return JSONResponse({"error": printable(e.message)}, e.status)
+    except HTTPError as e:  # the shared checks (body size, model failure) in the protocol's shape
+        return JSONResponse({"error": printable(f"{e.error}: {e.detail}")}, e.status, e.headers)
+    except Exception:
+        log.exception("v2 request failed inside the app")
+        return JSONResponse({"error": "the server failed on this request; retry later"}, 503)
+
+
+app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')")
+
+
+def _is_v2(request: Request) -> bool:
+    return "v2" in request.url.path.split("/")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _route_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown paths and methods: FastAPI's own 404/405 (with Allow), in the app's JSON shape, or
+    # under /v2 in the protocol's, which is all a v2 client (tritonclient) reads.
+    where = f"{request.method} {request.url.path}: {exc.detail}"
+    if _is_v2(request):
+        return JSONResponse({"error": f"{where}; this server's Open Inference Protocol routes: {_V2_ROUTES}"},
+                            exc.status_code, exc.headers)
+    error = _ROUTE_ERRORS.get(exc.status_code, "http_error")
+    return HTTPError(exc.status_code, error, f"{where}; try POST /predict, GET /healthz, GET /metadata, GET /docs",
+                     exc.headers).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    if _is_v2(request):
+        return JSONResponse({"error": str(exc.errors())[:300]}, 400)
+    return HTTPError(400, "bad_request", str(exc.errors())[:300]).response()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past `limit` bytes.
+
+    Content-Length is checked first (cheap), then bytes are counted as they stream in, because a
+    chunked upload has no Content-Length and Serve's proxy enforces no size limit of its own.
+    """
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not serve_v2.is_decimal(declared):
+            raise HTTPError(400, "bad_content_length", f"Content-Length '{declared}' is not a number")
+        if int(declared) > limit:
+            raise HTTPError(413, "too_large", f"Content-Length {int(declared)} exceeds serve.max_body_bytes="
+                                              f"{limit}; send a smaller image")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, "too_large", f"body exceeds serve.max_body_bytes={limit}; send a smaller image")
+            chunks.append(chunk)
+    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
+        raise HTTPError(400, "client_disconnected", "the body ended early") from None
+    return content_decoded(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+
+
+def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:
+    """The body without its Content-Encoding (gzip, deflate: what tritonclient's
+    request_compression_algorithm sends), inflated to at most `limit` bytes: a small compressed
+    body must not become a memory bomb."""
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    # gzip and deflate as zlib streams; a bare deflate stream (some clients send one) as raw
+    tries = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
+             "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}.get(encoding)
+    if tries is None:
+        raise HTTPError(415, "unsupported_content_encoding",
+                        f"Content-Encoding '{encoding[:40]}'; send the body as gzip, deflate or identity")
+    for wbits in tries:
+        try:
+            plain = _inflate(body, wbits, limit, encoding)
+        except zlib.error:
+            continue
+        if plain is not None:
+            return plain
+    raise HTTPError(400, "bad_content_encoding", f"the body is not a complete {encoding} stream")
+
+
+def _inflate(body: bytes, wbits: int, limit: int, encoding: str) -> bytes | None:
+    """Every member of a gzip body (RFC 1952 allows several; Python's gzip reads them all), or
+    the one zlib/deflate stream; None when the body ends inside a stream or goes on after it."""
+    parts, size, rest = [], 0, body
+    for _ in range(_GZIP_MEMBERS):  # each member copies the rest of the body: a cap, not 200k members
+        inflate = zlib.decompressobj(wbits)
+        parts.append(inflate.decompress(rest, limit + 1 - size))
+        size += len(parts[-1])
+        if size > limit or inflate.unconsumed_tail:
+            raise HTTPError(413, "too_large", f"the {encoding} body inflates past serve.max_body_bytes={limit}; "
+                                              "send a smaller image")
+        rest = inflate.unused_data
+        if not inflate.eof or (rest and wbits != 16 + zlib.MAX_WBITS):
+            return None
+        if not rest.strip(b"\0"):  # gzip(1) accepts zero padding after the last member
+            return b"".join(parts)
+    raise HTTPError(400, "bad_content_encoding", f"the body holds more than {_GZIP_MEMBERS} gzip members; "
+                                                 "compress it as one")
+
+
+async def first_file(body: bytes, request: Request) -> bytes:
+    """Content of the first file part of an already size-checked multipart/form-data body.
+
+    Parsed by python-multipart (through Starlette) from the buffered bytes, so a form can't get
+    past max_body_bytes. A part is a file when it has a filename; the field name doesn't matter.
+    """
+    async def replay() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=4, max_fields=32)
+    except MultiPartException as e:
+        raise HTTPError(400, "malformed_multipart", str(e)) from None
+    except StarletteHTTPException as e:  # Starlette wraps the parser's MultiPartException in one
+        raise HTTPError(400, "malformed_multipart", str(e.detail)) from None
+    except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
+        raise HTTPError(400, "malformed_multipart", type(e).__name__) from None
+    try:
+        for _, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                return await value.read()
+    finally:
+        await form.close()
+    raise HTTPError(400, "missing_file", "no complete file part in the form; send the image as a file field")
+
+
+class _Local:
+    """A model method in this process, called like a DeploymentHandle method: `.remote(...)`."""
+
+    def __init__(self, method: Any):
+        self.remote = method
+
+
+@serve.deployment
+@serve.ingress(app)
+class Ingress:
+    """One ingress replica: HTTP checks here, decode and forward pass in the model deployment."""
+
+    def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
+        self.cfg = cfg
+        if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
+            local = Classifier(cfg, model_path, s3)
+            self.model = {name: _Local(getattr(local, name)) for name in _MODEL_METHODS}
+        else:  # one handle per model method, made once (each attribute access builds a new handle)
+            self.model = {name: getattr(model, name) for name in _MODEL_METHODS}
+        # upper-case Pillow names already (config.ImageFormats), as MEDIA_TYPES keys them
+        self.media_types = {MEDIA_TYPES[f] for f in cfg.allowed_formats if f in MEDIA_TYPES}
+
+    @app.post("/predict", summary="Classify one image (raw body or multipart file)")
+    async def predict(self, request: Request) -> JSONResponse:
+        return await guarded(self._predict(request))
+
+    @app.api_route("/healthz", methods=_PROBE, summary="Liveness, with a model replica's pid and the model version")
+    async def healthz(self) -> JSONResponse:
+        async def work() -> JSONResponse:
+            health = await self._call("health")
+            return JSONResponse({"status": "ok", **health, "ingress_pid": os.getpid()})
+        return await guarded(work())
+
+    @app.get("/metadata", summary="Classes, input size, architecture, version, limits")
+    async def metadata(self) -> JSONResponse:
+        async def work() -> JSONResponse:
+            return JSONResponse(await self._call("metadata"))
+        return await guarded(work())
+
+    @app.get("/v2", summary="Open Inference Protocol: server metadata")
+    async def v2_server(self) -> JSONResponse:
+        from importlib.metadata import version  # cheap, and only this route needs it
+
+        return JSONResponse(serve_v2.server_metadata(version("raymill")))
+
+    @app.api_route("/v2/health/live", methods=_PROBE, summary="Open Inference Protocol: the server is live")
+    async def v2_live(self) -> JSONResponse:
+        return JSONResponse({"live": True})
+
+    @app.api_route("/v2/health/ready", methods=_PROBE, summary="Open Inference Protocol: a model replica answers")
+    async def v2_ready(self) -> Response:
+        return await guarded_v2(self._v2_ready(self.cfg.model_name))
+
+    @app.api_route("/v2/models/{name}/ready", methods=_PROBE, summary="Open Inference Protocol: the model is ready")
+    async def v2_model_ready(self, name: str) -> Response:
+        return await guarded_v2(self._v2_ready(name))
+
+    @app.get("/v2/models/{name}", summary="Open Inference Protocol: model metadata")
+    async def v2_model(self, name: str) -> Response:
+        return await guarded_v2(self._v2_metadata(name, None))
+
+    @app.post("/v2/models/{name}/infer", summary="Open Inference Protocol: classify N images")
+    async def v2_infer(self, name: str, request: Request) -> Response:
+        return await guarded_v2(self._v2_infer(name, None, request))
+
+    # The same three with the version that the model metadata lists (`versions`), as the protocol
+    # allows and tritonclient sends when a caller passes model_version.
+    @app.get("/v2/models/{name}/versions/{version}", summary="Open Inference Protocol: model version metadata")
+    async def v2_model_version(self, name: str, version: str) -> Response:
+        return await guarded_v2(self._v2_metadata(name, version))
+
+    @app.api_route("/v2/models/{name}/versions/{version}/ready", methods=_PROBE,
+                   summary="Open Inference Protocol: the version is ready")
+    async def v2_version_ready(self, name: str, version: str) -> Response:
+        return await guarded_v2(self._v2_ready(name, version))
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", summary="Open Inference Protocol: infer on a version")
+    async def v2_version_infer(self, name: str, version: str, request: Request) -> Response:
+        return await guarded_v2(self._v2_infer(name, version, request))
+
+    async def _v2_model(self, name: str, version: Optional[str]) -> None:
+        """Refuse (404) a model name, or a version, that this server does not serve."""
+        if name != self.cfg.model_name:
+            raise V2Error(404, f"unknown model '{name}'; this server serves '{self.cfg.model_name}'")
+        if version is not None:
+            served = str((await self._call("health"))["version"] or "")
+            if version != served:
+                raise V2Error(404, f"model '{name}' has no version '{version}'; this server serves "
+                                   f"version '{served}' (GET /v2/models/{name} lists it)")
+
+    async def _v2_metadata(self, name: str, version: Optional[str]) -> JSONResponse:
+        await self._v2_model(name, version)
+        return JSONResponse(serve_v2.model_metadata(name, await self._call("metadata")))
+
+    async def _v2_ready(self, name: str, version: Optional[str] = None) -> JSONResponse:
+        await self._v2_model(name, version)
+        if version is None:  # else _v2_model has asked a model replica already
+            await self._call("health")
+        return JSONResponse({"name": name, "ready": True})
+
+    async def _v2_infer(self, name: str, version: Optional[str], request: Request) -> Response:
+        await self._v2_model(name, version)  # before reading the body: a wrong name costs no upload
+        body = await read_body(request, self.cfg.max_body_bytes)
+        parsed = serve_v2.parse_infer(body, request.headers.get(serve_v2.HEADER), self.cfg.max_images_per_request)
+        answer = await self._call("classify_many", parsed.images)
+        if "error" in answer:  # the model replica judged one image's bytes
+            raise V2Error(IMAGE_STATUS.get(answer["error"], 400),
+                          f"input '{serve_v2.INPUT}' element {answer['index']}: {answer['error']}: {answer['detail']}")
+        content, headers = serve_v2.encode_infer(answer["results"], parsed, name, str(answer["model_version"] or ""))
+        return Response(content, 200, headers)
+
+    async def _predict(self, request: Request) -> JSONResponse:
+        started = time.perf_counter()
+        result = await self._call("classify", await self._image_bytes(request))
+        if "error" in result:  # the model replica judged the bytes: not an image it accepts
+            raise HTTPError(IMAGE_STATUS.get(result["error"], 400), result["error"], result["detail"])
+        result["latency_ms"] = round((time.perf_counter() - started) * 1000, 2)
+        return JSONResponse(result)
+
+    async def _image_bytes(self, request: Request) -> bytes:
+        """The image's bytes from a raw body or the first file of a multipart form."""
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media == "multipart/form-data":
+            return await first_file(await read_body(request, self.cfg.max_body_bytes), request)
+        if media in self.media_types:
+            return await read_body(request, self.cfg.max_body_bytes)
+        accepted = ", ".join(sorted(self.media_types) + ["multipart/form-data"])
+        raise HTTPError(415, "unsupported_media_type", f"Content-Type '{media or '(none)'}'; send one of: {accepted}")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A model-deployment call, retried on another replica when the one it reached died."""
+        for attempt in range(1, _MODEL_ATTEMPTS + 1):
+            try:
+                return await self.model[method].remote(*args)
+            except (RayActorError, ActorUnavailableError) as e:
+                if attempt == _MODEL_ATTEMPTS:
+                    raise
+                log.warning("model replica lost during %s (%s); retrying on another replica (attempt %d)",
+                            method, type(e).__name__, attempt + 1)
+                await asyncio.sleep(0.05 * attempt)
+            except Exception:  # the model side raised: the replica is unwell, not the request
+                log.exception("model call %s failed", method)
+                raise HTTPError(503, "model_error", "the model failed on this request; retry later") from None

@@ -1,0 +1,199 @@
+"""Train stage: Ray Train DDP over the ETL shards, then export the best model for inference.
+
+Outputs in `out/`: manifest.json, metrics.jsonl, curves.png, model.pt + model.json (loadable
+without Ray), ledger.json (when train.ledger), and Ray Train's run folder under `ray/`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+from stages.train import capacity
+from stages.etl import stage as etl
+from stages.feed import ray_data as ingest_ray
+from stages.model import zoo as models
+from stages.model import publish
+from stages.model.checkpoint_io import refusal_in
+from stages.train.loop import train_loop
+from stages.common import console, fingerprint, session, storage
+from stages.common.artifacts import Artifact, config_hash, find_published
+from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
+from stages.common.locks import output_lock
+
+__all__ = ["run", "published", "TrainError", "check_data", "check_image_size", "loop_config", "build_trainer", "run_name"]
+
+log = logging.getLogger(__name__)
+
+
+class TrainError(RuntimeError):
+    """Training failed or diverged; the message says where the last good checkpoint is."""
+
+
+def check_image_size(model_names: Sequence[str], size: int) -> None:
+    """Refuse (exit 2) a model that cannot take the data's image size, before any worker starts."""
+    for name in dict.fromkeys(model_names):
+        try:
+            models.check_input_size(name, size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """Verify the ETL output once (local: every shard re-hashed) and list its shards per split.
+    `model_names`: the models that will train on it (a search's), train.model when empty."""
+    manifest = data.manifest
+    check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
+    formats = {s["format"] for s in manifest["shards"]}
+    if cfg.data_format not in formats:
+        raise ConfigError(f"train.data_format={cfg.data_format} but '{data.path}' holds only "
+                          f"{sorted(formats)} shards; set train.data_format or re-run ETL with that format")
+    if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
+        problems = etl.verify(data.path, s3)
+        if problems:
+            raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
+                             f"Re-run ETL (raymill etl --overwrite)")
+    # Absolute: Ray Train workers run in their own working directory, not the driver's.
+    root = data.path if storage.is_remote(data.path) else storage.local_path(data.path)
+    shards = {}
+    for split in ("train", "val", "test"):
+        shards[split] = [{"uri": storage.join(root, s["path"]), "format": s["format"],
+                          "rows": s["rows"], "bytes": s["bytes"], "sha256": s["sha256"]}
+                         for s in manifest["shards"] if s["split"] == split and s["format"] == cfg.data_format]
+    if not shards["train"]:
+        raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
+    if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
+        # ranked the checkpoints, and the first epoch's model was published
+        raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
+                          "val_acc: re-run ETL with a larger etl.split.val, or add images")
+    return shards
+
+
+def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: Any | None,
+                plan: session.WorkerPlan) -> dict[str, Any]:
+    """What every worker of `stages.train.loop` receives (plain, picklable data)."""
+    return {"train": section_dict(cfg), "seed": seed, "classes": data.manifest["classes"],
+            "image_size": data.manifest["config"]["image_size"], "shards": shards,
+            "s3": storage.s3_options(s3), "raw": storage.stored_raw(data.manifest, cfg.data_format),
+            "cpus_per_worker": plan.cpus_per_worker, "decode_processes": plan.decode_processes,
+            "torch_threads": plan.torch_threads}
+
+
+def run_name(cfg: TrainConfig, out: str) -> str:
+    """Ray Train run name of the output `out`: the run restores from it when it is unchanged.
+
+    Under `<out>/ray` the folder already belongs to `out`; a shared `train.storage_path` holds
+    many outputs' runs, so the name carries a short hash of the output URI.
+    """
+    if cfg.storage_path is None:
+        return "train"
+    return f"train-{storage.sha256_bytes(str(out).rstrip('/').encode())[:10]}"
+
+
+def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storage_uri: str, name: str,
+                  s3: Any | None = None, callbacks: Sequence[Any] = (), metric: str = "val_acc",
+                  mode: str = "max", datasets: dict | None = None):
+    """The TorchTrainer of one training run; the train stage and every Tune trial use it.
+
+    `storage_uri` + `name` identify the run: Train V2 restores it from its latest checkpoint
+    when both are unchanged. `callbacks` are Train callbacks (a Tune trial passes
+    `TuneReportCallback`). Checkpoints are ranked by `metric`, best kept.
+    """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from stages.train.ddp_rendezvous import LoopbackTorchConfig
+
+    fs, path = storage.pyarrow_filesystem(storage_uri, s3)
+    workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
+    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+                 **cfg.worker_resources}
+    return TorchTrainer(
+        _entry, train_loop_config=loop, datasets=datasets,
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
+                                               resources_per_worker=resources),
+        torch_config=LoopbackTorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            name=name, storage_path=path, storage_filesystem=fs, callbacks=list(callbacks),
+            logging_config=console.train_logging_config(),
+            failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
+                cfg.max_failures, cfg.capacity_timeout_s)),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=metric,
+                checkpoint_score_order=mode)))
+
+
+def _entry(config: dict) -> None:
+    train_loop(config)
+
+
+def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: RayConfig = RayConfig(),
+        s3: Any | None = None, overwrite: bool = False, tracking: dict | None = None) -> Artifact:
+    """Train on the ETL artifact `data`; publish the best model to `out`.
+
+    Resumes the run state in `out` only if the same config and data made it (else ConfigError);
+    `overwrite` discards that state first. One run per output: the output is locked for the run.
+    `tracking` is the MLflow run rank 0 logs to (stages.common.tracking), or None.
+    """
+    with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
+        return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
+                           tracking=tracking)
+
+
+def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> Artifact | None:
+    """The model this config, seed and data already published in `out`, or None."""
+    done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_manifest_hash":
+                                                            config_hash(data.manifest)}, s3)
+    if done is not None:
+        log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
+                 "(--overwrite trains again)", out)
+    return done
+
+
+def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
+                s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
+    started = time.perf_counter()
+    if not overwrite and (done := published(cfg, data, out, seed, s3)) is not None:
+        return done
+    shards = check_data(cfg, data, s3)
+    state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
+    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
+    fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
+    ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
+    resources = session.start(ray_cfg)
+    plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
+    loop = {**loop_config(cfg, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
+            "tracking": tracking}  # rank 0 logs to MLflow
+    datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
+    if cfg.ingest == "ray_data":
+        planned = cfg.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
+        train_ds, ingest = ingest_ray.build_train_dataset(planned, shards["train"], seed=seed, raw=loop["raw"],
+                                                          image_size=loop["image_size"], s3=loop["s3"])
+        datasets = {"train": train_ds}
+    trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
+    try:
+        result = trainer.fit()
+    except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
+        # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
+        raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e
+    except Exception as e:  # Train V2 raises once train.max_failures retries are used up
+        if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
+            raise TrainError(refusal) from e
+        if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
+            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
+                         f"the same command to resume from the last checkpoint in {out}: "
+                         f"{str(e).splitlines()[0]}") from e
+    if result.error:
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries: "
+                         f"{result.error}") from result.error
+    # The loop ends early only when the loss (or val loss) stops being finite. Its report of that
+    # carries no checkpoint, and Train V2's result keeps only checkpointed metrics: the sign is a
+    # last checkpoint short of train.epochs (or none at all when epoch 1 diverged).
+    done = (result.metrics or {}).get("epoch", 0)
+    if (result.metrics or {}).get("stopped") == "nan_loss" or done < cfg.epochs:
+        last = result.checkpoint.path if result.checkpoint else "none"
+        raise TrainError(f"loss became NaN/inf in epoch {done + 1}; stopped, nothing published. Last good "
+                         f"checkpoint: {last}. Lower train.lr or use precision=fp32")
+    artifact = publish.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
+    return ingest_ray.annotate(artifact, ingest, s3)
