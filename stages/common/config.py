@@ -10,21 +10,17 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
+from stages.common.config_parts import Distribution, ImageFormats, Section, default_search_space
 from stages.common.overrides import ConfigError, merge, parse_overrides
 from stages.common.storage import check_location
 
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
-    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "TrackingConfig", "load_config",
+    "TuneConfig", "Distribution", "InferConfig", "ServeConfig", "TrackingConfig", "ExportConfig", "load_config",
     "parse_overrides",
 ]
-
-
-class Section(BaseModel):
-    # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly.
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class RayConfig(Section):
@@ -56,22 +52,6 @@ class RunSection(Section):
     source: Annotated[str, AfterValidator(check_location)] = "data/demo"  # ImageFolder tree: path or s3:// prefix
     seed: int = 0
     force: bool = False  # recompute stages even when their inputs and config are unchanged
-
-
-def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:
-    from PIL import Image  # Pillow's own list of the formats it can open, once its plugins load
-
-    Image.init()
-    names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as images.open_image reads them
-    unknown = [n for n in names if n not in Image.OPEN]
-    if not names or unknown:
-        raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
-                         "[JPEG, PNG, WEBP, BMP]")
-    return names
-
-
-# Pillow format names (etl.allowed_formats, serve.allowed_formats): upper-cased, each one Pillow opens
-ImageFormats = Annotated[tuple[str, ...], AfterValidator(_pillow_names)]
 
 
 class SplitFractions(Section):
@@ -132,6 +112,12 @@ class AugmentConfig(Section):
 class TrainConfig(Section):
     model: str = "small_cnn"
     width: int = Field(32, ge=4)  # base channel width (small_cnn only)
+    # The weights a run starts from (README "Fine-tuning"): a raymill train/tune output folder
+    # (model.pt + model.json), a torchvision-format ResNet state dict (.pth/.pt) or a .safetensors
+    # file; local or s3://. Never unpickled. None: random weights.
+    init_from: Annotated[str, AfterValidator(check_location)] | None = None
+    freeze_epochs: int = Field(0, ge=0)  # the first N epochs train the head only (backbone and its BN frozen)
+    backbone_lr_scale: float = Field(1.0, gt=0)  # after the freeze: backbone lr = this x the head's
     dropout: float = Field(0.0, ge=0, lt=1)
     epochs: int = Field(10, ge=1)
     batch_size: int = Field(64, ge=1)  # per worker
@@ -187,24 +173,6 @@ class TrainConfig(Section):
     worker_resources: dict[str, float] = Field(default_factory=dict)
 
 
-class Distribution(Section):
-    type: Literal["loguniform", "uniform", "choice", "randint"]
-    lower: float | None = None
-    upper: float | None = None
-    values: tuple[Any, ...] | None = None
-
-    @model_validator(mode="after")
-    def _check_args(self) -> "Distribution":
-        if self.type == "choice":
-            if not self.values:
-                raise ValueError("type 'choice' needs a non-empty 'values' list")
-        elif self.lower is None or self.upper is None or self.lower >= self.upper:
-            raise ValueError(f"type '{self.type}' needs 'lower' < 'upper'")
-        elif self.type == "loguniform" and self.lower <= 0:
-            raise ValueError("type 'loguniform' needs 'lower' > 0")
-        return self
-
-
 class TuneConfig(Section):
     enabled: bool = False
     num_samples: int = Field(8, ge=1)
@@ -248,19 +216,6 @@ class TuneConfig(Section):
             if key.split(".")[0] not in known:
                 raise ValueError(f"search_space key '{key}' is not a train.* field; valid: {sorted(known)}")
         return space
-
-
-def default_search_space(max_epochs: int) -> dict[str, Distribution]:
-    """lr, weight decay, the augmentation switches and the training length (half to all of
-    `max_epochs`: the LR schedule decays to its end, so length is a real choice, not a cut-off)."""
-    lengths = tuple(sorted({max(1, max_epochs // 2), max_epochs}))
-    return {
-        "lr": Distribution(type="loguniform", lower=0.005, upper=0.2),
-        "weight_decay": Distribution(type="loguniform", lower=1e-5, upper=1e-3),
-        "augment.flip": Distribution(type="choice", values=(False, True)),
-        "augment.random_resized_crop": Distribution(type="choice", values=(True, False)),
-        "epochs": Distribution(type="choice", values=lengths),
-    }
 
 
 class InferConfig(Section):
@@ -337,6 +292,18 @@ class TrackingConfig(Section):
     timeout_s: float = Field(5.0, gt=0)  # per HTTP request to a tracking server, no retries
 
 
+class ExportConfig(Section):
+    """`raymill export` and the export step of `raymill run` (stages/model/export.py)."""
+    enabled: bool = False  # `raymill run`: export the published model after infer
+    format: Literal["onnx", "torchscript"] = "onnx"
+    probabilities: bool = False  # onnx: a second output with the softmax of the logits
+    # max |logits(onnxruntime) - logits(torch)| allowed on the check images; past it nothing is published
+    tolerance: float = Field(1e-3, gt=0)
+    check_images: int = Field(32, ge=1)  # images of the model's own data the export is checked on
+    max_batch_size: int = Field(64, ge=0)  # Triton's config.pbtxt (0: Triton does not batch)
+    name: str | None = None  # the model's name in the Triton repository; None: tracking.model_name
+
+
 class Config(Section):
     ray: RayConfig = RayConfig()
     s3: S3Config = S3Config()
@@ -347,6 +314,7 @@ class Config(Section):
     infer: InferConfig = InferConfig()
     serve: ServeConfig = ServeConfig()
     tracking: TrackingConfig = TrackingConfig()
+    export: ExportConfig = ExportConfig()
 
 
 def _explain(err: ValidationError) -> str:
