@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stages.etl import stage as etl
+from stages.etl.integrity import verify
 from stages.etl.images import decode_rgb
 from stages.common import storage
 from stages.common.artifacts import data_fingerprint
@@ -114,7 +116,7 @@ def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_
                                                                   "manifest.json", "notes.txt"}
     assert files == expected
     assert first.manifest["run_id"] not in "".join(files)
-    assert etl.verify(str(out)) == []
+    assert verify(str(out)) == []
 
 
 def test_split_is_stable_when_files_are_added(tree, tmp_path):
@@ -133,7 +135,7 @@ def test_verify_names_every_damaged_shard(published, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(published.path, copy)
     shards = [s["path"] for s in published.manifest["shards"]]
-    assert etl.verify(str(copy)) == []
+    assert verify(str(copy)) == []
     truncated, flipped, deleted = shards[0], shards[1], shards[2]
     data = (copy / truncated).read_bytes()
     (copy / truncated).write_bytes(data[: len(data) // 2])
@@ -141,7 +143,7 @@ def test_verify_names_every_damaged_shard(published, tmp_path):
     data[len(data) // 2] ^= 0xFF
     (copy / flipped).write_bytes(bytes(data))
     (copy / deleted).unlink()
-    problems = "\n".join(etl.verify(str(copy)))
+    problems = "\n".join(verify(str(copy)))
     assert f"truncated or resized: {truncated}" in problems
     assert f"altered: {flipped}" in problems
     assert f"missing: {deleted}" in problems
@@ -151,9 +153,34 @@ def test_verify_names_every_damaged_shard(published, tmp_path):
     good = next(s for s in manifest["shards"] if s["path"] not in (truncated, flipped, deleted))
     manifest["shards"] += [good, {**good, "path": "../../etc/hostname"}]
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    problems = "\n".join(etl.verify(str(copy)))
+    problems = "\n".join(verify(str(copy)))
     assert f"the {good['format']} shards hold {manifest['totals']['rows_out'] + 2 * good['rows']} rows" in problems
     assert "outside the output: '../../etc/hostname'" in problems
+
+
+def test_a_second_check_hashes_nothing_and_a_rewritten_shard_is_still_named(published, tmp_path, monkeypatch):
+    """verify_once: a clean full check leaves a stamp; while every listed file keeps its size and
+    mtime, the next check reads no shard. Rewriting a shard changes its mtime, so the full check
+    runs again and names it with the message train refuses with."""
+    from stages.etl import integrity
+
+    monkeypatch.setattr(integrity, "STAMP_DIR", tmp_path / "stamps")
+    copy = tmp_path / "copy"
+    shutil.copytree(published.path, copy)
+    shard = copy / published.manifest["shards"][0]["path"]
+    assert integrity.verify_once(str(copy)) == [] and len(list((tmp_path / "stamps").iterdir())) == 1
+    # Known answer: bytes changed behind the stamp's back (size and mtime put back) go unnoticed,
+    # which shows that the second check hashed nothing.
+    original, stat = shard.read_bytes(), shard.stat()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0xFF
+    shard.write_bytes(bytes(flipped))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert integrity.verify_once(str(copy)) == []
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # an ordinary rewrite
+    assert f"altered: {shard.relative_to(copy)}" in "\n".join(integrity.verify_once(str(copy)))
+    shard.write_bytes(original)  # repaired: a full check again, and a fresh stamp
+    assert integrity.verify_once(str(copy)) == [] == integrity.verify_once(str(copy))
 
 
 def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_session):
@@ -183,7 +210,7 @@ def test_s3_round_trip(tree, s3_bucket, ray_session):
     art = etl.run(CFG, f"s3://{bucket}/raw", f"s3://{bucket}/ds", s3=s3)
     assert art.manifest["totals"]["quarantined"] == len(BAD_FILES)  # markers are no files, not bad ones
     assert art.manifest["totals"]["files_in"] == len(tree[1])
-    assert etl.verify(f"s3://{bucket}/ds", s3) == []
+    assert verify(f"s3://{bucket}/ds", s3) == []
     shard = next(s for s in art.manifest["shards"] if s["format"] == "parquet")
     with fs.open(f"{bucket}/ds/{shard['path']}", "rb") as f:
         assert pq.read_table(f).num_rows == shard["rows"]

@@ -19,6 +19,7 @@ from PIL import Image
 
 from stages.feed import streaming
 from stages.etl import stage as etl
+from stages.etl.integrity import verify
 from stages.infer import stage as infer
 from stages.model.predict import load_model, predict_arrays, preprocess
 from stages.model.publish import save_model
@@ -182,7 +183,7 @@ def test_output_holding_another_stages_manifest_is_refused_with_exit_2(setup, tm
         infer.run(InferConfig(), model_path, data.path, data.path)
     assert main(["infer", "--model", model_path, "--data", data.path, "--output", str(tmp_path / "other")]) == 2
     assert "raymill.etl" in capsys.readouterr().err
-    assert (Path(data.path) / "manifest.json").read_bytes() == before and etl.verify(data.path) == []
+    assert (Path(data.path) / "manifest.json").read_bytes() == before and verify(data.path) == []
 
 
 def test_raw_folder_with_fifo_outside_link_and_non_utf8_name(setup, tmp_path):

@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from stages.etl import stage as etl
+from stages.etl.integrity import verify
 from stages.etl import sources
 from stages.model.predict import preprocess
 from stages.etl.images import decode_rgb
@@ -116,7 +117,7 @@ def test_links_fifos_devices_and_bad_names_are_quarantined_not_read(hostile_tree
     paths = [p for s in m["shards"] if s["format"] == "parquet"
              for p in pq.read_table(Path(art.path) / s["path"])["path"].to_pylist()]
     assert "bird/caf\\xe9.jpg" in paths and "cat/inside.jpg" in paths
-    assert etl.verify(art.path) == []
+    assert verify(art.path) == []
 
 
 def test_symlink_policy_and_read_cap(hostile_tree):
@@ -168,7 +169,7 @@ def test_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, ray_s
         holder.wait()
     assert (out / locks.LOCK_NAME).exists()
     art = etl.run(CFG, str(src), str(out))  # stale: taken over
-    assert etl.verify(art.path) == [] and not (out / locks.LOCK_NAME).exists()
+    assert verify(art.path) == [] and not (out / locks.LOCK_NAME).exists()
 
 
 def _s3_output(s3_bucket, name: str):
@@ -249,7 +250,7 @@ def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(t
 
     monkeypatch.setattr(etl, "write_manifest", committed_then_timed_out)
     second = etl.run(CFG.model_copy(update={"image_size": 16}), str(src), str(out), overwrite=True)
-    assert etl.verify(str(out)) == []  # the published manifest's shards are all there
+    assert verify(str(out)) == []  # the published manifest's shards are all there
     assert json.loads((out / "manifest.json").read_text())["run_id"] == second.manifest["run_id"]
     named = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"]}
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}

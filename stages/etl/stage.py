@@ -18,14 +18,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.common import storage
-from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, new_run_id, write_manifest
+from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id, write_manifest
 from stages.common.config import ConfigError, EtlConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.etl import shards
 from stages.etl import sources
-from stages.etl.shards import count_rows
 
-__all__ = ["run", "verify", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
+__all__ = ["run", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
            "root_cause", "check_apart"]
 
 log = logging.getLogger(__name__)
@@ -354,46 +353,3 @@ def _log_summary(m: dict[str, Any]) -> None:
     if untrained:  # a split hashes each file: a class of a few images can miss the train split
         log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "
                     "them: add images to those folders or raise etl.split.train", untrained)
-
-
-def verify(out: str, s3: Any | None = None) -> list[str]:
-    """Recompute every shard's size, sha256 and row count; return one line per problem."""
-    artifact = load_artifact(out, "etl", s3)  # no manifest, or another stage's: the caller's error
-    fs, root = storage.filesystem(out, s3)
-    manifest = artifact.manifest
-    if not isinstance(manifest.get("shards"), list) or not isinstance(manifest.get("quarantine"), dict):
-        return ["manifest.json lists no shards or no quarantine file: not an ETL manifest raymill wrote"]
-    problems = _rows_add_up(manifest)
-    for entry in manifest["shards"] + [{**manifest["quarantine"], "format": None}]:
-        problems += _entry_problems(fs, root, entry)
-    return problems
-
-
-def _rows_add_up(manifest: dict[str, Any]) -> list[str]:
-    """Each format's shards hold every row once: a shard listed twice or left out shows here."""
-    rows_out, problems = manifest.get("totals", {}).get("rows_out"), []
-    for fmt in sorted({s.get("format") for s in manifest["shards"]}):
-        held = sum(s.get("rows", 0) for s in manifest["shards"] if s.get("format") == fmt)
-        if held != rows_out:
-            problems.append(f"the {fmt} shards hold {held} rows, the manifest's totals say rows_out={rows_out}")
-    return problems
-
-
-def _entry_problems(fs, root: str, entry: dict[str, Any]) -> list[str]:
-    rel = str(entry.get("path", ""))
-    if not rel or rel.startswith("/") or ".." in rel.split("/"):  # a manifest must not point outside
-        return [f"outside the output: {rel!r}"]
-    path = storage.join(root, rel)
-    try:
-        if not fs.isfile(path):
-            return [f"missing: {rel}"]
-        digest, size = storage.sha256_file(fs, path)
-        if size != entry["bytes"]:
-            return [f"truncated or resized: {rel} has {size} bytes, manifest says {entry['bytes']}"]
-        if digest != entry["sha256"]:
-            return [f"altered: {rel} sha256 {digest[:12]}... != manifest {entry['sha256'][:12]}..."]
-        if entry["format"] and count_rows(fs, path, entry["format"]) != entry["rows"]:
-            return [f"row count differs: {rel}"]
-    except (OSError, KeyError, ValueError) as e:  # unreadable, or a manifest entry without its fields
-        return [f"unreadable: {rel} ({type(e).__name__})"]
-    return []

@@ -10,7 +10,7 @@ import time
 from typing import Any, Sequence
 
 from stages.train import capacity
-from stages.etl import stage as etl
+from stages.etl import integrity
 from stages.feed import ray_data as ingest_ray
 from stages.model import zoo as models
 from stages.model import publish
@@ -40,7 +40,8 @@ def check_image_size(model_names: Sequence[str], size: int) -> None:
 
 
 def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
-    """Verify the ETL output once (local: every shard re-hashed) and list its shards per split.
+    """Verify the ETL output (local: re-hashed unless a stamp shows it unchanged since a clean check)
+    and list its shards per split.
     `model_names`: the models that will train on it (a search's), train.model when empty."""
     manifest = data.manifest
     check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
@@ -49,7 +50,7 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
         raise ConfigError(f"train.data_format={cfg.data_format} but '{data.path}' holds only "
                           f"{sorted(formats)} shards; set train.data_format or re-run ETL with that format")
     if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
-        problems = etl.verify(data.path, s3)
+        problems = integrity.verify_once(data.path, s3)  # re-hashes only what changed since a clean check
         if problems:
             raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
                              f"Re-run ETL (raymill etl --overwrite)")
