@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "benchmarks.serve",
     "serve_gpu": "benchmarks.serve_gpu",
     "tune": "benchmarks.tune",
+    "finetune": "benchmarks.finetune",
     "chaos": "benchmarks.chaos",
 }
 
