@@ -18,6 +18,8 @@ from tests.conftest import REPO
 from stages.common import tracking
 
 MAX_LINES = 60  # the issue's target for `make run` after pip's own output
+# what a person takes for an error: glog's "E <pid> <tid>]" (Ray's C++), a traceback, any warning
+ERRORISH = re.compile(r"(^|[\[\s])E \d+ \d+\]|^E |Traceback|warning", re.IGNORECASE)
 REPRS = re.compile(r"\b(TrainingReport|Checkpoint|Result|ObjectRef|ActorHandle|Dataset)\(")
 
 
@@ -44,6 +46,8 @@ def test_run_console_is_short_and_tracked(smoke_run):
     start = next(i for i, line in enumerate(stdout) if line.startswith("raymill run smoke:"))
     assert stdout[start + 1].startswith("| stage |") and stdout[-1].startswith("mlflow: run ")  # last
     assert "| infer |" in done.stdout and "report.md" in done.stdout
+    looks_bad = [line for line in lines if ERRORISH.search(line)]
+    assert not looks_bad, "a clean run printed lines that look like errors:\n" + "\n".join(looks_bad)
 
     from mlflow import MlflowClient
 
@@ -127,3 +131,24 @@ def test_an_empty_test_split_reports_no_accuracy_not_zero():
     assert scored["acc"] is None and scored["rows"] == 0
     assert test_metrics({"test_acc": 0.5, "test_rows": 4}, "unused", {}, "unused")["acc"] == 0.5
     assert [console.score(x) for x in (None, float("nan"), 0.0, 0.98765)] == ["n/a", "n/a", "0.000", "0.988"]
+
+
+def test_benign_lines_are_dropped_at_the_descriptor_and_shown_with_a_note_when_verbose(tmp_path):
+    """stages.common.benign: a child process writes Ray's benign core-worker line the way C++
+    does (straight to fd 2), an ordinary line through Python, and a print() in two writes."""
+    script = (
+        "import os, sys\n"
+        "from stages.common import benign\n"
+        "benign.install(sys.argv[1] == 'verbose')\n"
+        "os.write(2, b\"[2026-11-26 21:00:00,1 E 1 1] core_worker.cc:2465: Actor with class name: 'X' and ID: "
+        "'a' has constructor arguments in the object store and max_restarts > 0. If the arguments\\n\")\n"
+        "print('an ordinary line', file=sys.stderr)\n"
+        "sys.stderr.write('a progress bar without its newline')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    quiet, loud = (subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True,
+                                  timeout=60) for mode in ("quiet", "verbose"))
+    assert quiet.returncode == 0 == loud.returncode, quiet.stderr + loud.stderr
+    assert quiet.stderr == "an ordinary line\na progress bar without its newline"
+    assert "max_restarts > 0" in loud.stderr and "[raymill] note: the line above is benign" in loud.stderr
+    assert loud.stderr.endswith("an ordinary line\na progress bar without its newline")

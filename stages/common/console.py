@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any
 
+from stages.common import benign
+
 __all__ = ["setup", "verbose", "quiet_ray", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "WORKER_SETUP_HOOK", "worker_setup", "quiet_torch_cpp"]
 
@@ -23,6 +25,7 @@ log = logging.getLogger("raymill.train")
 def setup(verbose: bool = False) -> None:
     """Logging for the CLI process: raymill at INFO, libraries (matplotlib, alembic, ...) at WARNING."""
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"  # read by Ray workers (session forwards it)
+    benign.install(verbose)  # before basicConfig, so that logging writes through it too
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[raymill] %(message)s",
                         stream=sys.stderr, force=True)
     for name in _OURS:

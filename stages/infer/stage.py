@@ -200,12 +200,17 @@ def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]
 
     res = session.plan_infer(cfg, resources)
     items = {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow"}
-    pool = {"compute": ray.data.ActorPoolStrategy(size=res["num_actors"]), "num_cpus": res["num_cpus"],
-            "num_gpus": res["num_gpus"]}
-    if res["decode"] == "actor":
-        return {"predict": {**items, **pool}}
-    return {"decode": {**items, "num_cpus": res["decode_cpus"],
-                       "compute": ray.data.TaskPoolStrategy(size=res["decode_tasks"])},
+    pool: dict[str, Any] = {"num_gpus": res["num_gpus"]}
+    # Ray Data gives a GPU map 1 CPU when num_cpus is left out, and warns that naming both is
+    # "experimental": name the CPUs only where they differ from that
+    if not (res["num_gpus"] and res["num_cpus"] == 1):
+        pool["num_cpus"] = res["num_cpus"]
+    if res["decode"] == "actor":  # no more actors than blocks: Ray Data warns of the idle ones
+        actors = max(1, min(res["num_actors"], plan.blocks))
+        return {"predict": {**items, **pool, "compute": ray.data.ActorPoolStrategy(size=actors)}}
+    pool["compute"] = ray.data.ActorPoolStrategy(size=res["num_actors"])
+    return {"decode": {**items, "num_cpus": res["decode_cpus"],  # nor decode tasks than blocks
+                       "compute": ray.data.TaskPoolStrategy(size=max(1, min(res["decode_tasks"], plan.blocks)))},
             "predict": {"batch_size": cfg.batch_size, "batch_format": "pyarrow", **pool}}
 
 

@@ -1,0 +1,135 @@
+"""Ray's known benign lines, kept off the terminal of a clean run (`--verbose` shows them, with a note).
+
+Some lines that look like errors come from Ray's own actors and no public setting turns them off:
+- Ray Core logs `E ... core_worker.cc: Actor with class name: '...' ... has constructor arguments
+  in the object store and max_restarts > 0` when Ray Train creates its `PreemptionWatcher` and when
+  Ray Data creates a `MapWorker` (ray-project/ray#53727). Those actors and their arguments are
+  Ray's; the line is written by the C++ core worker of another process and reaches this terminal
+  through Ray's log forwarding (`log_to_driver`), so no Python logger or filter can hold it back.
+
+The driver's own core worker writes its copy (for Ray Data's MapWorker, created by the driver)
+straight to file descriptor 2, below Python. So the CLI process filters its stderr at the
+descriptor: fd 2 becomes a pipe, and a thread copies it to the real stderr line by line; a line
+that matches a pattern below is dropped, every other byte passes through unchanged. The lines stay in Ray's session logs
+(/tmp/ray/session_latest/logs). With `--verbose` nothing is dropped, and the first benign line of
+each kind is followed by a one-line note saying why it is harmless.
+"""
+from __future__ import annotations
+
+import atexit
+import codecs
+import io
+import os
+import select
+import sys
+import threading
+from typing import TextIO
+
+__all__ = ["BENIGN", "BenignFilter", "install"]
+
+# substring -> why it is harmless (the --verbose note)
+BENIGN: dict[str, str] = {
+    "has constructor arguments in the object store and max_restarts > 0":
+        "Ray Core's note on actors that Ray Train (PreemptionWatcher) and Ray Data (MapWorker) create "
+        "themselves; harmless for raymill's runs (ray-project/ray#53727)",
+    # raymill keeps token authentication on (Ray's default); its own dashboard line names the token
+    "Token authentication is enabled for this Ray cluster":
+        "Ray's default token authentication, which raymill keeps on (`ray get-auth-token` prints the token)",
+}
+QUIET_S = 0.05  # a partial line (a progress bar's redraw) is let through after this long without more
+
+
+class BenignFilter(io.TextIOBase):
+    """A text stream that forwards whole lines to `target`, except those matching BENIGN.
+
+    Partial lines are held until their newline, a carriage return (progress bars redraw with
+    '\\r') or a flush, so a line that arrives in pieces (print writes the text, then '\\n') is
+    judged whole.
+    """
+
+    def __init__(self, target: TextIO, verbose: bool = False):
+        self.target, self.verbose, self._held, self._noted = target, verbose, "", set()
+
+    def write(self, text: str) -> int:
+        self._held += text
+        while True:
+            cut = min((i for i in (self._held.find("\n"), self._held.find("\r")) if i >= 0), default=-1)
+            if cut < 0:
+                return len(text)
+            line, self._held = self._held[: cut + 1], self._held[cut + 1:]
+            self._emit(line)
+
+    def flush(self) -> None:
+        if self._held:
+            line, self._held = self._held, ""
+            self._emit(line)
+        self.target.flush()
+
+    def _emit(self, line: str) -> None:
+        kind = next((pattern for pattern in BENIGN if pattern in line), None)
+        if kind is None or self.verbose:
+            self.target.write(line)
+        if kind is not None and self.verbose and kind not in self._noted:
+            self._noted.add(kind)
+            self.target.write(f"[raymill] note: the line above is benign: {BENIGN[kind]}\n")
+
+    def isatty(self) -> bool:  # progress bars ask: keep the terminal's answer
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self.target, "encoding", "utf-8")
+
+    def writable(self) -> bool:
+        return True
+
+
+class _Descriptor:
+    """fd 2 through a pipe, copied to the real stderr by a thread through a BenignFilter."""
+
+    def __init__(self, verbose: bool):
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self.out = BenignFilter(open(self.saved, "w", buffering=1, closefd=False, errors="replace"), verbose)
+        self.thread = threading.Thread(target=self._pump, args=(read,), name="raymill-stderr", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)
+
+    def _pump(self, read: int) -> None:
+        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        try:
+            while chunk := os.read(read, 65536):
+                self.out.write(decode(chunk))
+                # print() writes a line's text and its newline apart: wait a moment for the rest
+                # before letting a partial line through, so that it is judged whole
+                if not select.select([read], [], [], QUIET_S)[0]:
+                    self.out.flush()
+        finally:  # never leave writers blocked on a pipe nobody reads
+            os.dup2(self.saved, 2)
+            self.out.flush()
+            os.close(read)
+
+    def close(self) -> None:
+        """At exit: everything written so far reaches the terminal, then fd 2 is the terminal again."""
+        try:
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        os.dup2(self.saved, 2)  # drops this process's write end: the pump reads to the end
+        self.thread.join(timeout=2.0)
+
+
+_installed: list[_Descriptor] = []
+
+
+def install(verbose: bool) -> None:
+    """Filter this process's stderr (once), at the descriptor: Python's writes, Ray's forwarded
+    worker lines and the C++ core worker's own lines all pass through fd 2."""
+    if not _installed:
+        _installed.append(_Descriptor(verbose))
