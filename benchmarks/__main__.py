@@ -39,6 +39,7 @@ BENCHMARKS: dict[str, str] = {
     "serve_gpu": "benchmarks.serve_gpu",
     "tune": "benchmarks.tune",
     "finetune": "benchmarks.finetune",
+    "startup": "benchmarks.startup",
     "chaos": "benchmarks.chaos",
 }
 
