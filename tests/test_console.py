@@ -56,7 +56,9 @@ def test_run_console_is_short_and_tracked(smoke_run):
     client = MlflowClient(tracking_uri=found["uri"], registry_uri=found["uri"])
     run = client.get_run(found["run_id"])
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_acc")] == [1, 2]
-    assert "model/model.pt" in {a.path for a in client.list_artifacts(run.info.run_id, "model")}
+    version = client.get_model_version(found["model_name"], found["model_version"])
+    held = client.list_logged_model_artifacts(version.source.split("/")[-1], "artifacts")  # models:/<model id>
+    assert "artifacts/model.pt" in {a.path for a in held}  # the pyfunc's artifacts (tests/test_mlflow_model.py)
     assert 0 <= run.data.metrics["infer_accuracy"] <= 1
     assert client.get_model_version(found["model_name"], found["model_version"]).run_id == run.info.run_id
     _printed_ui_command_serves_on_loopback(stdout[-1].split("browse with: ", 1)[1])

@@ -115,10 +115,11 @@ def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path
     assert 0 <= run.data.metrics["test_acc"] <= 1
     assert run.data.metrics["infer_accuracy"] == pytest.approx(report["test_accuracy"])
     names = {a.path for a in client.list_artifacts(run_id)}
-    assert {"model.json", "curves.png", "manifest.json", "model"} <= names
-    assert {a.path for a in client.list_artifacts(run_id, "model")} == {"model/model.json", "model/model.pt"}
-    version = client.get_model_version("pipeline-test", "1")
-    assert version.run_id == run_id
+    assert {"model.json", "curves.png", "manifest.json"} <= names
+    version = client.get_model_version("pipeline-test", "1")  # an MLflow pyfunc, logged through the server
+    assert version.run_id == run_id and version.source.startswith("models:/")
+    held = client.list_logged_model_artifacts(version.source.split("/")[-1], "artifacts")
+    assert {a.path for a in held} == {"artifacts/model.json", "artifacts/model.pt"}
     # the model folder and the report point at the run
     assert tracking.find(report["outputs"]["model"])["run_id"] == run_id
     assert run_id in (tmp_path / "run" / "report.md").read_text()

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from stages.common import locks, storage
+from stages.common import locks, storage, tracking_model
 from stages.common.tracking_guard import failed as _failed, guarded as _guarded, warn_once as _warn_once
 from stages.common.artifacts import Artifact, code_version, config_hash
 from stages.common.config import Config, ConfigError, TrackingConfig, section_dict
@@ -64,6 +64,10 @@ def _client(uri: str, timeout_s: float = 5.0):
     if os.environ.get("RAYMILL_VERBOSE") != "1":  # schema set-up chatter on first use of a store;
         for name in ("alembic", "mlflow"):  # after the import: importing mlflow configures its logger
             logging.getLogger(name).setLevel(logging.WARNING)
+        # log_model (tracking_model): its artifact copies draw tqdm bars, and ending its fluent run
+        # prints "View run ... at" to stdout, which holds only the CLI's summary
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
@@ -169,18 +173,11 @@ def log_files(handle: Handle, files: dict[str, str | bytes], artifact_path: str 
 
 
 @_guarded()
-def register_model(handle: Handle, name: str, artifact_path: str = "model") -> str | None:
-    """Register the run's `model/` artifacts as a new version of `name`; returns the version."""
-    from mlflow.exceptions import MlflowException
-
-    client = _client(handle["uri"], handle["timeout_s"])
-    try:
-        client.create_registered_model(name, description="raymill image classifier (model.pt + model.json)")
-    except MlflowException as e:
-        if e.error_code != "RESOURCE_ALREADY_EXISTS":
-            raise
-    source = f"{client.get_run(handle['run_id']).info.artifact_uri}/{artifact_path}"
-    return client.create_model_version(name, source, run_id=handle["run_id"]).version
+def register_model(handle: Handle, name: str, files: dict[str, bytes]) -> str:
+    """Log `files` (model.pt + model.json) as the run's MLflow pyfunc model and register it as a new
+    version of `name` (stages/common/tracking_model); returns the version."""
+    _client(handle["uri"], handle["timeout_s"])  # request limits and quiet loggers, as for every call
+    return tracking_model.log_model(handle["uri"], handle["run_id"], files, registered_name=name)
 
 
 @_guarded()
@@ -219,8 +216,7 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
     final = artifact.manifest.get("metrics", {})  # per-epoch names keep their per-epoch histories
     log_metrics(handle, {k: v for k, v in final.items() if k not in EPOCH_METRICS})
     log_files(handle, read("model.json", "curves.png", "manifest.json", "search.png", "trials.md"))
-    log_files(handle, read("model.pt", "model.json"), artifact_path="model")
-    version = register_model(handle, cfg.tracking.model_name)
+    version = register_model(handle, cfg.tracking.model_name, read("model.pt", "model.json"))
     end(handle, "FINISHED")
     if handle["uri"] in _failed:
         return  # nothing to point at: the run is incomplete

@@ -1,0 +1,140 @@
+"""The registered MLflow model loads with `mlflow.pyfunc.load_model("models:/<name>/<version>")` in a
+fresh process and answers as `stages.model.predict` does, with a per-row error for a bad image.
+
+The fresh process runs outside the checkout with no PYTHONPATH, so it imports `stages` from the code
+shipped with the model (code_paths), which the test checks. One test logs a small untrained model
+(no Ray); the other loads the model the smoke run (`raymill run`, tests/conftest.py) registered.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import image_bytes
+from stages.common import tracking, tracking_guard, tracking_model
+from stages.common.config import load_config
+
+# Runs in the fresh process: argv = model URI, then files of image bytes; prints one JSON line.
+LOADER = """
+import json, sys
+from pathlib import Path
+import mlflow
+import pandas as pd
+model = mlflow.pyfunc.load_model(sys.argv[1])
+import stages  # imported by the model's code: from its code_paths copy (cwd elsewhere, no PYTHONPATH)
+images = [Path(p).read_bytes() for p in sys.argv[2:]]
+rows = lambda out: out.astype(object).where(out.notna(), None).to_dict("records")  # NaN, None: null
+frame = model.predict(pd.DataFrame({"image": images}))
+listed = model.predict(images[:2])
+print(json.dumps({"frame": rows(frame), "list": rows(listed),
+                  "stages": stages.__file__}, default=str))
+"""
+
+
+def _predict_fresh(uri: str, model_uri: str, images: list[bytes], folder: Path) -> dict:
+    """`model_uri` loaded and run on `images` in a new Python process pointed at the store `uri`."""
+    paths = []
+    for index, data in enumerate(images):
+        paths.append(folder / f"image-{index}.bin")
+        paths[-1].write_bytes(data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH"))}
+    done = subprocess.run([sys.executable, "-c", LOADER, model_uri, *map(str, paths)], cwd=folder, text=True,
+                          capture_output=True, timeout=300, env={**env, "MLFLOW_TRACKING_URI": uri})
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _expected(model_dir: str, images: list[bytes]) -> list[dict]:
+    from stages.model.predict import load_model, predict_arrays, preprocess
+
+    model, info = load_model(model_dir)
+    return predict_arrays(model, info, [preprocess(data, info) for data in images], top_k=1)
+
+
+def _check_rows(rows: list[dict], expected: list[dict], bad: dict[int, str]) -> None:
+    """Good rows answer as stages.model.predict; rows in `bad` carry that error and no class."""
+    good = [row for index, row in enumerate(rows) if index not in bad]
+    assert [r["class_index"] for r in good] == [e["class_index"] for e in expected]
+    assert [r["class_name"] for r in good] == [e["class_name"] for e in expected]
+    assert [r["probability"] for r in good] == pytest.approx([e["top_k"][0]["probability"] for e in expected],
+                                                              abs=1e-5)
+    assert all(r["error"] is None for r in good)
+    for index, reason in bad.items():
+        assert rows[index]["class_index"] == -1 and rows[index]["error"].startswith(reason), rows[index]
+
+
+def test_a_logged_model_loads_in_a_fresh_process_and_answers_per_image(tmp_path):
+    import mlflow
+    from mlflow import MlflowClient
+
+    from stages.model.mlflow_model import OUTPUT_COLUMNS
+    from stages.model.publish import save_model
+    from stages.model.zoo import build_model
+
+    info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": ["bird", "cat", "dog"],
+            "image_size": 32, "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "unit"}
+    model_dir = tmp_path / "model"
+    save_model(str(model_dir), build_model("small_cnn", 3, width=8).state_dict(), info)
+    files = {name: (model_dir / name).read_bytes() for name in tracking_model.ARTIFACT_NAMES}
+    cfg = load_config(None, [])
+    handle = tracking.start(cfg.tracking, str(tmp_path / "store"), "unit", {"raymill.stage": "train"})
+    was_set = mlflow.is_tracking_uri_set()
+    assert tracking.register_model(handle, "unit-model", files) == "1"
+    assert tracking.register_model(handle, "unit-model", files) == "2"  # the registered model is reused
+    # the fluent state log_model needs is put back: no active run, no exported MLFLOW_TRACKING_URI
+    assert mlflow.active_run() is None and mlflow.is_tracking_uri_set() == was_set
+    assert not tracking_guard.has_failed(handle["uri"])
+
+    client = MlflowClient(tracking_uri=handle["uri"], registry_uri=handle["uri"])
+    version = client.get_model_version("unit-model", "2")
+    assert version.run_id == handle["run_id"] and version.source.startswith("models:/m-")
+    model_id = version.source.split("/")[-1]
+    held = {a.path for a in client.list_logged_model_artifacts(model_id, "artifacts")}
+    assert held == {"artifacts/model.pt", "artifacts/model.json"}  # lineage: the published files
+    logged = tmp_path / "store" / "mlartifacts" / "models" / model_id / "artifacts"  # the SQLite store's layout
+    assert client.get_logged_model(model_id).artifact_location == logged.as_uri()
+    signature = mlflow.models.Model.load(str(logged)).signature
+    assert [c.name for c in signature.outputs.inputs] == list(OUTPUT_COLUMNS)
+
+    images = [image_bytes(1), b"this is not an image", image_bytes(2, fmt="png"), image_bytes(3, size=(20, 90))]
+    answer = _predict_fresh(handle["uri"], "models:/unit-model/2", images, tmp_path)
+    assert answer["stages"] == str(logged / "code" / "stages" / "__init__.py")  # the model's own copy of the code
+    good = [images[0], images[2], images[3]]
+    _check_rows(answer["frame"], _expected(str(model_dir), good), bad={1: "not_an_image"})
+    _check_rows(answer["list"], _expected(str(model_dir), good[:1]), bad={1: "not_an_image"})
+    assert len(answer["frame"]) == 4 and set(answer["frame"][0]) == set(OUTPUT_COLUMNS)
+
+
+def _test_split_images(run_dir: Path, count: int) -> list[bytes]:
+    """The original encoded files (JPEG/PNG) of the first `count` rows of the run's test split."""
+    from stages.feed import streaming
+
+    etl = run_dir / "etl"
+    manifest = json.loads((etl / "manifest.json").read_text())
+    refs = streaming.shard_refs(manifest, str(etl), "test", "parquet")
+    rows = [row for ref in refs for row in streaming.read_shard(ref.uri, ref.format, with_path=True)][:count]
+    assert len(rows) == count, f"the smoke run's test split holds {len(rows)} rows"
+    source = Path(manifest["inputs"]["source"])  # rows name their file relative to the source
+    return [(source / path).read_bytes() for _, path, _, _ in rows]
+
+
+@pytest.mark.slow
+def test_the_smoke_runs_registered_model_predicts_in_a_fresh_process(smoke_run, tmp_path):
+    assert smoke_run.returncode == 0, smoke_run.stderr[-4000:]
+    found = tracking.find(str(smoke_run.run_dir / "train"))
+    assert found and found["model_version"], "the smoke run registered no model: see tracking warnings"
+    images = _test_split_images(smoke_run.run_dir, 5)
+    with_bad = [*images[:2], b"\x89PNG\r\n\x1a\n truncated", *images[2:]]
+    answer = _predict_fresh(found["uri"], f"models:/{found['model_name']}/{found['model_version']}", with_bad,
+                            tmp_path)
+    assert "/artifacts/code/stages/" in answer["stages"]
+    expected = _expected(str(smoke_run.run_dir / "train"), images)
+    _check_rows(answer["frame"], expected, bad={2: ""})
+    assert answer["frame"][2]["error"]  # a truncated PNG: its own row's reason, the batch goes on
+    assert pd.DataFrame(answer["frame"])["class_index"].ge(0).sum() == len(images)
