@@ -272,29 +272,32 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
         session.plan_infer(InferConfig(num_actors=4, cpus_per_actor=1.5), {"CPU": 2.0, "GPU": 0.0})
 
 
-def test_decode_in_tasks_predicts_as_the_actors_do_with_the_same_error_rows(setup, tmp_path):
+def test_decode_in_tasks_and_in_process_predict_as_the_actors_do_with_the_same_error_rows(setup, tmp_path):
     """infer.decode=tasks on the CPU: Ray Data tasks decode (half a CPU each, so Ray does not fuse
-    them into the actor), the pool predicts; rows, predictions and error rows equal the actor plan's."""
+    them into the actor), the pool predicts; a small job left to the defaults runs in this process
+    (infer.local_max_rows). Rows, predictions and error rows equal the actor plan's."""
     _, model_path = setup
     src = tmp_path / "raw"
     written = make_tree(src, per_class=2, classes=("circle", "square", "triangle"))
     got = {}
-    for decode in ("actor", "tasks"):
-        cfg = InferConfig(batch_size=4, decode=decode, decode_cpus_per_task=0.5)
+    for decode in ("actor", "tasks", "in-process"):
+        cfg = (InferConfig(batch_size=4) if decode == "in-process" else
+               InferConfig(batch_size=4, decode=decode, decode_cpus_per_task=0.5))
         art = infer.run(cfg, model_path, str(src), str(tmp_path / decode))
         got[decode] = _outputs(art)
         m = art.manifest["metrics"]
         assert m["decode"] == decode and m["device"] == "cpu" and m["device_busy_s"] > 0
         assert 0 < m["device_utilisation"] <= 1 and m["predict_wall_s"] > 0
-    (actor_rows, actor_m), (task_rows, task_m) = got["actor"], got["tasks"]
-    assert sorted(r["path"] for r in task_rows) == sorted(written)
-    assert {r["path"]: r["error"] for r in task_rows if r["error"]} == {
-        k: v for k, v in written.items() if v != "ok"} and task_m["errors"] == len(BAD_FILES)
-    assert [{k: v for k, v in r.items() if k != "top_k_probs"} for r in task_rows] == \
-        [{k: v for k, v in r.items() if k != "top_k_probs"} for r in actor_rows]
-    for a, t in zip(actor_rows, task_rows):
-        assert t["top_k_probs"] == (pytest.approx(a["top_k_probs"], abs=1e-6) if a["top_k_probs"] else None)
-    assert task_m["error_reasons"] == actor_m["error_reasons"] and task_m["accuracy"] == actor_m["accuracy"]
+    actor_rows, actor_m = got["actor"]
+    for rows, m in (got["tasks"], got["in-process"]):
+        assert sorted(r["path"] for r in rows) == sorted(written)
+        assert {r["path"]: r["error"] for r in rows if r["error"]} == {
+            k: v for k, v in written.items() if v != "ok"} and m["errors"] == len(BAD_FILES)
+        assert [{k: v for k, v in r.items() if k != "top_k_probs"} for r in rows] == \
+            [{k: v for k, v in r.items() if k != "top_k_probs"} for r in actor_rows]
+        for a, t in zip(actor_rows, rows):
+            assert t["top_k_probs"] == (pytest.approx(a["top_k_probs"], abs=1e-6) if a["top_k_probs"] else None)
+        assert m["error_reasons"] == actor_m["error_reasons"] and m["accuracy"] == actor_m["accuracy"]
 
 
 def test_an_output_inside_the_input_is_refused_before_anything_is_written(tmp_path):

@@ -229,6 +229,9 @@ class InferConfig(Section):
     # `actor` (each actor decodes its own items), `auto` (tasks with use_gpu, actor on a CPU).
     decode: Literal["auto", "tasks", "actor"] = "auto"
     decode_cpus_per_task: float = Field(1.0, gt=0)
+    # A job of at most this many images runs in the driver process (no Ray Data, no actors: their
+    # start-up outweighs so few images) unless infer.decode or infer.num_actors is set. 0: never.
+    local_max_rows: int = Field(1000, ge=0)
 
 
 class ServeConfig(Section):

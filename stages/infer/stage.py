@@ -22,7 +22,6 @@ import math
 import os
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from stages.common.artifacts import (Artifact, base_manifest, load_artifact, man
 from stages.common.config import InferConfig, section_dict
 from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
-from stages.feed import meters
+from stages.infer.predictors import BUSY, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict
 from stages.etl import sources
 from stages.feed import streaming
@@ -48,15 +47,6 @@ __all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_ba
 log = logging.getLogger(__name__)
 
 FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
-
-SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
-                    ("class_name", pa.string()), ("class_index", pa.int32()),
-                    ("top_k_classes", pa.list_(pa.string())), ("top_k_probs", pa.list_(pa.float64())),
-                    ("error", pa.string()), ("error_detail", pa.string())])
-# What the actors return: SCHEMA plus each row's share of its batch's device busy seconds, summed
-# by the driver (over every actor) and dropped before publishing.
-BUSY = pa.field("busy_s", pa.float64())
-
 
 class InferError(RuntimeError):
     """Batch inference failed; nothing was published."""
@@ -91,10 +81,20 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
     plan = _plan(cfg, source, info, s3, max(decode["num_actors"], decode["decode_tasks"]))
     unpublish(out, s3)
-    log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
-             plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
-                                                               if decode["decode_tasks"] else ""))
-    table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
+    here = _in_process(cfg, plan)
+    if here:
+        decode = {**decode, "decode": "in-process", "num_actors": 1, "decode_tasks": 0}
+    if here:
+        log.info("infer: %d %s item(s), %d image(s): in this process (at most infer.local_max_rows=%d; "
+                 "Ray Data's start would outweigh them)", len(plan.items), plan.kind, plan.rows, cfg.local_max_rows)
+    else:
+        log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
+                 plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
+                                                                   if decode["decode_tasks"] else ""))
+    if here:
+        table, busy_s, wall_s = _execute_here(cfg, model_path, plan, resources, s3)
+    else:
+        table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
     table = table.sort_by([("path", "ascending"), ("key", "ascending")])
     if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
         raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
@@ -214,6 +214,35 @@ def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]
             "predict": {"batch_size": cfg.batch_size, "batch_format": "pyarrow", **pool}}
 
 
+def _in_process(cfg: InferConfig, plan: Plan) -> bool:
+    """A small job runs in this process: Ray Data's start and an actor's (a process, torch, the
+    model; on a GPU, CUDA too) cost seconds that its few images never pay back. Only where nothing
+    asked for Ray's layout (infer.decode and infer.num_actors unset) and this process can use the
+    device it was asked for."""
+    return (plan.rows <= cfg.local_max_rows and cfg.decode == "auto" and cfg.num_actors is None
+            and (not cfg.use_gpu or torch.cuda.is_available()))
+
+
+def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, resources: dict[str, float],
+                  s3: Any | None) -> tuple[pa.Table, float, float]:
+    """The plan's items through the actor class Ray Data would start, called in this process:
+    the same reads, decode and predictions, row for row. torch's thread count is put back after."""
+    threads = torch.get_num_threads()
+    started = time.perf_counter()
+    try:
+        predictor = Predictor(model_path=model_path, s3=storage.s3_options(s3), top_k=cfg.top_k,
+                              use_gpu=cfg.use_gpu, batch_size=cfg.batch_size, **plan.reader,
+                              threads=max(1, min(int(resources.get("CPU", 1)), os.cpu_count() or 1)))
+        table = predictor(pa.Table.from_pylist(plan.items)) if plan.items else SCHEMA.append(BUSY).empty_table()
+    except Exception as e:  # as from the actors: the cause, and nothing published
+        raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
+    finally:
+        torch.set_num_threads(threads)
+    wall_s = time.perf_counter() - started
+    busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
+    return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
+
+
 def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resources: dict[str, float],
              s3: Any | None) -> tuple[pa.Table, float, float]:
     """Run the plan: (prediction rows, device busy seconds summed over the actors, wall seconds)."""
@@ -239,79 +268,6 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resource
     table = pa.concat_tables(tables) if tables else SCHEMA.append(BUSY).empty_table()
     busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
     return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
-
-
-class BatchPredictor:
-    """Ray Data actor (infer.decode=tasks): loads the model once, then predicts decoded images."""
-
-    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
-        torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
-        if use_gpu and not torch.cuda.is_available():  # Ray declared a GPU that torch cannot use
-            raise RuntimeError(f"infer.use_gpu: this actor holds a GPU in Ray, but torch {torch.__version__} sees no "
-                               f"CUDA device (CUDA build: {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
-                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); set infer.use_gpu=false, or give the "
-                               "GPU nodes a CUDA build of torch and working drivers")
-        self.model, self.info = predict.load_model(model_path, s3)
-        self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.model.to(self.device)
-        self.top_k, self.meter = top_k, meters.StepMeter(self.device)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        samples = batch.select(["key", "path", "true_class"]).to_pylist()
-        errors, details = batch["error"].to_pylist(), batch["error_detail"].to_pylist()
-        good = [i for i, e in enumerate(errors) if e is None]
-        images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
-        busy = self.meter.busy_s()
-        rows = self._predict_rows(samples, good, images, errors, details)
-        return _with_busy(rows, self.meter.busy_s() - busy)
-
-    def _predict_rows(self, samples: list[dict], good: list[int], images, errors: list, details: list) -> list[dict]:
-        """One row per sample: a prediction for each of `good` (whose pixels are `images`, in order),
-        the error reason for the rest."""
-        preds = dict(zip(good, predict.predict_arrays(self.model, self.info, images, self.top_k, self.device,
-                                                      self.meter)))
-        return [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
-
-
-class Predictor(BatchPredictor):
-    """Ray Data actor (infer.decode=actor): loads the model once, then reads, decodes and predicts
-    its work items (stages.infer.decode.Reader), decoding in threads: Pillow releases the GIL."""
-
-    def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
-                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
-        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
-        self.batch_size = batch_size
-        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes)
-        self.pool = ThreadPoolExecutor(max_workers=threads)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        samples = [s for item in batch.to_pylist() for s in self.reader.samples(item)]
-        rows: list[dict[str, Any]] = []
-        busy = self.meter.busy_s()
-        for start in range(0, len(samples), self.batch_size):
-            chunk = samples[start:start + self.batch_size]  # read lazily: one batch of bytes at a time
-            decoded = list(self.pool.map(self.reader.decode, chunk))
-            good = [i for i, d in enumerate(decoded) if d[0] is not None]
-            rows += self._predict_rows(chunk, good, [decoded[i][0] for i in good], [d[1] for d in decoded],
-                                       [d[2] for d in decoded])
-        return _with_busy(rows, self.meter.busy_s() - busy)
-
-
-def _with_busy(rows: list[dict[str, Any]], busy_s: float) -> pa.Table:
-    """Prediction rows, each with an equal share of the device busy seconds it took to make them."""
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    return table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
-
-
-def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None) -> dict[str, Any]:
-    """One output row; prediction columns stay null for an error row."""
-    row = {"key": sample["key"], "path": sample["path"], "true_class": sample["true_class"],
-           "error": error, "error_detail": detail}
-    if pred is not None:
-        row.update(class_name=pred["class_name"], class_index=pred["class_index"],
-                   top_k_classes=[t["class_name"] for t in pred["top_k"]],
-                   top_k_probs=[t["probability"] for t in pred["top_k"]])
-    return row
 
 
 def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, Any]:

@@ -56,15 +56,20 @@ def test_raymill_train_runs_on_the_gpu_with_a_true_utilisation(trained):
 
 def test_raymill_infer_with_use_gpu(trained, tmp_path):
     """infer.decode=auto with use_gpu: Ray Data tasks decode, the GPU pool predicts, and the
-    manifest says how busy the device was (CUDA events, summed over the actors)."""
+    manifest says how busy the device was (CUDA events, summed over the actors). A job this small
+    runs in the driver by default (infer.local_max_rows): on the GPU too, with the same rows."""
     cfg, data, artifact = trained
-    out = infer.run(cfg.infer, artifact.path, data.path, str(tmp_path / "infer"))
+    here = infer.run(cfg.infer, artifact.path, data.path, str(tmp_path / "here")).manifest["metrics"]
+    assert here["decode"] == "in-process" and here["device"] == "cuda" and here["device_busy_s"] > 0
+    ray_path = cfg.infer.model_copy(update={"local_max_rows": 0})
+    out = infer.run(ray_path, artifact.path, data.path, str(tmp_path / "infer"))
     m = out.manifest["metrics"]
+    assert (m["rows"], m["errors"], m["accuracy"]) == (here["rows"], here["errors"], here["accuracy"])
     assert m["rows"] > 0 and m["errors"] == 0 and m["decode"] == "tasks" and m["device"] == "cuda"
     assert 0 < m["device_utilisation"] <= 1 and m["device_images_per_s"] > 0
     # infer.num_actors unset: the planned pool, one actor per GPU as far as the CPUs hold them
     assert 1 <= m["actors"] <= torch.cuda.device_count()
-    assert m["actors"] == session.plan_infer(cfg.infer, session.cluster_resources())["num_actors"]
+    assert m["actors"] == session.plan_infer(ray_path, session.cluster_resources())["num_actors"]
     assert 0 < m["device_busy_s"] <= m["predict_wall_s"] * m["actors"] + 1e-6
 
 

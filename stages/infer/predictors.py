@@ -1,0 +1,100 @@
+"""The predicting side of batch inference: the Ray Data actor classes, and the rows they return.
+
+Ray Data runs them as actors (stages.infer.stage); a job small enough to run in the driver process
+calls the same classes there, so both paths predict row for row alike.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pyarrow as pa
+import torch
+
+from stages.feed import meters
+from stages.infer import decode as infer_decode
+from stages.model import predict
+
+__all__ = ["SCHEMA", "BUSY", "BatchPredictor", "Predictor"]
+
+SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
+                    ("class_name", pa.string()), ("class_index", pa.int32()),
+                    ("top_k_classes", pa.list_(pa.string())), ("top_k_probs", pa.list_(pa.float64())),
+                    ("error", pa.string()), ("error_detail", pa.string())])
+# What the actors return: SCHEMA plus each row's share of its batch's device busy seconds, summed
+# by the driver (over every actor) and dropped before publishing.
+BUSY = pa.field("busy_s", pa.float64())
+
+
+class BatchPredictor:
+    """Ray Data actor (infer.decode=tasks): loads the model once, then predicts decoded images."""
+
+    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
+        torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
+        if use_gpu and not torch.cuda.is_available():  # Ray declared a GPU that torch cannot use
+            raise RuntimeError(f"infer.use_gpu: this actor holds a GPU in Ray, but torch {torch.__version__} sees no "
+                               f"CUDA device (CUDA build: {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
+                               f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); set infer.use_gpu=false, or give the "
+                               "GPU nodes a CUDA build of torch and working drivers")
+        self.model, self.info = predict.load_model(model_path, s3)
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.model.to(self.device)
+        self.top_k, self.meter = top_k, meters.StepMeter(self.device)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        samples = batch.select(["key", "path", "true_class"]).to_pylist()
+        errors, details = batch["error"].to_pylist(), batch["error_detail"].to_pylist()
+        good = [i for i, e in enumerate(errors) if e is None]
+        images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
+        busy = self.meter.busy_s()
+        rows = self._predict_rows(samples, good, images, errors, details)
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+    def _predict_rows(self, samples: list[dict], good: list[int], images, errors: list, details: list) -> list[dict]:
+        """One row per sample: a prediction for each of `good` (whose pixels are `images`, in order),
+        the error reason for the rest."""
+        preds = dict(zip(good, predict.predict_arrays(self.model, self.info, images, self.top_k, self.device,
+                                                      self.meter)))
+        return [_row(s, preds.get(i), errors[i], details[i]) for i, s in enumerate(samples)]
+
+
+class Predictor(BatchPredictor):
+    """Ray Data actor (infer.decode=actor): loads the model once, then reads, decodes and predicts
+    its work items (stages.infer.decode.Reader), decoding in threads: Pillow releases the GIL."""
+
+    def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
+                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
+        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
+        self.batch_size = batch_size
+        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes)
+        self.pool = ThreadPoolExecutor(max_workers=threads)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        samples = [s for item in batch.to_pylist() for s in self.reader.samples(item)]
+        rows: list[dict[str, Any]] = []
+        busy = self.meter.busy_s()
+        for start in range(0, len(samples), self.batch_size):
+            chunk = samples[start:start + self.batch_size]  # read lazily: one batch of bytes at a time
+            decoded = list(self.pool.map(self.reader.decode, chunk))
+            good = [i for i, d in enumerate(decoded) if d[0] is not None]
+            rows += self._predict_rows(chunk, good, [decoded[i][0] for i in good], [d[1] for d in decoded],
+                                       [d[2] for d in decoded])
+        return _with_busy(rows, self.meter.busy_s() - busy)
+
+
+def _with_busy(rows: list[dict[str, Any]], busy_s: float) -> pa.Table:
+    """Prediction rows, each with an equal share of the device busy seconds it took to make them."""
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    return table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
+
+
+def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None) -> dict[str, Any]:
+    """One output row; prediction columns stay null for an error row."""
+    row = {"key": sample["key"], "path": sample["path"], "true_class": sample["true_class"],
+           "error": error, "error_detail": detail}
+    if pred is not None:
+        row.update(class_name=pred["class_name"], class_index=pred["class_index"],
+                   top_k_classes=[t["class_name"] for t in pred["top_k"]],
+                   top_k_probs=[t["probability"] for t in pred["top_k"]])
+    return row
