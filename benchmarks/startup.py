@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     epochs_s = sum(h.get("wall_s", 0.0) for h in history)
     out.update(loadavg_at_start=load, checks={"1x": small, f"{args.scale}x": big},
                train={"wall_s": round(wall, 2), "epochs_wall_s": round(epochs_s, 2),
-                      "fixed_s": round(wall - epochs_s, 2), "startup_s": history[0].get("startup_s"),
+                      "fixed_s": round(wall - epochs_s, 2),
                       "test_seconds": sum(h.get("test_seconds", 0.0) for h in history),
                       "test_acc": artifact.manifest["metrics"]["test_acc"], "checkpoint_bytes": state_bytes})
     return out
@@ -130,7 +130,6 @@ def render(result: dict[str, Any]) -> str:
             ["raymill train stage: wall", fmt(t["wall_s"], 1)],
             ["  of which the epochs (real work)", fmt(t["epochs_wall_s"], 1)],
             ["  of which fixed (wall - epochs)", fmt(t["fixed_s"], 1)],
-            ["  first batch after the loop started (startup_s)", fmt(t["startup_s"], 2)],
             ["  test-split scoring inside the epochs' reports", fmt(t["test_seconds"], 2)]]
     lines += md_table(["part", "seconds"], rows, "lr") + [""]
     check_rows = [[k, v["images"], fmt(v["shard_mb"], 1), fmt(v["first_s"], 3), fmt(v["second_s"], 3)]

@@ -189,6 +189,7 @@ def test_sqlite_store_default_resume_and_disabled(tmp_path):
     for epoch in (1, 2, 3):
         tracking.log_epoch(handle, {"epoch": epoch, "train_loss": 1.0 / epoch, "val_acc": 0.1 * epoch,
                                     "verdict": "text is not a metric"})
+    tracking.flush_epochs()  # epochs are logged by a thread of their own, beside training
     again = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
     assert again["run_id"] == handle["run_id"]  # an unfinished run in the same folder is resumed
     tracking.end(handle)
@@ -211,6 +212,7 @@ def test_unreachable_server_warns_once_and_never_raises(caplog):
     assert tracking.start(cfg.tracking, "unused", "x", {}) is None
     handle = {"uri": cfg.tracking.uri, "run_id": "0" * 32, "timeout_s": 1}
     tracking.log_epoch(handle, {"epoch": 1, "train_loss": 1.0})
+    tracking.flush_epochs()
     tracking.end(handle)
     assert len(caplog.records) == 1 and "failed" in caplog.records[0].getMessage()
     assert time.monotonic() - started < 30  # no retry storm against a dead server

@@ -352,6 +352,8 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()
+        if w.rank == 0:  # the epochs' MLflow points, logged beside training, before Train ends the worker
+            tracking.flush_epochs()
 
 
 def _epochs(w: Worker, config: dict[str, Any]) -> None:
