@@ -172,6 +172,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
                                                           image_size=loop["image_size"], s3=loop["s3"])
         datasets = {"train": train_ds}
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
+    publish.warm_up_curves()  # beside fit(): the driver only waits there
     try:
         result = trainer.fit()
     except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
