@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -42,6 +43,21 @@ class WorkerFeeds:
         self.threads = {"decode": config.get("torch_threads", 1),
                         "tier": max(1, int(config.get("cpus_per_worker", 1)))}
         self.tier = self.make_tier()
+        # The pool starts beside the rest of the worker's start (model, DDP, restore): it was 1.0 s
+        # of a 2-core demo's fixed cost before the first batch. decode_pool() waits for it.
+        self._starting: dict[str, Any] = {}
+        if self.decode_processes > 0 and cfg.ingest == "stream":
+            self._starting["thread"] = threading.Thread(target=self._start_pool, name="raymill-decode-start",
+                                                        daemon=True)
+            self._starting["thread"].start()
+
+    def _start_pool(self) -> None:
+        try:
+            self._starting["pool"] = DecodePool(self.decode_processes, self.cfg.batch_size, self.size,
+                                                self.cfg.prefetch_batches + 1,
+                                                keep_plain=self.cfg.decoded_tier != "off")
+        except BaseException as e:  # raised where the pool is first used, in the loop's thread
+            self._starting["error"] = e
 
     def use_threads(self, phase: str) -> None:
         if self.device.type == "cpu":
@@ -97,11 +113,15 @@ class WorkerFeeds:
         return feeds.ThreadFeed(batches, spec, self.cfg.decode_threads, self.cfg.prefetch_batches)
 
     def decode_pool(self) -> DecodePool | None:
-        """This worker's decode processes: started at the first batch, kept for every epoch."""
+        """This worker's decode processes (started with the worker, waited for here), kept for every epoch."""
         if self.pool is None and self.decode_processes > 0:
-            keep_plain = self.cfg.decoded_tier != "off"
-            self.pool = DecodePool(self.decode_processes, self.cfg.batch_size, self.size,
-                                   self.cfg.prefetch_batches + 1, keep_plain=keep_plain)
+            if "thread" not in self._starting:  # not started with the worker (ray_data ingest): start it now
+                self._starting["thread"] = threading.Thread(target=self._start_pool, daemon=True)
+                self._starting["thread"].start()
+            self._starting.pop("thread").join()
+            if "error" in self._starting:
+                raise self._starting.pop("error")
+            self.pool = self._starting.pop("pool")
             if self.rank == 0:
                 log.info("train: %d decode processes per worker, started in %.2f s",
                          self.decode_processes, self.pool.start_s)
@@ -138,6 +158,9 @@ class WorkerFeeds:
             self.tier.put(step * self.cfg.batch_size, fed.rows, fed.plain)
 
     def close(self) -> None:
+        if "thread" in self._starting:  # closed before its first batch: the pool still ends
+            self._starting.pop("thread").join()
+            self.pool = self._starting.pop("pool", None)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
