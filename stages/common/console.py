@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from stages.common import benign
@@ -25,11 +26,18 @@ log = logging.getLogger("raymill.train")
 def setup(verbose: bool = False) -> None:
     """Logging for the CLI process: raymill at INFO, libraries (matplotlib, alembic, ...) at WARNING."""
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"  # read by Ray workers (session forwards it)
-    benign.install(verbose)  # before basicConfig, so that logging writes through it too
+    if _is_the_cli():  # not when a program (a test, a notebook) calls workflow.__main__.main itself
+        benign.install(verbose)  # before basicConfig, so that logging writes through it too
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[raymill] %(message)s",
                         stream=sys.stderr, force=True)
     for name in _OURS:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _is_the_cli() -> bool:
+    """This process is `raymill` or `python -m workflow`: its stderr is the CLI's own to filter."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return script.name == "raymill" or (script.name == "__main__.py" and script.parent.name == "workflow")
 
 
 def verbose() -> bool:
