@@ -196,7 +196,8 @@ def test_a_loaded_optimiser_takes_this_runs_lr_momentum_and_weight_decay():
 
     import torch
 
-    from stages.train.loop import Worker, _optimizer, make_schedule
+    from stages.train.finetune import optimizer as _optimizer
+    from stages.train.loop import Worker, make_schedule
     from stages.common.config import TrainConfig
 
     def state(cfg: TrainConfig, steps: int):

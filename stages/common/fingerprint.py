@@ -80,10 +80,14 @@ def compute(parts: dict[str, Any], ignore: Iterable[str] = ()) -> Fingerprint:
     return Fingerprint(config_hash(kept), kept)
 
 
-def for_train(train_section: dict[str, Any], seed: int, data_manifest: dict[str, Any]) -> Fingerprint:
-    """What makes a training run's checkpoints: train config (minus TRAIN_RESUMABLE), seed, data content."""
-    return compute({"train": train_section, "seed": seed, "data": data_fingerprint(data_manifest)},
-                   ignore=[f"train.{k}" for k in TRAIN_RESUMABLE])
+def for_train(train_section: dict[str, Any], seed: int, data_manifest: dict[str, Any],
+              init_sha256: str | None = None) -> Fingerprint:
+    """What makes a training run's checkpoints: train config (minus TRAIN_RESUMABLE), seed, data
+    content, and the content of its init weights (train.init_from names only where they are)."""
+    parts = {"train": train_section, "seed": seed, "data": data_fingerprint(data_manifest)}
+    if init_sha256:  # absent without init weights: the fingerprints of earlier runs stay valid
+        parts["init"] = {"sha256": init_sha256}
+    return compute(parts, ignore=[f"train.{k}" for k in TRAIN_RESUMABLE])
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 6) -> list[str]:

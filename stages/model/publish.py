@@ -20,9 +20,9 @@ from stages.etl.sources import READ_KEYS
 from stages.model.predict import evaluate_split, load_model
 from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, unpublish, write_manifest
-from stages.common.config import section_dict
+from stages.common.config import TrainConfig, section_dict
 
-__all__ = ["publish", "save_model", "model_info", "state_hash", "read_checkpoint", "curves", "test_metrics"]
+__all__ = ["publish", "save_model", "model_info", "init_lineage", "init_inputs", "state_hash", "read_checkpoint", "curves", "test_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +117,32 @@ def model_info(train_cfg, data: Artifact, extra: dict) -> dict[str, Any]:
             "data_manifest_hash": config_hash(data.manifest), **extra}
 
 
+def init_lineage(loop_config: dict) -> dict[str, Any]:
+    """model.json's record of the weights a run started from (train.init_from), if any."""
+    init = (loop_config.get("init") or {}).get("record")
+    if not init:
+        return {}
+    return {"lineage": {"init": {k: init[k] for k in ("source", "kind", "sha256", "bytes", "head", "normalisation")}}}
+
+
+def init_inputs(loop_config: dict) -> dict[str, str]:
+    """The manifest input that names the init weights by content (stages.train.stage.init_inputs)."""
+    init = (loop_config.get("init") or {}).get("record")
+    return {"init_sha256": init["sha256"]} if init else {}
+
+
 def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seconds: float,
             s3: Any | None = None) -> Artifact:
     """Export the best checkpoint, evaluate it on the test split, write curves and the manifest."""
     _, meta, ledger = read_checkpoint(result.checkpoint)
     best_checkpoint, best_metrics = _best(result)
     state, best_meta, _ = read_checkpoint(best_checkpoint)
-    info = model_info(cfg, data, {"val_acc": best_metrics.get("val_acc"), "epoch": best_meta["epoch"],
-                                  "version": f"{best_meta['epoch']}-{config_hash(state_hash(state))}"})
+    # the config the workers trained with: mean/std may come from the init weights (model.json tells
+    # infer and serve); the manifest keeps the config as given, which reuse and resume compare
+    trained = TrainConfig.model_validate(loop_config["train"])
+    info = model_info(trained, data, {"val_acc": best_metrics.get("val_acc"), "epoch": best_meta["epoch"],
+                                      "version": f"{best_meta['epoch']}-{config_hash(state_hash(state))}",
+                                      **init_lineage(loop_config)})
     unpublish(out, s3)
     fs, root = storage.filesystem(out, s3)
     save_model(out, state, info, s3)
@@ -140,11 +158,13 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
         storage.write_bytes_atomic(fs, storage.join(root, name), payload)
     last = history[-1] if history else {}
     manifest = base_manifest("train", section_dict(cfg), {"data": data.path,
-                             "data_manifest_hash": info["data_manifest_hash"], "seed": loop_config["seed"]})
+                             "data_manifest_hash": info["data_manifest_hash"], "seed": loop_config["seed"],
+                             **init_inputs(loop_config)})
     manifest.update({
         "resource_plan": plan.as_dict(), "checkpoint": {"best": best_checkpoint.path,
                                                         "latest": result.checkpoint.path},
         "model": {"path": "model.pt", "info": "model.json", "architecture": cfg.model},
+        "init": (loop_config.get("init") or {}).get("record"),
         "metrics": {"test_acc": test["acc"], "test_rows": test["rows"], "test_scored_in": test["where"],
                     "best_val_acc": info["val_acc"],
                     "epochs": len(history), "seconds": round(seconds, 1),

@@ -19,14 +19,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stages.feed import feeds
-from stages.feed import meters
-from stages.feed import streaming
+from stages.feed import feeds, meters, streaming
 from stages.feed.worker_feeds import WorkerFeeds
 from stages.model.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages.feed import ray_data as ingest_ray
 from stages.model.zoo import build_model
 from stages.model.predict import to_batch
+from stages.train import finetune
 from stages.train.run_hooks import TrainHooks
 from stages.common import console, tracking
 from stages.common.config import ConfigError, TrainConfig
@@ -62,13 +61,6 @@ def make_schedule(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _optimizer(cfg: TrainConfig, model: torch.nn.Module):
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           weight_decay=cfg.weight_decay, nesterov=cfg.momentum > 0)
-
-
 class Worker:
     """State of one rank: model, optimiser, data position, ledger and timing counters."""
 
@@ -92,8 +84,11 @@ class Worker:
         # the 2-core box: step 1.45 -> 1.21 ms an image, to_batch 0.50 -> 0.25)
         self.channels_last = True if self.cfg.channels_last is None else self.cfg.channels_last
         shape = (self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout, self.seed, self.channels_last)
-        self.model = hooks.prepare_model(hooks.build(shape, self.new_model))
-        self.optimizer = _optimizer(self.cfg, self.model)
+        model = hooks.build(shape, self.new_model)
+        finetune.load_init(model, config.get("init"), self.cfg.model)  # before DDP; a checkpoint restores over it
+        self.model = hooks.prepare_model(model)
+        self.optimizer = finetune.optimizer(self.cfg, self.net)  # one group, or head + backbone
+        self.backbone, self.frozen = finetune.backbone_params(self.net, self.cfg.model), False
         self.refs = {split: [streaming.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
         self.total = sum(r.rows for r in self.refs["train"])
         if self.cfg.ingest == "ray_data":  # streaming_split(equal=True) evens out the ranks
@@ -144,6 +139,9 @@ class Worker:
     def train_epoch(self, epoch: int, start_step: int) -> dict[str, float] | None:
         """Run the rest of `epoch`; returns epoch metrics, or None if the loss went non-finite."""
         self.model.train()
+        self.frozen = finetune.frozen(self.cfg, epoch)  # train.freeze_epochs: the head only
+        if self.frozen:
+            finetune.freeze_norms(self.net, self.cfg.model)
         feed, meter = self.input.train_feed(epoch, start_step), meters.StepMeter(self.device)
         # loss and correct stay on the device: a float()/int() per step would sync the GPU. A run
         # resumed mid-epoch starts from the sums its checkpoint carried: the row covers the epoch.
@@ -193,12 +191,13 @@ class Worker:
         # exact mean over the global batch, even when ranks hold unequal (or empty) batches.
         loss = summed * self.world / max(1, global_rows)
         self.optimizer.zero_grad(set_to_none=True)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.frozen:  # no gradient: the step leaves the backbone bit-identical (stages.train.finetune)
+            finetune.drop_grads(self.backbone)
         if self.scaler:
-            self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            loss.backward()
             self.optimizer.step()
         self.schedule.step()
         with torch.no_grad():  # a non-finite loss makes sums[0] non-finite: checked per report
@@ -317,18 +316,9 @@ class Worker:
 
 
     def apply_hyperparameters(self) -> None:
-        """This run's lr, momentum and weight decay over a loaded optimiser and schedule.
-
-        A resumed run loads its own values back (no change). A PBT trial loads its donor's
-        checkpoint, whose optimiser state carries the donor's values: the explored ones must win,
-        and the schedule keeps its position (the factor at its step) with the new base lr.
-        """
-        self.schedule.base_lrs = [self.cfg.lr] * len(self.optimizer.param_groups)
-        factor = self.schedule.lr_lambdas[0](self.schedule.last_epoch)
-        for group in self.optimizer.param_groups:
-            group.update(initial_lr=self.cfg.lr, lr=self.cfg.lr * factor, weight_decay=self.cfg.weight_decay)
-            if "momentum" in group:  # SGD; AdamW has betas instead
-                group["momentum"] = self.cfg.momentum
+        """This run's lr, momentum and weight decay over a loaded optimiser and schedule (PBT's
+        explored values win over the donor's; stages.train.finetune.apply_hyperparameters)."""
+        finetune.apply_hyperparameters(self.cfg, self.optimizer, self.schedule)
 
     def startup(self) -> dict[str, float]:
         """Seconds from trial start to its first batch, for the first epoch report of a trial."""

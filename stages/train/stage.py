@@ -13,15 +13,17 @@ from stages.train import capacity
 from stages.etl import integrity
 from stages.feed import ray_data as ingest_ray
 from stages.model import zoo as models
-from stages.model import publish
+from stages.model import init_weights, publish
 from stages.model.checkpoint_io import refusal_in
+from stages.train import finetune
 from stages.train.loop import train_loop
 from stages.common import console, fingerprint, session, storage
+from stages.common.tracking import log_params
 from stages.common.artifacts import Artifact, config_hash, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
-__all__ = ["run", "published", "TrainError", "check_data", "check_image_size", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "published", "TrainError", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,20 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
         raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
                           "val_acc: re-run ETL with a larger etl.split.val, or add images")
     return shards
+
+
+def check_init(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> init_weights.InitPlan | None:
+    """train.init_from read and checked against every model that will train on `data` (a search's
+    `model_names`, train.model when empty), before any worker starts: a ConfigError (exit 2) names
+    the keys and the fix. None without init weights. The train stage and every search call it."""
+    if cfg.init_from is None:
+        return None
+    return init_weights.prepare(cfg, data.manifest["classes"], s3, model_names or [cfg.model])
+
+
+def init_inputs(cfg: TrainConfig, s3) -> dict[str, str]:
+    """What a published output records of its init weights, to be reused only for the same content."""
+    return {"init_sha256": init_weights.source_sha256(cfg.init_from, s3)} if cfg.init_from else {}
 
 
 def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: Any | None,
@@ -144,7 +160,7 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
 def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> Artifact | None:
     """The model this config, seed and data already published in `out`, or None."""
     done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_manifest_hash":
-                                                            config_hash(data.manifest)}, s3)
+                                                            config_hash(data.manifest), **init_inputs(cfg, s3)}, s3)
     if done is not None:
         log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
                  "(--overwrite trains again)", out)
@@ -157,17 +173,21 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     if not overwrite and (done := published(cfg, data, out, seed, s3)) is not None:
         return done
     shards = check_data(cfg, data, s3)
+    init = check_init(cfg, data, s3)  # before Ray starts; `trained`: its mean/std where unset
+    trained = init.train if init else cfg
     state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
-    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest)
+    made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest, init.record["sha256"] if init else None)
     fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
-    loop = {**loop_config(cfg, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
-            "tracking": tracking}  # rank 0 logs to MLflow
+    loop = {**loop_config(trained, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
+            "tracking": tracking, **finetune.shipped(init)}  # rank 0 logs to MLflow
+    if init and tracking:
+        log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     if cfg.ingest == "ray_data":
-        planned = cfg.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
+        planned = trained.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
         train_ds, ingest = ingest_ray.build_train_dataset(planned, shards["train"], seed=seed, raw=loop["raw"],
                                                           image_size=loop["image_size"], s3=loop["s3"])
         datasets = {"train": train_ds}

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stages.model.publish import curves, model_info, read_checkpoint, save_model, state_hash, test_metrics
+from stages.model.publish import (curves, init_inputs, init_lineage, model_info, read_checkpoint, save_model,
+                                  state_hash, test_metrics)
 from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from stages.common.config import ConfigError, TrainConfig, TuneConfig, section_dict
@@ -263,7 +264,8 @@ def _best_model_files(cfg: TuneConfig, tcfg: TrainConfig, data: Artifact, out: s
     info = model_info(tcfg, data, {
         "val_acc": meta.get("val", {}).get("val_acc"), "epoch": meta["epoch"],
         "version": f"tune-{trial['trial_id']}-{meta['epoch']}-{config_hash(state_hash(state))}",
-        "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]}})
+        "tune": {"trial_id": trial["trial_id"], "params": trial["params"], cfg.metric: entry["value"]},
+        **init_lineage(loop)})
     save_model(out, state, info, s3)
     # the trial's workers scored the test split at this epoch when it was their best val_acc
     row = next((h for h in meta["history"] if h.get("epoch") == meta["epoch"]), {})
@@ -280,7 +282,8 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     """Write the search's files and the best trial's model to `out`; manifest.json last."""
     started = time.perf_counter()
     trial, entry = best["trial"], best["entry"]
-    tcfg = trial_train_config(train_cfg, trial["params"], cfg)
+    # the trial's config as it trained: its mean/std may come from train.init_from (loop["train"])
+    tcfg = trial_train_config(TrainConfig.model_validate(loop["train"]), trial["params"], cfg)
     files, test, meta = _best_model_files(cfg, tcfg, data, out, s3, loop, trial, entry)
     best_json = {"trial_id": trial["trial_id"], "params": trial["params"], "metric": cfg.metric,
                  "value": entry["value"], "epoch": entry["epoch"], "checkpoint": entry["checkpoint_path"],
@@ -292,7 +295,8 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     counts = {o: sum(t["outcome"] == o for t in trials) for o in OUTCOMES}
     manifest = base_manifest("tune", section_dict(cfg), {
         "data": data.path, "data_manifest_hash": config_hash(data.manifest),
-        "data_fingerprint": data_fingerprint(data.manifest), "train": section_dict(train_cfg), "seed": seed})
+        "data_fingerprint": data_fingerprint(data.manifest), "train": section_dict(train_cfg), "seed": seed,
+        **init_inputs(loop)})
     last = meta["history"][-1] if meta["history"] else {}
     val_acc = meta.get("val", {}).get("val_acc")
     metrics = {"best_val_acc": val_acc, f"best_{cfg.metric}": entry["value"], "model_val_acc": val_acc,

@@ -31,10 +31,12 @@ import logging
 import time
 from typing import Any, Sequence
 
+from stages.train import finetune
 from stages.train import stage as train
 from stages.tune import results as tune_results
 from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
+from stages.model.publish import init_inputs
 from stages.tune.results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
 from stages.common import fingerprint, session, storage
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
@@ -213,17 +215,19 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     if (done := published(cfg, train_cfg, data, out, seed, s3)) is not None:
         return done
     shards = train.check_data(train_cfg, data, s3, searched_models(cfg, train_cfg))  # the search's one data check
+    init = train.check_init(train_cfg, data, s3, searched_models(cfg, train_cfg))  # every trial starts from it
+    trained = init.train if init else train_cfg  # its mean/std where unset; key and manifest keep train_cfg
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
     ray_dir = storage.join(out, "ray")
-    ctx = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "plan": plan.workers,
+    ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
-           "loop": train.loop_config(train_cfg, data, shards, seed, s3, plan.workers)}
+           "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
     log.info(f"tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
           f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data")
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
-           "data_fingerprint": data_fingerprint(data.manifest)}
+           "data_fingerprint": data_fingerprint(data.manifest), **init_inputs(ctx["loop"])}
     grid = _fit(cfg, train_cfg, _make_driver(ctx), plan, ray_dir, s3, key, callbacks)
     trials = tune_results.summaries(grid, cfg, train_cfg, ray_dir, s3)
     fs, root = storage.filesystem(out, s3)
@@ -254,7 +258,7 @@ def published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str,
     predate the last trial's end, and restoring it would run that trial again.
     """
     done = find_published(out, "tune", section_dict(cfg), {"seed": seed, "train": section_dict(train_cfg),
-                          "data_fingerprint": data_fingerprint(data.manifest)}, s3)
+                          "data_fingerprint": data_fingerprint(data.manifest), **train.init_inputs(train_cfg, s3)}, s3)
     if done is not None:
         log.info("tune: %s already holds this search's result (same config, seed and data); reusing it", out)
     return done
