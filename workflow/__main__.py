@@ -84,14 +84,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=None)
     _common(p)
 
+    _export_parser(sub)
+
     p = sub.add_parser("doctor", help="what the Ray sessions on this machine expose: every listening port, classified")
     p.add_argument("--pid", type=int, default=None, help="only this process and its descendants (a raymill command)")
 
-    p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer")
+    p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer -> (export)")
     p.add_argument("--serve", action="store_true", help="then serve the model and send test requests")
     p.add_argument("--force", action="store_true", help="recompute stages even if unchanged")
     _common(p)
     return parser
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a model -> ONNX (or TorchScript) in a Triton/KServe model repository, checked")
+    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--output", required=True, type=_location,
+                   help="model repository folder: new, empty, or an earlier export (replaced)")
+    p.add_argument("--format", choices=["onnx", "torchscript"], default=None,
+                   help="default: export.format from config (onnx)")
+    _common(p)
 
 
 def _object_store_hint(e: Exception) -> str:
@@ -253,6 +265,20 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    overrides = list(args.overrides) + ([f"export.format={args.format}"] if args.format else [])
+    cfg = load_config(args.config, overrides)
+    from stages.model import export
+
+    artifact = export.run(cfg.export, args.model, args.output, name=cfg.export.name or cfg.tracking.model_name,
+                          s3=cfg.s3)
+    m, check = artifact.manifest, artifact.manifest["check"]
+    print(f"export: {m['format']} model '{m['name']}' checked on {check['images']} {check['split']} images: logits "
+          f"max |diff| {check['logits_max_abs_diff']:.2e}, class agreement {check['class_agreement']:.3f} "
+          f"-> {artifact.path}")
+    return 0
+
+
 def cmd_doctor(args) -> int:
     """Every listening port of this user's Ray processes, classified as tests/test_exposure.py
     does (stages.common.exposure); exit 1 when one is exposed."""
@@ -288,7 +314,7 @@ def _loopback_if_local(args) -> None:
 
 COMMANDS = {"demo-data": cmd_demo_data, "etl": cmd_etl, "verify": cmd_verify, "train": cmd_train,
             "tune": cmd_tune, "infer": cmd_infer, "serve": cmd_serve, "run": cmd_run,
-            "doctor": cmd_doctor}
+            "export": cmd_export, "doctor": cmd_doctor}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The single entrypoint: ETL -> train -> (tune) -> batch inference -> (serve), straight-line.
+"""The single entrypoint: ETL -> train -> (tune) -> batch inference -> (export) -> (serve), straight-line.
 
 Each stage writes into `<run.dir>/<stage>/`, holding its lock. A stage whose published manifest is
 the one it published, with the same config and inputs (for ETL: a listing fingerprint of the
@@ -22,9 +22,10 @@ from stages.common.artifacts import MANIFEST, Artifact, config_hash, data_finger
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.feed import streaming
+from stages.model import export
 from workflow import report
 
-__all__ = ["run", "stage", "etl_inputs", "needed_splits"]
+__all__ = ["run", "stage", "etl_inputs", "needed_splits", "export_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def etl_inputs(cfg: Config) -> dict[str, Any]:
 
 
 def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
-    """ETL -> train -> (tune) -> infer on the test split -> (serve). Returns the report."""
+    """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report."""
     started = time.perf_counter()
     # before ETL: a model that cannot take etl.image_size would fail every trainer after it
     train.check_image_size(tune.searched_models(cfg.tune, cfg.train) if cfg.tune.enabled else [cfg.train.model],
@@ -153,9 +154,22 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
         tracking.log_infer(cfg, model.path, preds)
     timings["infer"] = time.perf_counter() - t
 
+    if cfg.export.enabled:
+        t = time.perf_counter()
+        _, reused["export"] = export_stage(cfg, model)
+        timings["export"] = time.perf_counter() - t
+
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
                         {name for name, again in reused.items() if again})
+
+
+def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:
+    """The published model as ONNX/TorchScript in a Triton model repository, <run.dir>/export."""
+    name = cfg.export.name or cfg.tracking.model_name
+    return stage("export", cfg, cfg.export, {"model": model.manifest["created_at"], "model_path": model.path,
+                                             "name": name},
+                 lambda out: export.run(cfg.export, model.path, out, name=name, s3=cfg.s3, stage_folder=True))
 
 
 def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:

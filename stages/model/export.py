@@ -1,0 +1,314 @@
+"""Export a published model for serving elsewhere: ONNX (or TorchScript) in a Triton/KServe model repository.
+
+The exported graph takes what a client has, uint8 RGB pixels [N, H, W, 3] at the model's image size,
+and does raymill's eval normalisation inside (`Pixels`), so no client re-implements mean/std or the
+NHWC -> NCHW change. Before anything is published the export is run (onnxruntime, or torch.jit for
+TorchScript) on images of the model's own data and compared with the model in torch through
+`predict.to_batch`, the transform infer and serve use; past export.tolerance it is refused.
+
+Files are built and checked in a staging folder beside the output, then moved in under the output's
+lock, and the manifest is written last: a Triton server watching the output never sees half a model.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from stages.common import storage
+from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, unpublish, write_manifest
+from stages.common.config import ConfigError, ExportConfig, section_dict
+from stages.common.locks import LOCK_NAME, output_lock
+from stages.feed import streaming
+from stages.model import predict, triton
+
+__all__ = ["run", "Pixels", "ExportError", "ExportRefusedError", "check_images", "compare"]
+
+log = logging.getLogger(__name__)
+
+EXAMPLE_BATCH = 2  # torch.export specialises a dimension traced at size 0 or 1: trace the batch at 2
+PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
+
+
+class ExportError(ConfigError):
+    """The model or output named cannot be exported (exit 2, before any work)."""
+
+
+class ExportRefusedError(ConfigError):
+    """The export does not reproduce the model within export.tolerance; nothing was published."""
+
+
+class Pixels(torch.nn.Module):
+    """uint8 RGB [N, H, W, 3] -> the model's logits (and softmax probabilities, when asked).
+
+    The same arithmetic as predict.to_batch: (x / 255 - mean) / std as one multiply-add."""
+
+    def __init__(self, model: torch.nn.Module, mean: list[float], std: list[float], probabilities: bool):
+        super().__init__()
+        self.model, self.probabilities = model, probabilities
+        std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
+        self.register_buffer("scale", (1.0 / (255.0 * std_t)).view(1, 3, 1, 1))
+        self.register_buffer("bias", (-mean_t / std_t).view(1, 3, 1, 1))
+
+    def forward(self, pixels: torch.Tensor):
+        x = torch.addcmul(self.bias, pixels.permute(0, 3, 1, 2).float(), self.scale)
+        logits = self.model(x.contiguous())
+        if self.probabilities:
+            return logits, torch.softmax(logits, dim=1)
+        return logits
+
+
+def run(cfg: ExportConfig, model_path: str, out: str, *, name: str, s3: Any | None = None,
+        stage_folder: bool = False) -> Artifact:
+    """Export the model in `model_path` into the model repository `out` as `<out>/<name>/`.
+
+    Refused before any work (ExportError, exit 2): a path that is missing or holds no model, an output
+    that holds anything but an earlier export. Refused after the check (ExportRefusedError): an export
+    whose outputs differ from torch's by more than cfg.tolerance. Either way nothing is published.
+    `stage_folder`: `out` is `raymill run`'s export folder, whose files the pipeline vouches for (it
+    holds the lock, and clears or refuses the folder itself).
+    """
+    triton.check_name(name)
+    _check_model_path(model_path, s3)
+    if not stage_folder:
+        _check_output(out, s3)
+    with output_lock(out, "export", s3):
+        if not stage_folder:
+            _check_output(out, s3)  # again, holding the lock: another run may have written meanwhile
+        return _run_locked(cfg, model_path, out, name, s3)
+
+
+def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any | None) -> Artifact:
+    started = time.perf_counter()
+    model, info = predict.load_model(model_path, s3)
+    images, split = check_images(info, cfg.check_images, s3)
+    lay = triton.layout(cfg.format, cfg.probabilities)
+    wrapper = Pixels(model, info["mean"], info["std"], cfg.probabilities).eval()
+    with _staging(out) as stage_dir:
+        folder = stage_dir / name
+        model_file = folder / triton.VERSION / lay.model_file
+        model_file.parent.mkdir(parents=True)
+        _save(cfg.format, wrapper, info["image_size"], lay, model_file)
+        (folder / "config.pbtxt").write_text(triton.config_pbtxt(
+            name, lay, info["image_size"], len(info["classes"]), cfg.max_batch_size))
+        (folder / triton.LABELS).write_text("".join(f"{c}\n" for c in info["classes"]))
+        check = compare(model, info, images, _runner(cfg.format, model_file), cfg.tolerance)
+        check.update(split=split, runtime=_runtime_name(cfg.format))
+        _refuse_if_off(check, cfg)
+        files = {str(p.relative_to(stage_dir)): p for p in sorted(folder.rglob("*")) if p.is_file()}
+        manifest = _manifest(cfg, model_path, info, name, lay, check, files)
+        manifest["metrics"] = {"seconds": round(time.perf_counter() - started, 2)}
+        _install(stage_dir, name, files, out, s3)
+    write_manifest(out, manifest, s3)
+    log.info("export: %s %s, logits max |diff| %.2e, class agreement %.3f on %d %s images, %.1f s -> %s",
+             cfg.format, name, check["logits_max_abs_diff"], check["class_agreement"], check["images"], split,
+             manifest["metrics"]["seconds"], out)
+    return Artifact("export", str(out).rstrip("/"), manifest)
+
+
+def _check_model_path(model_path: str, s3: Any | None) -> None:
+    fs, root = storage.filesystem(model_path, s3)
+    if not fs.exists(root):
+        raise ExportError(f"--model '{model_path}' does not exist; pass a train or tune output folder")
+    if not fs.exists(storage.join(root, "model.json")) or not fs.exists(storage.join(root, "model.pt")):
+        raise ExportError(f"'{model_path}' holds no model (model.pt + model.json); pass a train or tune output "
+                          f"folder as --model")
+
+
+def _check_output(out: str, s3: Any | None) -> None:
+    """An output must be new, empty or an earlier export (its manifest says raymill.export):
+    replacing anything else would delete files raymill did not write."""
+    fs, root = storage.filesystem(out, s3)
+    if not fs.exists(root):
+        return
+    if not fs.isdir(root):
+        raise ExportError(f"--output '{out}' is a file; name a new or empty folder, or an earlier export")
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)} - {LOCK_NAME}
+    kind = manifest_kind(fs, root)
+    if not names or kind == "raymill.export":
+        return
+    if kind:
+        raise ExportError(f"--output '{out}' holds a published {kind} output; exporting there would delete it. "
+                          f"Name a new or empty folder, or an earlier export to replace")
+    raise ExportError(f"--output '{out}' holds files that are not a raymill export (e.g. '{sorted(names)[0]}'); "
+                      f"name a new or empty folder, or an earlier export to replace")
+
+
+def check_images(info: dict, count: int, s3: Any | None = None) -> tuple[np.ndarray, str]:
+    """Up to `count` images of the model's own data as uint8 [N, H, W, 3], decoded as infer decodes
+    shards; from the test split when it has rows, else val, else train. Returns (images, split)."""
+    try:
+        data = load_artifact(info["data"], "etl", s3)
+    except (FileNotFoundError, ValueError) as e:
+        raise ExportError(f"the export is checked on the model's own data, model.json's data '{info['data']}', "
+                          f"which cannot be read ({e}); run the export where that ETL output is reachable") from e
+    manifest = data.manifest
+    fmt = "parquet" if "parquet" in manifest["config"]["formats"] else "tar"
+    raw = storage.stored_raw(manifest, fmt)
+    for split in ("test", "val", "train"):
+        refs = streaming.shard_refs(manifest, data.path, split, fmt)
+        if sum(r.rows for r in refs):
+            break
+    else:
+        raise ExportError(f"the model's data '{data.path}' holds no images to check the export on")
+    cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
+    images: list[np.ndarray] = []
+    for ref in refs:
+        rows = streaming.read_shard(cache.local_path(ref), ref.format)
+        images += [streaming.decode_sample(r[2], info["image_size"], raw) for r in rows[:count - len(images)]]
+        if len(images) >= count:
+            break
+    return np.stack(images), split
+
+
+def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: Path) -> None:
+    example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
+    with _quiet_exporter():
+        if fmt == "onnx":
+            batch = torch.export.Dim("batch", min=1)
+            program = torch.onnx.export(wrapper, (example,), input_names=[lay.input_name],
+                                        output_names=list(lay.output_names), dynamic_shapes={"pixels": {0: batch}},
+                                        verbose=False)
+            program.save(str(path), external_data=False)  # one file: Triton loads model.onnx alone
+        else:
+            # Triton's libtorch backend loads TorchScript only. Tracing records the forward pass
+            # (the probabilities switch included); the zoo's models have no data-dependent control flow.
+            traced = torch.jit.trace(wrapper, example)
+            torch.jit.save(traced, str(path))
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch's exporter warns of things that do not apply here: torchvision ops it skips (raymill has
+    no torchvision) and torch.jit's deprecation (Triton's libtorch backend loads TorchScript only)."""
+    registry = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registry.level
+    registry.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        registry.setLevel(level)
+
+
+def _runner(fmt: str, path: Path):
+    """A function uint8 [N, H, W, 3] -> list of float arrays, running the saved file, not the wrapper."""
+    if fmt == "onnx":
+        import onnxruntime  # only the ONNX check needs it
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        name = session.get_inputs()[0].name
+        return lambda pixels: session.run(None, {name: pixels})
+    with _quiet_exporter():
+        loaded = torch.jit.load(str(path), map_location="cpu").eval()
+
+    def run_torchscript(pixels: np.ndarray) -> list[np.ndarray]:
+        with torch.no_grad():
+            result = loaded(torch.from_numpy(pixels))
+        return [t.numpy() for t in (result if isinstance(result, tuple) else (result,))]
+
+    return run_torchscript
+
+
+def _runtime_name(fmt: str) -> str:
+    if fmt == "onnx":
+        import onnxruntime
+
+        return f"onnxruntime {onnxruntime.__version__}"
+    return f"torch.jit {torch.__version__}"
+
+
+@torch.no_grad()
+def compare(model: torch.nn.Module, info: dict, images: np.ndarray, runner, tolerance: float) -> dict[str, Any]:
+    """The exported file against the model in torch on the same uint8 images: max |logits diff|,
+    max |probabilities diff| (when exported), and the fraction of images whose predicted classes agree.
+    A different class counts as agreeing when torch's logits for the two are within 2 x tolerance
+    (each may move by tolerance): a tie the export cannot be blamed for. Run at batch 1 and at N."""
+    expected = model(predict.to_batch(images, info["mean"], info["std"], torch.device("cpu"), False, False)).numpy()
+    single = runner(images[:1])
+    outputs = runner(images)
+    logits = outputs[0]
+    diff = float(np.max(np.abs(np.concatenate([single[0] - expected[:1], logits - expected]))))
+    got, want = logits.argmax(1), expected.argmax(1)
+    rows = np.arange(len(images))
+    tie = np.abs(expected[rows, want] - expected[rows, got]) <= 2 * tolerance
+    check = {"images": int(len(images)), "batch_sizes": [1, int(len(images))], "tolerance": tolerance,
+             "logits_max_abs_diff": diff, "class_agreement": float(np.mean((got == want) | tie))}
+    if len(outputs) > 1:
+        probabilities = torch.softmax(torch.from_numpy(expected), dim=1).numpy()
+        check["probabilities_max_abs_diff"] = float(np.max(np.abs(outputs[1] - probabilities)))
+    return check
+
+
+def _refuse_if_off(check: dict[str, Any], cfg: ExportConfig) -> None:
+    diffs = [check["logits_max_abs_diff"], check.get("probabilities_max_abs_diff", 0.0)]
+    # a NaN compares false, so an export that produces NaN is refused too
+    if all(d <= cfg.tolerance for d in diffs) and check["class_agreement"] == 1.0:
+        return
+    raise ExportRefusedError(
+        f"the {cfg.format} export differs from the model in torch on {check['images']} {check['split']} images: "
+        f"logits max |diff| {check['logits_max_abs_diff']:.3g}, probabilities max |diff| "
+        f"{check.get('probabilities_max_abs_diff', 0.0):.3g} (export.tolerance={cfg.tolerance:g}), class agreement "
+        f"{check['class_agreement']:.3f}; nothing was published. Raise export.tolerance if that difference is "
+        f"acceptable, or try --format {'torchscript' if cfg.format == 'onnx' else 'onnx'}")
+
+
+def _manifest(cfg: ExportConfig, model_path: str, info: dict, name: str, lay: triton.Layout,
+              check: dict[str, Any], files: dict[str, Path]) -> dict[str, Any]:
+    size, classes = info["image_size"], info["classes"]
+    manifest = base_manifest("export", section_dict(cfg), {
+        "model": model_path, "weights_sha256": info["weights_sha256"], "model_version": info.get("version"),
+        "data": info["data"]})
+    manifest.update({
+        "format": cfg.format, "name": name, "platform": lay.platform, "max_batch_size": cfg.max_batch_size,
+        "input": {"name": lay.input_name, "dtype": "uint8", "shape": [-1, size, size, 3], "layout": "NHWC RGB",
+                  "resize": info.get("resize", "crop"), "image_size": size},
+        "outputs": [{"name": n, "dtype": "float32", "shape": [-1, len(classes)]} for n in lay.output_names],
+        "preprocessing_in_graph": {"scale": "1/255", "mean": info["mean"], "std": info["std"]},
+        "classes": classes, "check": check,
+        "files": {rel: {"bytes": p.stat().st_size, "sha256": storage.sha256_file(
+            storage.filesystem(str(p))[0], str(p))[0]} for rel, p in files.items()}})
+    return manifest
+
+
+@contextlib.contextmanager
+def _staging(out: str) -> Iterator[Path]:
+    """A fresh local folder for the files: beside a local output (same filesystem, so the move into
+    place is a rename), in the temp folder for an s3:// one. Removed afterwards, whatever happens."""
+    if storage.is_remote(out):
+        folder = Path(tempfile.mkdtemp(prefix="raymill-export-"))
+    else:
+        local = Path(storage.local_path(out))
+        folder = local.parent / f".{local.name}.export-{uuid.uuid4().hex[:8]}"
+        folder.mkdir(parents=True)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _install(stage_dir: Path, name: str, files: dict[str, Path], out: str, s3: Any | None) -> None:
+    """Replace the output's contents with the staged model folder. The old manifest goes first, so an
+    export killed here leaves an unpublished folder, never a manifest over files it did not check."""
+    unpublish(out, s3)
+    fs, root = storage.filesystem(out, s3)
+    for path in fs.ls(root, detail=False):
+        if path.rstrip("/").rsplit("/", 1)[-1] not in (LOCK_NAME, PIPELINE_MARKER):
+            fs.rm(path, recursive=True)  # an earlier export's folders, whatever it was named
+    if storage.is_remote(out):  # S3 has no folder rename: the files one by one, the manifest after them
+        for rel, path in files.items():
+            storage.write_bytes_atomic(fs, storage.join(root, rel), path.read_bytes())
+    else:
+        os.replace(stage_dir / name, Path(root) / name)

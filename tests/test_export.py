@@ -1,0 +1,176 @@
+"""`raymill export`: ONNX through onnxruntime from uint8 pixels, agreement with `raymill infer`, a Triton
+config that parses as Triton's own protobuf, TorchScript in a process without raymill, and the refusals.
+
+Every export here is of the model the session's smoke run trained (tests/conftest.py `smoke_run`)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pyarrow.parquet as pq
+import pytest
+import torch
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from stages.common.artifacts import load_artifact
+from stages.common.config import load_config
+from stages.feed import streaming
+from stages.model import predict
+from tests.conftest import REPO
+from workflow import pipeline
+from workflow.__main__ import main
+
+SMOKE = str(REPO / "configs/smoke.yaml")
+
+
+@pytest.fixture(scope="module")
+def trained(smoke_run):
+    assert smoke_run.returncode == 0, smoke_run.stderr[-3000:]
+    model, info = predict.load_model(str(smoke_run.run_dir / "train"))
+    return smoke_run.run_dir, model, info
+
+
+@pytest.fixture(scope="module")
+def onnx_repo(trained, tmp_path_factory):
+    """One ONNX export with both outputs, through the CLI; (repository folder, its manifest)."""
+    out = tmp_path_factory.mktemp("export") / "repo"
+    assert main(["export", "--model", str(trained[0] / "train"), "--output", str(out), "--config", SMOKE,
+                 "--set", "export.probabilities=true", "--set", "export.name=flowers"]) == 0
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def _torch_logits(model, info, pixels: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(predict.to_batch(pixels, info["mean"], info["std"], torch.device("cpu"), False, False)).numpy()
+
+
+def _test_images(run_dir: Path, info: dict) -> dict[str, np.ndarray]:
+    """Every test-split image of the run's ETL output by key, decoded as `raymill infer` decodes shards."""
+    data = load_artifact(str(run_dir / "etl"), "etl")
+    refs = streaming.shard_refs(data.manifest, data.path, "test", "parquet")
+    raw = data.manifest["config"]["parquet_encoding"] == "raw"
+    return {key: streaming.decode_sample(image, info["image_size"], raw)
+            for ref in refs for key, _, image in streaming.read_shard(ref.uri, "parquet")}
+
+
+def test_onnx_predicts_from_uint8_pixels_at_batch_1_and_17(trained, onnx_repo):
+    run_dir, model, info = trained
+    out, manifest = onnx_repo
+    session = onnxruntime.InferenceSession(str(out / "flowers/1/model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["pixels"]
+    assert [o.name for o in session.get_outputs()] == ["logits", "probabilities"]
+    images = np.stack(list(_test_images(run_dir, info).values()))
+    pixels = np.resize(images, (17, *images.shape[1:]))  # 17 real images (repeated where the split is smaller)
+    for batch in (pixels[:1], pixels):
+        logits, probabilities = session.run(None, {"pixels": batch})
+        expected = _torch_logits(model, info, batch)
+        assert logits.shape == probabilities.shape == (len(batch), len(info["classes"]))
+        assert np.abs(logits - expected).max() < 1e-4
+        assert (logits.argmax(1) == expected.argmax(1)).all()
+        np.testing.assert_allclose(probabilities.sum(1), 1.0, atol=1e-5)
+    check = manifest["check"]
+    assert check["class_agreement"] == 1.0 and check["logits_max_abs_diff"] <= 1e-3 and check["split"] == "test"
+    assert manifest["inputs"]["weights_sha256"] == info["weights_sha256"]
+    assert manifest["input"] == {"name": "pixels", "dtype": "uint8", "shape": [-1, 32, 32, 3], "layout": "NHWC RGB",
+                                 "resize": info["resize"], "image_size": 32}
+
+
+def test_onnx_agrees_with_raymill_infer_on_every_test_image(trained, onnx_repo):
+    run_dir, _, info = trained
+    session = onnxruntime.InferenceSession(str(onnx_repo[0] / "flowers/1/model.onnx"),
+                                           providers=["CPUExecutionProvider"])
+    predictions = pq.read_table(run_dir / "infer/predictions.parquet").to_pylist()
+    images = _test_images(run_dir, info)
+    assert predictions and {p["key"] for p in predictions} == set(images)
+    keys = [p["key"] for p in predictions]
+    logits = session.run(["logits"], {"pixels": np.stack([images[k] for k in keys])})[0]
+    assert logits.argmax(1).tolist() == [p["class_index"] for p in predictions]
+
+
+def test_triton_config_parses_as_model_config_and_matches_the_onnx_graph(trained, onnx_repo):
+    info = trained[2]
+    out, manifest = onnx_repo
+    config = text_format.Parse((out / "flowers/config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert (config.name, config.platform, config.max_batch_size) == ("flowers", "onnxruntime_onnx", 64)
+    assert config.HasField("dynamic_batching")
+    graph = onnx.load(str(out / "flowers/1/model.onnx")).graph
+    types = {onnx.TensorProto.UINT8: model_config_pb2.TYPE_UINT8, onnx.TensorProto.FLOAT: model_config_pb2.TYPE_FP32}
+    for declared, tensor in zip([*config.input, *config.output], [*graph.input, *graph.output], strict=True):
+        dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor.type.tensor_type.shape.dim]
+        assert declared.name == tensor.name
+        assert declared.data_type == types[tensor.type.tensor_type.elem_type]
+        assert dims[0] == -1 and list(declared.dims) == dims[1:]  # Triton's dims leave out the batch
+    assert [o.label_filename for o in config.output] == ["labels.txt", "labels.txt"]
+    assert (out / "flowers/labels.txt").read_text().splitlines() == info["classes"]
+    assert sorted(manifest["files"]) == ["flowers/1/model.onnx", "flowers/config.pbtxt", "flowers/labels.txt"]
+    assert [o["name"] for o in manifest["outputs"]] == ["logits", "probabilities"]
+
+
+def test_torchscript_loads_and_predicts_in_a_process_without_raymill(trained, tmp_path, capsys):
+    run_dir, model, info = trained
+    out = tmp_path / "ts"
+    assert main(["export", "--model", str(run_dir / "train"), "--output", str(out), "--format", "torchscript",
+                 "--config", SMOKE]) == 0
+    assert "torchscript model 'raymill'" in capsys.readouterr().out
+    config = text_format.Parse((out / "raymill/config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    assert config.platform == "pytorch_libtorch" and [i.name for i in config.input] == ["pixels__0"]
+    pixels = np.stack(list(_test_images(run_dir, info).values()))
+    np.save(tmp_path / "pixels.npy", pixels)
+    script = ("import sys, numpy, torch\n"
+              "m = torch.jit.load(sys.argv[1])\n"
+              "logits = m(torch.from_numpy(numpy.load(sys.argv[2])))\n"
+              "assert not {'stages', 'workflow'} & set(sys.modules), 'raymill was imported'\n"
+              "numpy.save(sys.argv[3], logits.detach().numpy())\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    proc = subprocess.run([sys.executable, "-c", script, str(out / "raymill/1/model.pt"), str(tmp_path / "pixels.npy"),
+                           str(tmp_path / "logits.npy")], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logits = np.load(tmp_path / "logits.npy")
+    expected = _torch_logits(model, info, pixels)
+    assert np.abs(logits - expected).max() < 1e-4 and (logits.argmax(1) == expected.argmax(1)).all()
+
+
+def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onnx_repo, tmp_path, capsys):
+    run_dir = trained[0]
+    model = str(run_dir / "train")
+    cases = [(["--model", str(tmp_path / "missing"), "--output", str(tmp_path / "a")], "does not exist"),
+             (["--model", str(run_dir / "etl"), "--output", str(tmp_path / "b")], "holds no model"),
+             (["--model", model, "--output", str(run_dir / "etl")], "raymill.etl"),
+             (["--model", model, "--output", str(tmp_path / "c"), "--set", "export.tolerance=1e-30"],
+              "nothing was published")]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    cases.append((["--model", model, "--output", str(foreign)], "not a raymill export"))
+    for args, fragment in cases:
+        assert main(["export", *args, "--config", SMOKE]) == 2, args
+        assert fragment in capsys.readouterr().err, args
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign"]  # no output, no staging folder left
+    # an earlier export is replaced, whatever its model's name was
+    repo = tmp_path / "earlier"
+    shutil.copytree(onnx_repo[0], repo)
+    assert main(["export", "--model", model, "--output", str(repo), "--config", SMOKE]) == 0
+    assert sorted(p.name for p in repo.iterdir()) == ["manifest.json", "raymill"]
+
+
+def test_the_pipeline_export_stage_publishes_and_reuses(trained, tmp_path):
+    run_dir, _, info = trained
+    cfg = load_config(SMOKE, [f"run.dir={tmp_path / 'run'}", "export.enabled=true", "export.format=torchscript"])
+    model = load_artifact(str(run_dir / "train"), "train")
+    artifact, reused = pipeline.export_stage(cfg, model)
+    assert not reused and artifact.path == str(tmp_path / "run/export")
+    assert artifact.manifest["inputs"]["weights_sha256"] == info["weights_sha256"]
+    assert (tmp_path / "run/export/raymill/1/model.pt").is_file()
+    again, reused = pipeline.export_stage(cfg, model)
+    assert reused and again.manifest == artifact.manifest
