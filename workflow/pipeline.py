@@ -22,6 +22,7 @@ from stages.common.artifacts import MANIFEST, Artifact, config_hash, data_finger
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.feed import streaming
+from stages.train import stage as train_stage
 from stages.model import export
 from workflow import report
 
@@ -134,13 +135,15 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
 
     t = time.perf_counter()
     if cfg.tune.enabled:
-        model, reused["tune"] = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train)},
+        init = train_stage.init_inputs(cfg.train, cfg.s3)  # the init weights' sha256: their content, not their path
+        model, reused["tune"] = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train), **init},
                          lambda out: tracking.tune(cfg, data, out, lambda callbacks: tune.run(
                              cfg.tune, cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
                              callbacks=callbacks), store=cfg.run.dir))
         timings["tune"] = time.perf_counter() - t
     else:
-        model, reused["train"] = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed},
+        init = train_stage.init_inputs(cfg.train, cfg.s3)
+        model, reused["train"] = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed, **init},
                          lambda out: tracking.train(cfg, data, out, lambda run: train.run(
                              cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
                              store=cfg.run.dir))
