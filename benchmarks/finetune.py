@@ -123,7 +123,7 @@ def render(result: dict[str, Any]) -> str:
              f"{a['pretrain_epochs']} epochs: test_acc {fmt(result['pretrained']['test_acc'], 3)}); few-shot "
              f"on {len(FEWSHOT_CLASSES)} other shapes with {result['fewshot_train_rows']} train images in all, "
              f"{a['epochs']} epochs, small_cnn width {a['width']}, {a['image_size']} px. Load average at start: "
-             f"{result['loadavg_at_start']}.", ""]
+             f"{result['loadavg_at_start']} (the accuracies do not depend on it; the seconds do).", ""]
     rows = [[r["seed"], r["variant"], fmt(r["test_acc"], 3), r["test_rows"], fmt(r["seconds"], 1)] for r in runs]
     lines += md_table(["seed", "start", "test_acc", "test images", "train stage s"], rows, "llrrr") + [""]
     for name, m in (("init_from, freeze 0", margins), (f"init_from, freeze {a['freeze']}", margins_f)):

@@ -117,6 +117,7 @@ def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
     sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
     _check_run_dir(cfg)
     _write_config(cfg)
+    tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
     resources = session.start(cfg.ray)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
         both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
