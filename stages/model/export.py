@@ -191,7 +191,7 @@ def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: 
 def _quiet_exporter() -> Iterator[None]:
     """torch's exporter warns of things that do not apply here: torchvision ops it skips (raymill has
     no torchvision) and torch.jit's deprecation (Triton's libtorch backend loads TorchScript only)."""
-    registry = logging.getLogger("torch.onnx._internal.exporter._registration")
+    registry = logging.getLogger("torch.onnx")  # its exporter's loggers are children of this one
     level = registry.level
     registry.setLevel(logging.ERROR)
     try:
