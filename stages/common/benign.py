@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import codecs
-import io
 import os
 import select
 import sys
@@ -39,8 +38,8 @@ BENIGN: dict[str, str] = {
 QUIET_S = 0.05  # a partial line (a progress bar's redraw) is let through after this long without more
 
 
-class BenignFilter(io.TextIOBase):
-    """A text stream that forwards whole lines to `target`, except those matching BENIGN.
+class BenignFilter:
+    """Forwards whole lines to `target`, except those matching BENIGN.
 
     Partial lines are held until their newline, a carriage return (progress bars redraw with
     '\\r') or a flush, so a line that arrives in pieces (print writes the text, then '\\n') is
@@ -72,19 +71,6 @@ class BenignFilter(io.TextIOBase):
         if kind is not None and self.verbose and kind not in self._noted:
             self._noted.add(kind)
             self.target.write(f"[raymill] note: the line above is benign: {BENIGN[kind]}\n")
-
-    def isatty(self) -> bool:  # progress bars ask: keep the terminal's answer
-        return self.target.isatty()
-
-    def fileno(self) -> int:
-        return self.target.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return getattr(self.target, "encoding", "utf-8")
-
-    def writable(self) -> bool:
-        return True
 
 
 class _Descriptor:

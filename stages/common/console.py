@@ -27,7 +27,7 @@ def setup(verbose: bool = False) -> None:
     """Logging for the CLI process: raymill at INFO, libraries (matplotlib, alembic, ...) at WARNING."""
     os.environ[VERBOSE_ENV] = "1" if verbose else "0"  # read by Ray workers (session forwards it)
     if _is_the_cli():  # not when a program (a test, a notebook) calls workflow.__main__.main itself
-        benign.install(verbose)  # before basicConfig, so that logging writes through it too
+        benign.install(verbose)  # fd 2 itself: Python, Ray's forwarded lines and C++ all pass the filter
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[raymill] %(message)s",
                         stream=sys.stderr, force=True)
     for name in _OURS:
