@@ -132,6 +132,14 @@ def _ours_loop(config: dict[str, Any]) -> None:
         reads.append(time.perf_counter() - t)
         return rows
 
+    warm = None
+    if config.get("ingest") == "ray_data":
+        from stages.feed.ray_data import WarmEpochs
+        from stages.common.config import TrainConfig
+
+        cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"], epochs=config["epochs"],
+                          shuffle_buffer_rows=config["shuffle_buffer_rows"])
+        warm = WarmEpochs(cfg, seed, rank, ray.train.get_dataset_shard)
     epochs = []
     for epoch in range(config["epochs"]):
         if distributed:
@@ -142,13 +150,8 @@ def _ours_loop(config: dict[str, Any]) -> None:
         decode = streaming.train_decoder(seed, epoch, size, False, a["scale_min"], a["random_resized_crop"],
                                          a["flip"])
         reads.clear()
-        if config.get("ingest") == "ray_data":  # = stages.train.loop.Worker.batch_source
-            from stages.feed.ray_data import ShardBatches
-            from stages.common.config import TrainConfig
-
-            cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"],
-                              shuffle_buffer_rows=config["shuffle_buffer_rows"])
-            prefetch = ShardBatches(ray.train.get_dataset_shard("train"), cfg, seed, epoch, rank)
+        if warm is not None:  # = stages.feed.worker_feeds.WorkerFeeds.train_feed
+            prefetch = warm.epoch(epoch)
         else:
             prefetch = streaming.Prefetcher(batches, decode, config["decode_threads"], config["prefetch_batches"])
         n, t_first, batches_seen = _drain(prefetch, a["mean"], a["std"])
@@ -204,9 +207,9 @@ def run_ours(shards: list[dict], args: argparse.Namespace, workers: int, storage
               "ingest": ingest}
     datasets = None
     if ingest == "ray_data":
-        cfg = TrainConfig(batch_size=args.batch_size, ingest="ray_data")
-        datasets = {"train": ingest_ray.build_train_dataset(cfg, shards, seed=args.seed, image_size=args.image_size,
-                                                            raw=False, s3=None)[0]}
+        cfg = TrainConfig(batch_size=args.batch_size, ingest="ray_data", epochs=args.epochs)
+        datasets = ingest_ray.build_train_datasets(cfg, shards, seed=args.seed, image_size=args.image_size,
+                                                   raw=False, s3=None)[0]
     trainer = TorchTrainer(
         _ours_loop, train_loop_config=config, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers,

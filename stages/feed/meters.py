@@ -90,7 +90,7 @@ def _rate(x: float) -> str:
 
 
 def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None,
-            workers: int = 1) -> str:
+            workers: int = 1, start_wait_s: float | None = None) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
@@ -98,7 +98,8 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch). `t` and
     `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
     the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
-    below the throughput printed next to it).
+    below the throughput printed next to it). `start_wait_s`: the part of the wait before the
+    epoch's first batch (Ray Data's feed reports it).
     """
     if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
         return "too few images this epoch to judge: fewer training rows than train.num_workers"
@@ -109,9 +110,14 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:
+        if ingest == "ray_data" and start_wait_s is not None and start_wait_s > 0.5 * t.wait_s:
+            return (f"input-bound: Ray Data's start is the weakest link, {start_wait_s:.1f} s of the "
+                    f"{t.wait_s:.1f} s wait came before the epoch's first batch, beside a {device} that does "
+                    f"≈ {rate}; later epochs start while the one before trains, so it is paid once a run: "
+                    "train more epochs a run, or train.ingest=stream (no cluster-wide start)")
         if ingest == "ray_data":
             return (f"input-bound: Ray Data is the weakest link, stall {t.stall:.0%} beside a {device} "
-                    f"that does ≈ {rate}; add CPU nodes or raise ray.data_reserved_cpus, "
+                    f"that does ≈ {rate}; add CPU nodes (decode runs on any node's CPUs), "
                     "train.object_store_cache=true, or store decoded (etl.parquet_encoding=raw)")
         more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
         if tier and tier.startswith("decoded"):

@@ -27,6 +27,12 @@ __all__ = ["WorkerFeeds"]
 log = logging.getLogger(__name__)
 
 
+def _dataset_shard(name: str):
+    import ray.train
+
+    return ray.train.get_dataset_shard(name)
+
+
 class WorkerFeeds:
     """The input side of one training rank."""
 
@@ -43,6 +49,7 @@ class WorkerFeeds:
         self.threads = {"decode": config.get("torch_threads", 1),
                         "tier": max(1, int(config.get("cpus_per_worker", 1)))}
         self.tier = self.make_tier()
+        self.warm = ingest_ray.WarmEpochs(cfg, self.seed, rank, _dataset_shard) if cfg.ingest == "ray_data" else None
         # The pool starts beside the rest of the worker's start (model, DDP, restore): it was 1.0 s
         # of a 2-core demo's fixed cost before the first batch. decode_pool() waits for it.
         self._starting: dict[str, Any] = {}
@@ -130,11 +137,8 @@ class WorkerFeeds:
     def train_feed(self, epoch: int, start_step: int):
         """This epoch's feed (stages.feed.feeds): the decoded tier, this worker's own reader decoded in
         processes (or threads), or its Ray Data shard."""
-        if self.cfg.ingest == "ray_data":
-            import ray.train
-
-            return ingest_ray.ShardBatches(ray.train.get_dataset_shard("train"), self.cfg, self.seed,
-                                           epoch, self.rank)
+        if self.warm is not None:
+            return self.warm.epoch(epoch)
         if self.tier is not None and epoch > 0:
             if not self.tier.ready:
                 self.fill_tier()

@@ -221,7 +221,7 @@ class Worker:
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
-                                         self.world),
+                                         self.world, getattr(feed, "start_wait_s", None)),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]

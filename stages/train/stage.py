@@ -188,9 +188,8 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     if cfg.ingest == "ray_data":
         planned = trained.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
-        train_ds, ingest = ingest_ray.build_train_dataset(planned, shards["train"], seed=seed, raw=loop["raw"],
-                                                          image_size=loop["image_size"], s3=loop["s3"])
-        datasets = {"train": train_ds}
+        datasets, ingest = ingest_ray.build_train_datasets(planned, shards["train"], seed=seed, raw=loop["raw"],
+                                                           image_size=loop["image_size"], s3=loop["s3"])
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     publish.warm_up_curves()  # beside fit(): the driver only waits there
     try:
