@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, str] = {
     "etl": "benchmarks.etl",
     "feed": "benchmarks.feed",
     "gpu": "benchmarks.gpu",
+    "gpu_user": "benchmarks.gpu_user",
     "ingest": "benchmarks.ingest",
     "ddp": "benchmarks.ddp",
     "serve": "benchmarks.serve",
