@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from workflow import demo_data
 
         demo_data.generate(root / "src", images=args.images, seed=0, size=(320, 240), png_fraction=0.0)
+        print(f"[gpu_user] limit {out['limit']} img/s", flush=True)
         out["etl_s"] = _cli("etl", "--input", str(root / "src"), "--output", str(root / "etl"),
                             "--set", "etl.image_size=224", "--set", "tracking.enabled=false")
         for path in [p for p in args.paths.split(",") if p]:
@@ -120,6 +121,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["of_limit"] = ratio(row.get("images_per_s"), out["limit"])
             row["of_limit_after_first"] = ratio(row.get("images_per_s_after_first"), out["limit"])
             out["paths"][path] = row
+            print(f"[gpu_user] {path}: " + json.dumps({k: v for k, v in row.items() if k != "epochs"}), flush=True)
+            for e in row.get("epochs", []):
+                print(f"[gpu_user]   {json.dumps(e)}", flush=True)
         if not args.skip_demo:
             demo_data.generate(root / "demo", images=1500, seed=0)
             try:
@@ -131,6 +135,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["demo_pipeline_s"] = report["seconds"]
             except Exception as e:
                 out["demo_error"] = str(e)[-1500:]
+            print(f"[gpu_user] demo run: {out.get('demo_run_s')} s {out.get('demo_stages_s')} "
+                  f"{out.get('demo_error', '')}", flush=True)
     targets = [{"target": f"`raymill train` {p}, whole epochs 2+, ≥ {TARGETS[p]} of the GPU's limit",
                 "measured": r.get("of_limit_after_first"), "pass": (r.get("of_limit_after_first") or 0) >= TARGETS[p]}
                for p, r in out["paths"].items() if p in TARGETS]
