@@ -139,7 +139,10 @@ def _ours_loop(config: dict[str, Any]) -> None:
 
         cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"], epochs=config["epochs"],
                           shuffle_buffer_rows=config["shuffle_buffer_rows"])
-        warm = WarmEpochs(cfg, seed, rank, ray.train.get_dataset_shard)
+        from stages.feed.ray_data import equal_rows
+
+        steps = streaming.steps_per_epoch(equal_rows(sum(r.rows for r in refs), world), world, bs)
+        warm = WarmEpochs(cfg, seed, rank, ray.train.get_dataset_shard, steps)
     epochs = []
     for epoch in range(config["epochs"]):
         if distributed:

@@ -116,18 +116,21 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
     assert sorted(datasets) == sorted(ingest_ray.SPLITS)
     splits = {name: ds.streaming_split(1, equal=True)[0] for name, ds in datasets.items()}
     asked: list[str] = []
-    warm = ingest_ray.WarmEpochs(cfg, 0, 0, lambda name: asked.append(name) or splits[name])
     keys = _train_keys(dataset)
+    steps = -(-len(keys) // cfg.batch_size)
+    warm = ingest_ray.WarmEpochs(cfg, 0, 0, lambda name: asked.append(name) or splits[name], steps)
     for epoch in range(3):
         batches, seen = iter(warm.epoch(epoch)), []
-        seen += next(batches).rows
+        for _ in range(warm.at):
+            assert warm.next is None, "the next epoch began before half of this one was read"
+            seen += next(batches).rows
         if epoch < 2:  # the next epoch's first batch arrives before this epoch is read further
             upcoming = warm.next[1]
             upcoming.thread.join(timeout=60)
             assert warm.next[0] == epoch + 1 and upcoming.first is not None and upcoming.error is None
         for fed in batches:
             seen += fed.rows
-        assert sorted(k for k, _, _ in seen) == sorted(keys), f"epoch {epoch} lost or repeated rows"
+        assert sorted(k for k, _, _ in seen) == keys, f"epoch {epoch} lost or repeated rows"
     assert asked == ["train", "train_odd", "train"]
     assert "ReadParquet->MapBatches(decode_augment_batch)" in splits["train"].stats()
 

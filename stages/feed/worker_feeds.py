@@ -49,7 +49,7 @@ class WorkerFeeds:
         self.threads = {"decode": config.get("torch_threads", 1),
                         "tier": max(1, int(config.get("cpus_per_worker", 1)))}
         self.tier = self.make_tier()
-        self.warm = ingest_ray.WarmEpochs(cfg, self.seed, rank, _dataset_shard) if cfg.ingest == "ray_data" else None
+        self.warm = ingest_ray.WarmEpochs(cfg, self.seed, rank, _dataset_shard, steps) if cfg.ingest == "ray_data" else None
         # The pool starts beside the rest of the worker's start (model, DDP, restore): it was 1.0 s
         # of a 2-core demo's fixed cost before the first batch. decode_pool() waits for it.
         self._starting: dict[str, Any] = {}

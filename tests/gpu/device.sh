@@ -8,10 +8,11 @@
 #   bash tests/gpu/device.sh feed    # benchmarks gpu, then tests/gpu (~300 s): after a change to the input path
 #   bash tests/gpu/device.sh user    # benchmarks gpu_user (whole epochs of `raymill train` by ingest path,
 #                                    # the fine-tune, the demo `raymill run` on the GPU), then tests/gpu (~450 s)
+#   bash tests/gpu/device.sh rd      # the demo run and gpu_user's ray_data row, then the infer CLI test (~330 s)
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
 # timeout, so one that hangs leaves the others their time and its log still comes back.
 set -uo pipefail
-case "${1:-}" in bench|check|one|serve|feed|user) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user" >&2; exit 2 ;; esac
+case "${1:-}" in bench|check|one|serve|feed|user|rd) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user|rd" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/s/site ] || { mkdir -p /tmp/s && tar -xJf .gpusite/site.tar.xz -C /tmp/s; }
 export PYTHONPATH=/tmp/s/site:$PWD PATH=/tmp/s/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -58,4 +59,9 @@ case "${1:-}" in
     step gpu_user 340 python3 -m benchmarks gpu_user --wait-for-quiet 10
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -25
     pytest_gpu 200 ;;
+  rd)
+    step gpu_user 270 python3 -m benchmarks gpu_user --wait-for-quiet 10 --paths ray_data
+    cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -12
+    step pytest_gpu 75 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -k infer_cli
+    tail -4 "$OUT/pytest_gpu.log" ;;
 esac

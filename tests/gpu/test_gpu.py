@@ -114,17 +114,20 @@ def test_step_meter_reads_the_device_share_we_set():
 
 def test_raymill_infer_cli_with_use_gpu(trained, tmp_path):
     """`raymill infer --set infer.use_gpu=true`: the command a user runs (it failed on a GPU with
-    "You must provide batch_size to map_batches when requesting GPUs")."""
+    "You must provide batch_size to map_batches when requesting GPUs"); a small job runs in the
+    driver on the GPU, and with infer.local_max_rows=0 through Ray Data's GPU map."""
     from workflow.__main__ import main
 
     _, data, artifact = trained
-    out = tmp_path / "infer-cli"
-    rc = main(["infer", "--model", artifact.path, "--data", data.path, "--output", str(out), "--config",
-               str(REPO / "configs/smoke.yaml"), "--set", "infer.use_gpu=true", "--set", "tracking.enabled=false"])
-    assert rc == 0
-    metrics = json.loads((out / "manifest.json").read_text())["metrics"]
-    assert metrics["rows"] > 0 and metrics["errors"] == 0
-    assert metrics["decode"] == "tasks" and metrics["device"] == "cuda" and 0 < metrics["device_utilisation"] <= 1
+    for local, decode in ((1000, "in-process"), (0, "tasks")):
+        out = tmp_path / f"infer-cli-{decode}"
+        rc = main(["infer", "--model", artifact.path, "--data", data.path, "--output", str(out), "--config",
+                   str(REPO / "configs/smoke.yaml"), "--set", "infer.use_gpu=true", "--set", "tracking.enabled=false",
+                   "--set", f"infer.local_max_rows={local}"])
+        assert rc == 0
+        metrics = json.loads((out / "manifest.json").read_text())["metrics"]
+        assert metrics["rows"] > 0 and metrics["errors"] == 0
+        assert metrics["decode"] == decode and metrics["device"] == "cuda" and 0 < metrics["device_utilisation"] <= 1
 
 
 def test_serve_on_the_gpu_answers_v2_batches_and_rolls_on_one_gpu(gpu_ray, tmp_path):
