@@ -60,8 +60,8 @@ case "${1:-}" in
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -25
     pytest_gpu 200 ;;
   rd)
-    step gpu_user 270 python3 -m benchmarks gpu_user --wait-for-quiet 10 --paths ray_data
+    step gpu_user 255 python3 -m benchmarks gpu_user --wait-for-quiet 10 --paths ray_data
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -12
-    step pytest_gpu 75 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -k infer_cli
+    step pytest_gpu 60 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -k infer_cli
     tail -4 "$OUT/pytest_gpu.log" ;;
 esac
