@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["demo_run_s"] = _cli("run", "--config", "configs/default.yaml", "--set", f"run.source={root / 'demo'}",
                                          "--set", f"run.dir={root / 'run'}", "--set", "train.use_gpu=true",
                                          "--set", "infer.use_gpu=true", "--set", "tracking.enabled=false")
-                report = json.loads((root / "run" / "manifest.json").read_text())
+                report = json.loads((root / "run" / "report.json").read_text())
                 out["demo_stages_s"] = {s["stage"]: round(s["seconds"], 1) for s in report["stages"]}
                 out["demo_pipeline_s"] = report["seconds"]
             except Exception as e:
@@ -149,9 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(r: dict[str, Any]) -> str:
     a = r["args"]
+    a = {"batch_size": 256, "epochs": 3, "images": 16000, **a}
     lines = [f"`raymill train` resnet50 at 224 px, batch {a['batch_size']}, {a['epochs']} epochs, only the model "
              f"settings given (the planner decides the rest), on {r['device']} with {r['cores']} CPU cores; "
-             f"{a['images']} synthetic 320x240 JPEGs through `raymill etl` ({r.get('etl_s')} s). The limit: the same "
+             f"{a['images']} synthetic 320x240 JPEGs through `raymill etl` ({r.get('etl_s', '?')} s). The limit: the same "
              f"step on random tensors on the GPU, {fmt(r['limit'])} img/s. Rates are images / Σ epoch wall "
              "(whole epochs, each one's first-batch wait included).", ""]
     rows = []
@@ -172,4 +173,6 @@ def render(r: dict[str, Any]) -> str:
                   f"stages: {r.get('demo_stages_s')}."]
     elif "demo_error" in r:
         lines += ["", f"Demo `raymill run` failed: {r['demo_error'].splitlines()[-1][:200]}"]
+    if r.get("note"):
+        lines += ["", r["note"]]
     return "\n".join(lines + [""] + targets_table(r["targets"]))

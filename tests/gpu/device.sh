@@ -40,7 +40,7 @@ run_gpu() {  # $1: seconds; the acceptance command as a user types it (no train.
   python3 -m workflow demo-data /tmp/demo > /dev/null 2>&1
   step run_gpu "$1" python3 -m workflow run --config configs/default.yaml --set run.source=/tmp/demo \
     --set run.dir=/tmp/run --set train.use_gpu=true --set infer.use_gpu=true --set tracking.enabled=false
-  grep -v "^\s*$" "$OUT/run_gpu.log" | tail -20; cp /tmp/run/manifest.json "$OUT/run_manifest.json" 2>/dev/null
+  grep -v "^\s*$" "$OUT/run_gpu.log" | tail -20; cp /tmp/run/report.json "$OUT/run_report.json" 2>/dev/null
 }
 
 case "${1:-}" in
