@@ -132,6 +132,8 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
             seen += fed.rows
         assert sorted(k for k, _, _ in seen) == keys, f"epoch {epoch} lost or repeated rows"
     assert asked == ["train", "train_odd", "train"]
+    cold = ingest_ray.WarmEpochs(cfg.model_copy(update={"next_epoch_at": 1.0}), 0, 0, splits.get, steps)
+    assert sum(len(fed.rows) for fed in cold.epoch(0)) == len(keys) and cold.next is None  # each epoch cold
     assert "ReadParquet->MapBatches(decode_augment_batch)" in splits["train"].stats()
 
 

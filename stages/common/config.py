@@ -169,6 +169,9 @@ class TrainConfig(Section):
     ingest: Literal["stream", "ray_data"] = "stream"
     data_cpus_per_task: float | None = Field(None, gt=0)  # ray_data: CPUs a decode task; unset: planned
     object_store_cache: bool = False  # ray_data: decode once, keep decoded train set in the object store
+    # ray_data: the share of an epoch's batches after which the next epoch's execution starts
+    # (stages/feed/ray_data.WarmEpochs); 1: not before this epoch ends, a cold start each epoch
+    next_epoch_at: float = Field(0.5, ge=0, le=1)
     # Extra custom resources per worker, e.g. {accelerator: 1}: pins workers to the nodes that have them.
     worker_resources: dict[str, float] = Field(default_factory=dict)
 

@@ -273,21 +273,20 @@ class _Started:
 class WarmEpochs:
     """A worker's epochs of Ray Data: each begins while the one before trains.
 
-    Epoch e reads the split of dataset SPLITS[e % 2]. Once NEXT_EPOCH_AT of epoch e's `steps`
-    batches are here, the iteration of epoch e + 1 starts on the other split: all ranks reach its
-    coordinator's barrier during epoch e, so its execution fills while e trains, and its first
-    batch is waiting when the loop asks. Resume is unchanged: a restarted worker group starts at
+    Epoch e reads the split of dataset SPLITS[e % 2]. Once train.next_epoch_at of epoch e's
+    `steps` batches are here, the iteration of epoch e + 1 starts on the other split: all ranks
+    reach its coordinator's barrier during epoch e, so its execution fills while e trains, and
+    its first batch is waiting when the loop asks. Resume is unchanged: a restarted worker group starts at
     its checkpoint's epoch.
     """
 
-    # Begun at epoch e's first batch, e + 1's execution ran a whole epoch ahead beside e's and
-    # took its CPUs: on an H100 (16 cores, resnet50) epoch 1 fell to 682 img/s while epochs 2-3
-    # ran at 3,920 (0.98 of the GPU's limit). Half an epoch ahead is enough to hide the start.
-    NEXT_EPOCH_AT = 0.5
-
     def __init__(self, cfg: TrainConfig, seed: int, rank: int, shard_of: Callable[[str], Any], steps: int = 1):
         self.cfg, self.seed, self.rank, self.shard_of = cfg, seed, rank, shard_of
-        self.at = max(1, int(steps * self.NEXT_EPOCH_AT))  # batches of this epoch before the next begins
+        # Batches of this epoch before the next begins (train.next_epoch_at; None: at its end). Begun
+        # at the first batch (0), the next epoch's execution ran a whole epoch ahead and took this
+        # one's CPUs: epoch 1 fell to 682 img/s on an H100 (epochs 2-3: 3,920) and to 211 on the
+        # 2-core box; halfway was the fastest there over 4 epochs (benchmarks cpu_user).
+        self.at = max(1, int(steps * cfg.next_epoch_at)) if cfg.next_epoch_at < 1 else None
         self.next: tuple[int, _Started] | None = None
 
     def start(self, epoch: int) -> _Started:
@@ -296,7 +295,7 @@ class WarmEpochs:
     def epoch(self, epoch: int) -> "ShardBatches":
         started = self.next[1] if self.next and self.next[0] == epoch else self.start(epoch)
         self.next = None
-        after = (lambda: self._begin(epoch + 1)) if epoch + 1 < self.cfg.epochs else None
+        after = (lambda: self._begin(epoch + 1)) if epoch + 1 < self.cfg.epochs and self.at else None
         return ShardBatches(started, on_batch=(self.at, after) if after else None)
 
     def _begin(self, epoch: int) -> None:
