@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "feed": "benchmarks.feed",
     "gpu": "benchmarks.gpu",
     "gpu_user": "benchmarks.gpu_user",
+    "cpu_user": "benchmarks.cpu_user",
     "ingest": "benchmarks.ingest",
     "ddp": "benchmarks.ddp",
     "serve": "benchmarks.serve",

@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, md_table, ratio, targets_table, wait_for_quiet
+from benchmarks.user_runs import epochs_summary, raymill as _cli, train_sets
 
 __all__ = ["add_arguments", "run", "render"]
 
-REPO = Path(__file__).resolve().parents[1]
 CORES = os.cpu_count() or 1
 TARGETS = {"stream": 0.9, "ray_data": 0.9, "finetune": 0.9}
 DEMO_RUN_S = 30.0
@@ -53,17 +50,6 @@ def available() -> str | None:
     return None if torch.cuda.is_available() else "no CUDA device (run it on a lent GPU machine)"
 
 
-def _cli(*args: str, timeout: float = 900) -> float:
-    """Run `raymill ARGS` (python -m workflow) as a user would; its wall seconds. Raises on failure."""
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "workflow", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    wall = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise RuntimeError(f"raymill {args[0]} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return round(wall, 2)
-
-
 def _limit(batch: int) -> float:
     import torch
 
@@ -82,17 +68,7 @@ def _train(path: str, data: Path, out: Path, args, init: Path | None) -> dict[st
             f"train.ingest={'ray_data' if path == 'ray_data' else 'stream'}"]
     if init is not None:
         sets += [f"train.init_from={init}", "train.backbone_lr_scale=0.1"]
-    wall = _cli("train", "--data", str(data), "--output", str(out), *[x for s in sets for x in ("--set", s)])
-    history = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    images = [h["images_per_s"] * h["wall_s"] for h in history]
-    walls = [h["wall_s"] for h in history]
-    later = slice(1, None) if len(history) > 1 else slice(0, None)
-    return {"wall_s": wall, "epochs_wall_s": round(sum(walls), 2), "fixed_s": round(wall - sum(walls), 2),
-            "images_per_s": round(sum(images) / sum(walls), 1),
-            "images_per_s_after_first": round(sum(images[later]) / sum(walls[later]), 1),
-            "epochs": [{k: h.get(k) for k in ("epoch", "images_per_s", "wall_s", "wait_s", "stall_fraction",
-                                               "device_utilisation", "ray_data_start_wait_s", "verdict")}
-                       for h in history]}
+    return epochs_summary(out, _cli("train", "--data", str(data), "--output", str(out), *train_sets(sets)))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
