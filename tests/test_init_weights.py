@@ -305,3 +305,18 @@ def test_weights_on_s3_load_and_a_missing_object_is_refused(s3_bucket, tmp_path)
     assert plan.record["sha256"] == init_weights.source_sha256(str(path)) and plan.record["head"] == "replaced"
     with pytest.raises(ConfigError, match="does not exist"):
         init_weights.prepare(TrainConfig(model="resnet18", init_from=f"s3://{bucket}/models/none.pth"), CLASSES, s3)
+
+
+def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path):
+    import hashlib
+    import os
+
+    weights = tmp_path / "w.pth"
+    weights.write_bytes(b"a" * 64)
+    first = init_weights.source_sha256(str(weights))
+    assert first == hashlib.sha256(b"a" * 64).hexdigest()
+    assert init_weights.source_sha256(str(weights)) == first and any(k[0] == str(weights) for k in init_weights._HASHED)
+    stat = weights.stat()
+    weights.write_bytes(b"b" * 64)  # same size: the modification stamp tells them apart
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert init_weights.source_sha256(str(weights)) == hashlib.sha256(b"b" * 64).hexdigest()
