@@ -31,6 +31,19 @@ BENIGN: dict[str, str] = {
     "has constructor arguments in the object store and max_restarts > 0":
         "Ray Core's note on actors that Ray Train (PreemptionWatcher) and Ray Data (MapWorker) create "
         "themselves; harmless for raymill's runs (ray-project/ray#53727)",
+    # Train's DataConfig sets ExecutionOptions.exclude_resources on every dataset it splits
+    # (train.ingest=ray_data); Ray 2.60 deprecates the option it sets itself. The warning, then its source line:
+    "RayDeprecationWarning: `ExecutionOptions.exclude_resources` is deprecated":
+        "Ray Train's own DataConfig sets this option for each dataset it splits; raymill sets nothing of it",
+    "self.exclude_resources = exclude_resources":
+        "the source line of Ray Train's DataConfig deprecation warning above",
+    # Ray Data's banners from Train's split coordinator actors, every epoch of train.ingest=ray_data
+    # (the driver's own Ray Data banners go to ray-data.log already: console.quiet_ray)
+    "Starting execution of Dataset train": "Ray Data's banner as each epoch's execution starts",
+    "Execution plan of Dataset train": "Ray Data's banner as each epoch's execution starts",
+    "Progress bars disabled. To enable, set `ray.data.DataContext":
+        "Ray Data's note on the progress bars raymill turns off outside --verbose",
+    "✔️  Dataset train": "Ray Data's banner as each epoch's execution ends",
     # raymill keeps token authentication on (Ray's default); its own dashboard line names the token
     "Token authentication is enabled for this Ray cluster":
         "Ray's default token authentication, which raymill keeps on (`ray get-auth-token` prints the token)",

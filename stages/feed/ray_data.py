@@ -97,13 +97,15 @@ def _read(shards: list[dict], seed: int, cpus: float, s3: dict | None, rows: int
         # whatever num_cpus says; beside a trainer that leaves 0.5 CPU free it never runs (seen
         # here: a hung epoch). The V1 reader honours num_cpus for every task.
         default, ctx.use_datasource_v2 = ctx.use_datasource_v2, False
+        # its file-sampling progress bar is drawn here, in the driver, before any execution
+        bars, ctx.enable_progress_bars = ctx.enable_progress_bars, ctx.enable_progress_bars and console.verbose()
         try:
             split = -(-sum(s["rows"] for s in shards) // BLOCK_ROWS)
             blocks = len(paths) if rows is None else max(len(paths), split)  # None: a block per shard
             ds = ray.data.read_parquet(paths, filesystem=fs, shuffle=shuffle, num_cpus=cpus,
                                        override_num_blocks=blocks)
         finally:
-            ctx.use_datasource_v2 = default
+            ctx.use_datasource_v2, ctx.enable_progress_bars = default, bars
         return ds.select_columns(["key", "label", "image"])
     ds = ray.data.read_webdataset(paths, filesystem=fs, decoder=None, shuffle=shuffle, num_cpus=cpus)
     return ds.map_batches(_from_webdataset, batch_size=rows, num_cpus=cpus)
@@ -318,7 +320,6 @@ class ShardBatches:
         begun = time.perf_counter()
         first = self.started.take_first()
         self.start_wait_s = time.perf_counter() - begun
-        self.wait_s += self.start_wait_s
         if first is _Started._END:
             return
         n, call = self.on_batch or (0, None)
