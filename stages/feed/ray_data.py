@@ -278,8 +278,8 @@ class WarmEpochs:
     Epoch e reads the split of dataset SPLITS[e % 2]. Once train.next_epoch_at of epoch e's
     `steps` batches are here, the iteration of epoch e + 1 starts on the other split: all ranks
     reach its coordinator's barrier during epoch e, so its execution fills while e trains, and
-    its first batch is waiting when the loop asks. Resume is unchanged: a restarted worker group starts at
-    its checkpoint's epoch.
+    its first batch is waiting when the loop asks. Resume is unchanged: a restarted worker group
+    starts at its checkpoint's epoch.
     """
 
     def __init__(self, cfg: TrainConfig, seed: int, rank: int, shard_of: Callable[[str], Any], steps: int = 1):
