@@ -44,10 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def available() -> str | None:
-    """Why this benchmark cannot run here, or None."""
-    import torch
+    """Why this benchmark cannot run here, or None (benchmarks.gpu's answer: imported late, so that
+    rendering RESULTS.md from this module needs no torch)."""
+    from benchmarks.gpu import available as gpu_available
 
-    return None if torch.cuda.is_available() else "no CUDA device (run it on a lent GPU machine)"
+    return gpu_available()
 
 
 def _limit(batch: int) -> float:

@@ -134,13 +134,11 @@ def _ours_loop(config: dict[str, Any]) -> None:
 
     warm = None
     if config.get("ingest") == "ray_data":
-        from stages.feed.ray_data import WarmEpochs
         from stages.common.config import TrainConfig
+        from stages.feed.ray_data import WarmEpochs, equal_rows
 
         cfg = TrainConfig(batch_size=bs, prefetch_batches=config["prefetch_batches"], epochs=config["epochs"],
                           shuffle_buffer_rows=config["shuffle_buffer_rows"])
-        from stages.feed.ray_data import equal_rows
-
         steps = streaming.steps_per_epoch(equal_rows(sum(r.rows for r in refs), world), world, bs)
         warm = WarmEpochs(cfg, seed, rank, ray.train.get_dataset_shard, steps)
     epochs = []

@@ -111,12 +111,11 @@ def source_sha256(uri: str, s3: Any | None = None) -> str:
         # `raymill run` asks for it up to twice (its reuse key, then train's own): a 100 MB file is
         # hashed once a process while its size and modification stamp stay the same
         stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag")
-        key = (uri, info.get("size"), str(stamp)) if stamp is not None else None
+        if stamp is None:  # nothing tells a changed file apart: hash it every time
+            return storage.sha256_file(fs, path)[0]
+        key = (uri, info.get("size"), str(stamp))
         if key not in _HASHED:
-            digest = storage.sha256_file(fs, path)[0]
-            if key is None:
-                return digest
-            _HASHED[key] = digest
+            _HASHED[key] = storage.sha256_file(fs, path)[0]
         return _HASHED[key]
     except Exception:
         _read(uri, s3, "file")  # raises the ConfigError that names the fix

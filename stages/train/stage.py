@@ -96,6 +96,17 @@ def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: A
             "torch_threads": plan.torch_threads}
 
 
+def ray_data_datasets(cfg: TrainConfig, loop: dict[str, Any],
+                      plan: session.WorkerPlan) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """TorchTrainer's `datasets` for train.ingest=ray_data (None for stream) and the ingest report;
+    the train stage and each Tune trial of several workers build them from the loop config."""
+    if cfg.ingest != "ray_data":
+        return None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
+    planned = cfg.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
+    return ingest_ray.build_train_datasets(planned, loop["shards"]["train"], seed=loop["seed"], raw=loop["raw"],
+                                           image_size=loop["image_size"], s3=loop["s3"])
+
+
 def run_name(cfg: TrainConfig, out: str) -> str:
     """Ray Train run name of the output `out`: the run restores from it when it is unchanged.
 
@@ -185,11 +196,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
             "tracking": tracking, **finetune.shipped(init)}  # rank 0 logs to MLflow
     if init and tracking:
         log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
-    datasets, ingest = None, {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
-    if cfg.ingest == "ray_data":
-        planned = trained.model_copy(update={"data_cpus_per_task": plan.data_cpus_per_task})
-        datasets, ingest = ingest_ray.build_train_datasets(planned, shards["train"], seed=seed, raw=loop["raw"],
-                                                           image_size=loop["image_size"], s3=loop["s3"])
+    datasets, ingest = ray_data_datasets(trained, loop, plan)
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     publish.warm_up_curves()  # beside fit(): the driver only waits there
     try:

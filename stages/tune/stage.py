@@ -31,7 +31,6 @@ import logging
 import time
 from typing import Any, Sequence
 
-from stages.feed import ray_data as ingest_ray
 from stages.train import finetune
 from stages.train import stage as train
 from stages.tune import results as tune_results
@@ -192,11 +191,7 @@ def _run_trial(ctx: dict, config: dict) -> None:
     # The Train run's name must not change when this trial is retried or the search resumed:
     # Train V2 then restores the run from its own latest checkpoint.
     name = f"trial-{ray.tune.get_context().get_trial_id()}"
-    datasets = None
-    if tcfg.ingest == "ray_data":  # its workers read Train's dataset shards: a trial had passed none
-        planned = tcfg.model_copy(update={"data_cpus_per_task": ctx["plan"].data_cpus_per_task})
-        datasets, _ = ingest_ray.build_train_datasets(planned, loop["shards"]["train"], seed=loop["seed"],
-                                                      image_size=loop["image_size"], raw=loop["raw"], s3=loop["s3"])
+    datasets, _ = train.ray_data_datasets(tcfg, loop, ctx["plan"])  # ray_data workers read Train's shards
     trainer = train.build_trainer(tcfg, loop, ctx["plan"],
                                   ctx["ray_dir"], name, ctx["s3"], callbacks=[TuneReportCallback()],
                                   metric=tune_cfg.metric, mode=tune_cfg.mode, datasets=datasets)
