@@ -100,13 +100,16 @@ def test_config_error_reaches_the_terminal_with_the_fix(tmp_path):
     assert "unknown config key 'tracking.enabld'" in done.stderr and "enabled" in done.stderr
 
 
-def test_ray_trains_coordinator_timeout_is_one_line_in_every_worker(ray_session):
-    """The hook runs in Ray's worker processes (Train's controller among them): a real Ray task
-    logs the controller's warning with its traceback, and one line without it comes out."""
+def test_ray_trains_coordinator_timeout_is_one_line_in_the_controller(ray_session):
+    """The trainer's QuietController callback is unpickled where Train's controller runs: a real
+    Ray task that receives it (as the controller receives its callbacks) logs the controller's
+    warning with its traceback, and one line without it comes out; a process without it is untouched."""
     import ray
 
-    @ray.remote
-    def warn_like_the_controller() -> list[str]:
+    from stages.train.controller_hook import QuietController
+
+    @ray.remote(max_calls=1)  # a fresh process each call: the factory stays in the one it was installed in
+    def warn_like_the_controller(callbacks: list) -> list[str]:
         import logging
 
         records: list[logging.LogRecord] = []
@@ -120,8 +123,10 @@ def test_ray_trains_coordinator_timeout_is_one_line_in_every_worker(ray_session)
             logger.warning("Failed to send resource request for %s.", "abc", exc_info=True)
         return [logging.Formatter().format(r) for r in records]
 
-    lines = ray.get(warn_like_the_controller.remote())
+    lines = ray.get(warn_like_the_controller.remote([QuietController()]))
     assert len(lines) == 1 and "\n" not in lines[0] and "goes on" in lines[0]
+    untouched = ray.get(warn_like_the_controller.remote([]))
+    assert len(untouched) == 1 and "Traceback" in untouched[0]
 
 
 def test_an_empty_test_split_reports_no_accuracy_not_zero():

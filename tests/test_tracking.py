@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import REPO, free_port
 from stages.common import tracking, tracking_guard
+from stages.train.epoch_log import EpochLog
 from workflow import demo_data
 from stages.common.config import load_config
 
@@ -180,16 +181,35 @@ def test_server_down_mid_run_training_finishes_with_one_warning(tmp_path, ray_se
     assert time.monotonic() - started < 600
 
 
+def _checkpoint(run_folder, epoch: int, history: list[dict], meta: str | None = None) -> None:
+    folder = run_folder / f"checkpoint-e{epoch:03d}-s000000-a"
+    folder.mkdir(parents=True)
+    (folder / "meta.json").write_text(meta or json.dumps({"epoch": epoch, "history": history}))
+
+
 def test_sqlite_store_default_resume_and_disabled(tmp_path):
     cfg = load_config(None, [])
     folder = tmp_path / "out"
     handle = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
     assert handle["uri"] == f"sqlite:///{folder.resolve() / 'mlflow.db'}"
     tracking.log_params(handle, {"train": {"lr": 0.1, "augment": {"flip": True}}, "tags": [1, 2]})
-    for epoch in (1, 2, 3):
-        tracking.log_epoch(handle, {"epoch": epoch, "train_loss": 1.0 / epoch, "val_acc": 0.1 * epoch,
-                                    "verdict": "text is not a metric"})
-    tracking.flush_epochs()  # epochs are logged by a thread of their own, beside training
+    run_folder = tmp_path / "ray" / "train"  # Ray Train's run folder, as stages.train.loop fills it
+    with EpochLog(handle, str(run_folder), poll_s=0.05) as epochs:
+        for epoch in (1, 2, 3):
+            history = [{"epoch": e, "train_loss": 1.0 / e, "val_acc": 0.1 * e, "verdict": "text is not a metric"}
+                       for e in range(1, epoch + 1)]
+            _checkpoint(run_folder, epoch, history)
+            if epoch == 2:
+                _checkpoint(run_folder, 3, history, meta="{\"epoch\": 3, \"hist")  # still being copied
+                deadline = time.monotonic() + 10
+                while epochs.logged < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.2)
+                assert epochs.logged == 2  # the complete one is logged while training; the partial waits
+                (run_folder / "checkpoint-e003-s000000-a").rename(run_folder / "partial")
+    assert epochs.logged == 3
+    with EpochLog(handle, str(run_folder), poll_s=0.05) as resumed:  # a resumed run: nothing again
+        assert resumed.logged == 3
     again = tracking.start(cfg.tracking, str(folder), "unit", {"raymill.stage": "train"})
     assert again["run_id"] == handle["run_id"]  # an unfinished run in the same folder is resumed
     tracking.end(handle)
@@ -211,8 +231,7 @@ def test_unreachable_server_warns_once_and_never_raises(caplog):
     started = time.monotonic()
     assert tracking.start(cfg.tracking, "unused", "x", {}) is None
     handle = {"uri": cfg.tracking.uri, "run_id": "0" * 32, "timeout_s": 1}
-    tracking.log_epoch(handle, {"epoch": 1, "train_loss": 1.0})
-    tracking.flush_epochs()
+    tracking.log_metrics(handle, {"train_loss": 1.0}, step=1)
     tracking.end(handle)
     assert len(caplog.records) == 1 and "failed" in caplog.records[0].getMessage()
     assert time.monotonic() - started < 30  # no retry storm against a dead server

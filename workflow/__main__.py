@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     console.setup(args.verbose)
     _loopback_if_local(args)
     try:
+        return _command(args)
+    finally:
+        console.before_exit()
+
+
+def _command(args) -> int:
+    try:
         return COMMANDS[args.command](args)
     except ConfigError as e:  # includes bad inputs/outputs named on the command line
         print(f"raymill {args.command}: error: {e}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
-from stages import etl, infer, serve, train, tune
+from stages import etl, infer, train, tune
 from stages.common import session, storage, tracking
 from stages.common.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, listed_files, load_artifact
 from stages.common.config import Config, ConfigError, section_dict
@@ -200,6 +200,8 @@ def _write_config(cfg: Config) -> None:
 
 def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, Any]:
     """Start the endpoint, send it real test-split images over HTTP, report latency."""
+    from stages import serve  # here: Ray Serve and FastAPI cost a run without --serve 0.7 s of imports
+
     url = serve.start(cfg.serve, model.path, s3=cfg.s3)
     log.info("serve: %s/predict is up (POST an image; see README)", url)
     return probe(url, data, cfg.s3, cfg.infer.split)

@@ -52,12 +52,12 @@ def start(cfg: RayConfig) -> dict[str, float]:
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}
         os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
-        runtime_env: dict = {"worker_process_setup_hook": console.WORKER_SETUP_HOOK}
+        # No job runtime_env on a local Ray: with one, the first tasks cannot use the workers
+        # Ray starts beside the node and wait for fresh ones (0.85 s on 2 cores)
         if cfg.address:
             env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
-            kwargs.update(address=cfg.address, runtime_env={**runtime_env, **({"env_vars": env} if env else {})})
+            kwargs.update(address=cfg.address, runtime_env={"env_vars": env} if env else None)
         else:
-            kwargs["runtime_env"] = runtime_env
             # The dashboard agent's Prometheus endpoint listens on every interface without the
             # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
             os.environ.setdefault("RAY_enable_metrics_collection", "0")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import tempfile
 import threading
 from pathlib import Path
@@ -24,7 +23,7 @@ from stages.common.tracking_guard import failed as _failed, guarded as _guarded,
 from stages.common.artifacts import Artifact, code_version, config_hash
 from stages.common.config import Config, ConfigError, TrackingConfig, section_dict
 
-__all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "log_epoch", "flush_epochs", "warm_up", "log_files",
+__all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "epoch_metrics", "warm_up", "log_files",
            "register_model", "end", "train", "tune", "tune_callbacks", "log_infer", "find",
            "ui_command", "TRACKING_FILE"]
 
@@ -183,40 +182,9 @@ def log_metrics(handle: Handle, metrics: dict[str, Any], step: int | None = None
     _client(handle["uri"], handle["timeout_s"]).log_batch(handle["run_id"], metrics=items)
 
 
-def log_epoch(handle: Handle | None, row: dict[str, Any]) -> None:
-    """Rank 0's per-epoch hook: the epoch's metrics, with the epoch number as MLflow's step.
-
-    Logged by a thread of its own, so that importing mlflow and the store's first connection
-    (about 3 s on 2 cores) and each epoch's request run beside training, not between its steps:
-    the other ranks waited for rank 0 at the next all-reduce. `flush_epochs` waits for them."""
-    if handle is None:
-        return
-    metrics = {k: row[k] for k in EPOCH_METRICS if k in row}
-    with _EPOCHS["lock"]:
-        if _EPOCHS["thread"] is None or not _EPOCHS["thread"].is_alive():
-            _EPOCHS["thread"] = threading.Thread(target=_log_epochs, name="raymill-mlflow", daemon=True)
-            _EPOCHS["thread"].start()
-        _EPOCHS["queue"].put((handle, metrics, int(row["epoch"])))
-
-
-def flush_epochs(timeout_s: float = 30.0) -> None:
-    """Wait (at most `timeout_s`) until every epoch handed to `log_epoch` is logged or has failed."""
-    done = threading.Event()
-    _EPOCHS["queue"].put(done)
-    if _EPOCHS["thread"] is not None and _EPOCHS["thread"].is_alive():
-        done.wait(timeout_s)
-
-
-def _log_epochs() -> None:
-    while True:
-        item = _EPOCHS["queue"].get()
-        if isinstance(item, threading.Event):
-            item.set()
-        else:
-            log_metrics(item[0], item[1], step=item[2])  # guarded: a failure warns once and goes on
-
-
-_EPOCHS: dict[str, Any] = {"queue": queue.Queue(), "thread": None, "lock": threading.Lock()}
+def epoch_metrics(row: dict[str, Any]) -> dict[str, Any]:
+    """The MLflow metrics of one epoch's history row (stages.train.loop): EPOCH_METRICS only."""
+    return {k: row[k] for k in EPOCH_METRICS if k in row}
 
 
 @_guarded()

@@ -27,7 +27,7 @@ from stages.model.zoo import build_model
 from stages.model.predict import to_batch
 from stages.train import finetune
 from stages.train.run_hooks import TrainHooks
-from stages.common import console, tracking
+from stages.common import console
 from stages.common.config import ConfigError, TrainConfig
 
 __all__ = ["train_loop", "precision_plan", "to_batch", "make_schedule"]
@@ -342,8 +342,6 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()
-        if w.rank == 0:  # the epochs' MLflow points, logged beside training, before Train ends the worker
-            tracking.flush_epochs()
 
 
 def _epochs(w: Worker, config: dict[str, Any]) -> None:
@@ -373,8 +371,7 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
-        if w.rank == 0:
+        if w.rank == 0:  # its MLflow points: the driver logs them from the checkpoint (train.epoch_log)
             console.epoch(row, w.cfg.epochs)
-            tracking.log_epoch(config.get("tracking"), row)
         w.epoch, w.step = epoch + 1, 0
         w.report(epoch + 1, 0, row)

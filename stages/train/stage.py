@@ -16,6 +16,7 @@ from stages.model import zoo as models
 from stages.model import init_weights, publish
 from stages.model.checkpoint_io import refusal_in
 from stages.train import finetune
+from stages.train.epoch_log import EpochLog
 from stages.train.loop import train_loop
 from stages.common import console, fingerprint, session, storage
 from stages.common.tracking import log_params
@@ -130,6 +131,7 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from stages.train.controller_hook import QuietController
     from stages.train.ddp_rendezvous import LoopbackTorchConfig
 
     fs, path = storage.pyarrow_filesystem(storage_uri, s3)
@@ -142,7 +144,7 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
                                                resources_per_worker=resources),
         torch_config=LoopbackTorchConfig(backend="nccl" if plan.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
-            name=name, storage_path=path, storage_filesystem=fs, callbacks=list(callbacks),
+            name=name, storage_path=path, storage_filesystem=fs, callbacks=[QuietController(), *callbacks],
             logging_config=console.train_logging_config(),
             failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
                 cfg.max_failures, cfg.capacity_timeout_s)),
@@ -161,7 +163,7 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
 
     Resumes the run state in `out` only if the same config and data made it (else ConfigError);
     `overwrite` discards that state first. One run per output: the output is locked for the run.
-    `tracking` is the MLflow run rank 0 logs to (stages.common.tracking), or None.
+    `tracking` is the MLflow run that each epoch's metrics go to (stages.train.epoch_log), or None.
     """
     with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
         return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
@@ -193,14 +195,15 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
     loop = {**loop_config(trained, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
-            "tracking": tracking, **finetune.shipped(init)}  # rank 0 logs to MLflow
+            **finetune.shipped(init)}
     if init and tracking:
         log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
     datasets, ingest = ray_data_datasets(trained, loop, plan)
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     publish.warm_up_curves()  # beside fit(): the driver only waits there
     try:
-        result = trainer.fit()
+        with EpochLog(tracking, storage.join(state_uri, name), s3):  # the epochs' MLflow points
+            result = trainer.fit()
     except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
         # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
         raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e
