@@ -127,10 +127,10 @@ def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_ses
     assert main(["run", "--config", smoke, "--set", f"run.source={src}", "--set", f"run.dir={tmp_path / 'run'}",
                  *shares]) == 2
     assert "etl.split.val=0" in capsys.readouterr().err and not (tmp_path / "run").exists()
-    from workflow import pipeline
+    from workflow import preflight
 
     with pytest.raises(ConfigError, match=r"no images in the test split.*etl\.split\.test"):
-        pipeline.needed_splits(load_config(smoke), {"train": {"a": 3}, "val": {"a": 1}, "test": {}})
+        preflight.needed_splits(load_config(smoke), {"train": {"a": 3}, "val": {"a": 1}, "test": {}})
 
 
 def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):

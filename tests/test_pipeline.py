@@ -4,7 +4,7 @@ The end-to-end `raymill run --serve` with reruns is in tests/test_tracking.py (o
 tracked on a real MLflow server, serves both)."""
 from __future__ import annotations
 
-from workflow import pipeline
+from workflow import pipeline, preflight
 from stages.common.config import load_config
 from tests.conftest import REPO
 
@@ -27,7 +27,7 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
         return Artifact("etl", out, manifest)
 
     def reused(inputs=None) -> bool:
-        return pipeline.stage("etl", cfg, cfg.etl, inputs or pipeline.etl_inputs(cfg), build)[1]
+        return pipeline.stage("etl", cfg, cfg.etl, inputs or preflight.etl_inputs(cfg), build)[1]
 
     by_path = {"source": str(src)}
     assert not reused(by_path) and reused(by_path)
@@ -64,7 +64,7 @@ def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):
         pipeline.run(cfg)
     (run / "config.yaml").write_text("{}")  # a run.dir of an earlier run: its stage folders are checked one by one
     with pytest.raises(ConfigError, match="did not write"):
-        pipeline.stage("etl", cfg, cfg.etl, pipeline.etl_inputs(cfg), lambda out: None)
+        pipeline.stage("etl", cfg, cfg.etl, preflight.etl_inputs(cfg), lambda out: None)
     assert (run / "etl" / "precious.txt").read_text() == "x"
     with pytest.raises(ConfigError, match="run.source"):  # a missing source: refused before config.yaml is rewritten
         pipeline.run(load_config(REPO / "configs/smoke.yaml", [f"run.source={tmp_path / 'none'}", f"run.dir={run}"]))

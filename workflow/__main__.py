@@ -260,13 +260,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_run(args) -> int:
+    started = time.perf_counter()
     overrides = list(args.overrides) + (["run.force=true"] if args.force else [])
     cfg = load_config(args.config, overrides)
+    from workflow import preflight
+
+    sources = preflight.start(cfg)  # before the stages' imports: torch loads while Ray starts
     import ray
 
     from workflow import pipeline, report
 
-    summary = report.summary(pipeline.run(cfg, serve=args.serve))
+    summary = report.summary(pipeline.run(cfg, serve=args.serve, sources=sources, started=started))
     ray.shutdown()  # flushes Ray's last worker lines now, so the summary is the last thing printed
     print(f"\n{summary}", flush=True)
     return 0

@@ -14,7 +14,6 @@ import urllib.request
 from typing import Any, Callable
 
 import numpy as np
-import yaml
 
 from stages import etl, infer, train, tune
 from stages.common import session, storage, tracking
@@ -24,9 +23,10 @@ from stages.common.locks import LOCK_NAME, output_lock
 from stages.feed import streaming
 from stages.train import stage as train_stage
 from stages.model import export
-from workflow import report
+from workflow import preflight, report
+from workflow.preflight import needed_splits
 
-__all__ = ["run", "stage", "etl_inputs", "needed_splits", "export_stage"]
+__all__ = ["run", "stage", "export_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -87,38 +87,16 @@ def _clear(fs, root: str, ours: bool) -> None:
         fs.rm(path, recursive=True)
 
 
-def _check_run_dir(cfg: Config) -> None:
-    """Refuse a run.dir that holds files but no config.yaml (every pipeline run writes one first):
-    report.md, config.yaml and the stage folders there would overwrite someone else's files."""
-    fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
-    if fs.exists(root) and not fs.isdir(root):
-        raise ConfigError(f"run.dir '{cfg.run.dir}' is a file; choose a folder")
-    entries = fs.ls(root, detail=False) if fs.exists(root) else []
-    if entries and not fs.exists(storage.join(root, "config.yaml")):
-        raise ConfigError(f"run.dir '{cfg.run.dir}' holds files that no raymill run wrote (no config.yaml), "
-                          f"e.g. '{entries[0]}'; choose an empty or new run.dir")
-
-
-def etl_inputs(cfg: Config) -> dict[str, Any]:
-    """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
-    changed images are noticed without hashing every file."""
-    listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks)
-    return {"source": cfg.run.source, "source_listing": listing.fingerprint}
-
-
-def run(cfg: Config, serve: bool = False) -> dict[str, Any]:
-    """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report."""
-    started = time.perf_counter()
-    # before ETL: a model that cannot take etl.image_size would fail every trainer after it
-    train.check_image_size(tune.searched_models(cfg.tune, cfg.train) if cfg.tune.enabled else [cfg.train.model],
-                           cfg.etl.image_size)
-    needed_splits(cfg)
-    etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
-    sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
-    _check_run_dir(cfg)
-    _write_config(cfg)
-    tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
-    resources = session.start(cfg.ray)
+def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
+        started: float | None = None) -> dict[str, Any]:
+    """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report.
+    `sources`: what `preflight.start(cfg)` returned, when the caller ran it (the CLI does, before
+    this module's imports); else it runs here. `started`: the caller's perf_counter() at its
+    start, so that the report's total is the wait the caller saw."""
+    started = time.perf_counter() if started is None else started
+    if sources is None:
+        sources = preflight.start(cfg)
+    resources = session.start(cfg.ray)  # started already: its resources
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
         both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
         if cfg.train.use_gpu and cfg.train.num_workers is None:  # the GPUs Serve holds are not the trainer's
@@ -174,28 +152,6 @@ def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:
     return stage("export", cfg, cfg.export, {"model": model.manifest["created_at"], "model_path": model.path,
                                              "name": name},
                  lambda out: export.run(cfg.export, model.path, out, name=name, s3=cfg.s3, stage_folder=True))
-
-
-def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:
-    """ConfigError unless training, validation and infer.split each get rows: by etl.split before
-    ETL, by the rows ETL wrote after it (a small tree can leave a split empty). A pipeline whose
-    test split was empty had trained for minutes and then failed in infer."""
-    needs = {"train": "the model learns from it", "val": "the published checkpoint is the best by val_acc",
-             cfg.infer.split: f"infer.split={cfg.infer.split} reads it"}
-    for split, why in needs.items():
-        share = getattr(cfg.etl.split, split)
-        if counts is None and share <= 0:
-            raise ConfigError(f"etl.split.{split}=0 but the pipeline needs {split} rows ({why}); give "
-                              f"etl.split.{split} a share")
-        if counts is not None and sum(counts.get(split, {}).values()) == 0:
-            raise ConfigError(f"ETL put no images in the {split} split ({why}); raise etl.split.{split} "
-                              f"(now {share:g}) or add images to {cfg.run.source}")
-
-
-def _write_config(cfg: Config) -> None:
-    fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
-    text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    storage.write_bytes_atomic(fs, storage.join(root, "config.yaml"), text.encode())
 
 
 def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, Any]:

@@ -65,8 +65,14 @@ def data_fingerprint(manifest: dict[str, Any]) -> str:
     images (a new run id in the shard names) keeps old checkpoints valid, and new data does not.
     """
     shards = sorted((s["split"], s["format"], s["rows"], s["sha256"]) for s in manifest.get("shards", []))
-    return config_hash({"classes": manifest.get("classes"), "config": manifest.get("config"),
+    config = {k: v for k, v in (manifest.get("config") or {}).items() if k not in _HOW_NOT_WHAT}
+    return config_hash({"classes": manifest.get("classes"), "config": config or manifest.get("config"),
                         "shards": shards})
+
+
+# ETL keys that choose how the shards are made, never what they hold. Left out of the content
+# fingerprint: an output made before a key existed keeps its fingerprint, and so its checkpoints.
+_HOW_NOT_WHAT = ("ray_data_min_files",)
 
 
 def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:

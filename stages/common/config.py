@@ -89,6 +89,9 @@ class EtlConfig(Section):
     # never quarantines every link; always follows any (reads whatever they point at).
     follow_symlinks: Literal["inside_source", "never", "always"] = "inside_source"
     cpus_per_task: float = Field(1.0, gt=0)
+    # Fewer source files than this: the shard tasks run as plain Ray tasks, not through Ray Data,
+    # whose start (its own actors, its executor) was 2 s of the 2-core demo's 3 s ETL. 0: always Ray Data.
+    ray_data_min_files: int = Field(20_000, ge=0)
 
     @field_validator("formats")
     @classmethod
@@ -219,6 +222,11 @@ class TuneConfig(Section):
             if key.split(".")[0] not in known:
                 raise ValueError(f"search_space key '{key}' is not a train.* field; valid: {sorted(known)}")
         return space
+
+    def models(self, train_model: str) -> list[str]:
+        """Every train.model a trial of the search may build (`train_model` unless searched)."""
+        d = self.search_space.get("model")
+        return list(d.values) if d is not None and d.type == "choice" else [train_model]
 
 
 class InferConfig(Section):

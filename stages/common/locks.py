@@ -183,7 +183,7 @@ class _LocalLock:
             os.close(fd)
         else:
             raise OutputLockedError(f"could not lock '{self.out}': its {LOCK_NAME} keeps changing")
-        previous = _read_json_fd(fd)
+        previous = _read_json_fd(fd, tries=1)  # a dead holder's details, or an empty file: never wait
         if previous:
             log.warning("lock: took over %s from %s (that process is gone)", self.path, _describe(previous))
         data = json.dumps(_holder_info(uuid.uuid4().hex, self.kind)).encode()
@@ -200,15 +200,16 @@ class _LocalLock:
                 os.rmdir(os.path.dirname(self.path))
 
 
-def _read_json_fd(fd: int) -> dict[str, Any] | None:
-    for _ in range(5):  # the holder writes its details just after taking the lock
+def _read_json_fd(fd: int, tries: int = 5) -> dict[str, Any] | None:
+    for attempt in range(tries):  # a live holder writes its details just after taking the lock
         try:
             data = os.pread(fd, 65536, 0)
             if data:
                 return json.loads(data)
         except (OSError, ValueError):
             pass
-        time.sleep(0.05)
+        if attempt + 1 < tries:
+            time.sleep(0.05)
     return None
 
 

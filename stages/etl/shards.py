@@ -29,7 +29,7 @@ ROW_GROUP_ROWS = 128  # small row groups: readers stream a shard without holding
 
 def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: dict,
                  run_id: str, classes: list[str]) -> dict[str, str]:
-    """Ray Data map fn: decode one shard group's files and write its shards; return metadata."""
+    """One shard task (Ray Data map fn, or a plain Ray task): decode its files, write its shards, return metadata."""
     task = json.loads(row["task"])
     src_fs, src_root = storage.filesystem(source, s3)
     out_fs, out_root = storage.filesystem(out, s3)

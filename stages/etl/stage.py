@@ -166,7 +166,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     log.info("etl: %d files in %d classes -> %d shard task(s), run %s",
              len(listing.files), len(listing.classes), len(tasks), run_id)
     try:
-        results = _execute(tasks, cfg, source, out, s3, run_id, listing.classes)
+        results = _execute(tasks, cfg, source, out, s3, run_id, listing.classes, len(listing.files))
         quarantine = _quarantine_rows(results, listing)
         _check_bad_fraction(cfg, quarantine, len(listing.files) + len(listing.rejected), out)
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
@@ -224,21 +224,49 @@ def _published_run(fs, root: str) -> str | None:
         return "unknown"
 
 
-def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, classes: list[str]):
-    import ray.data
-
+def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, classes: list[str], files: int):
+    """Every shard task's result (stages.etl.shards.process_task), through Ray Data, or as plain
+    Ray tasks below etl.ray_data_min_files: each task is a whole shard's work and returns only
+    metadata, so both are the same map; Ray Data's start is a fixed cost that a small job notices."""
     fn_kwargs = {"cfg": section_dict(cfg), "source": source, "out": out,
                  "s3": storage.s3_options(s3), "run_id": run_id, "classes": classes}
     rows = [{"task": json.dumps(t)} for t in tasks]
+    engine = _with_ray_data if files >= cfg.ray_data_min_files else _as_ray_tasks
+    try:
+        return [json.loads(row["result"]) for row in engine(rows, fn_kwargs, cfg.cpus_per_task)]
+    except Exception as e:
+        raise EtlError(f"ETL task failed, nothing was published: {root_cause(e)}") from e
+
+
+def _with_ray_data(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
+    import ray.data
+
     # Each row is a whole shard's work and returns only metadata, so Ray Data's per-operator
     # reservation (which held this pipeline to one task at a time here) buys nothing.
     ray.data.DataContext.get_current().op_resource_reservation_enabled = False
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-    ds = ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cfg.cpus_per_task)
+    return list(ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cpus).iter_rows())
+
+
+def _as_ray_tasks(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
+    """One Ray task a row (Ray queues what the CPUs cannot run yet). On the first failure the
+    others are cancelled and awaited, so that none writes a shard after the caller cleans up."""
+    import ray
+
+    task = ray.remote(num_cpus=cpus)(_process_row)
+    kwargs = ray.put(fn_kwargs)
+    refs = [task.remote(row, kwargs) for row in rows]
     try:
-        return [json.loads(row["result"]) for row in ds.iter_rows()]
-    except Exception as e:
-        raise EtlError(f"ETL task failed, nothing was published: {root_cause(e)}") from e
+        return ray.get(refs)
+    except BaseException:
+        for ref in refs:
+            ray.cancel(ref)
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        raise
+
+
+def _process_row(row: dict, fn_kwargs: dict) -> dict:
+    return shards.process_task(row, **fn_kwargs)
 
 
 def root_cause(e: BaseException) -> str:

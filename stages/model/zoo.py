@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from stages.model.sizes import MIN_INPUT_PX, check_input_size
+
 __all__ = [
     "MODEL_NAMES",
     "SmallCNN",
@@ -19,6 +21,7 @@ __all__ = [
     "Bottleneck",
     "ResNet",
     "build_model",
+    "MIN_INPUT_PX",
     "check_input_size",
     "count_parameters",
     "resnet18",
@@ -26,11 +29,6 @@ __all__ = [
 ]
 
 MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet18", "resnet50")
-
-# The smallest square input each model accepts. SmallCNN divides by 16 (a stride-2 conv and three
-# 2x2 max-pools); below 15 px its last pool gets a 1x1 map and torch fails mid-trial. The ResNets
-# end in stride-2 convs with padding, which never reach 0, and an adaptive pool.
-MIN_INPUT_PX: dict[str, int] = {"small_cnn": 15, "resnet18": 1, "resnet50": 1}
 
 
 # --------------------------------------------------------------------------- small CNN
@@ -247,14 +245,6 @@ def build_model(name: str, num_classes: int, width: int = 32, dropout: float = 0
     if name == "small_cnn" and width < 1:
         raise ValueError(f"width must be >= 1, got {width}")
     return builders[name]()
-
-
-def check_input_size(name: str, size: int) -> None:
-    """Raise ValueError, naming the fix, when ``name`` cannot take ``size`` x ``size`` images."""
-    least = MIN_INPUT_PX.get(name, 1)
-    if size < least:
-        raise ValueError(f"train.model={name} needs images of at least {least} px, but the data is {size} px; "
-                         f"re-run ETL with etl.image_size>={least} or choose train.model=resnet18")
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:

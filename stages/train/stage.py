@@ -14,6 +14,7 @@ from stages.etl import integrity
 from stages.feed import ray_data as ingest_ray
 from stages.model import zoo as models
 from stages.model import init_weights, publish
+from stages.model.sizes import check_image_size
 from stages.model.checkpoint_io import refusal_in
 from stages.train import finetune
 from stages.train.epoch_log import EpochLog
@@ -31,15 +32,6 @@ log = logging.getLogger(__name__)
 
 class TrainError(RuntimeError):
     """Training failed or diverged; the message says where the last good checkpoint is."""
-
-
-def check_image_size(model_names: Sequence[str], size: int) -> None:
-    """Refuse (exit 2) a model that cannot take the data's image size, before any worker starts."""
-    for name in dict.fromkeys(model_names):
-        try:
-            models.check_input_size(name, size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
 
 
 def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:

@@ -145,8 +145,7 @@ def pbt_mutations(cfg: TuneConfig, train_cfg: TrainConfig) -> dict[str, Any]:
 
 def searched_models(cfg: TuneConfig, train_cfg: TrainConfig) -> list[str]:
     """Every train.model a trial of the search may build."""
-    d = cfg.search_space.get("model")
-    return list(d.values) if d is not None and d.type == "choice" else [train_cfg.model]
+    return cfg.models(train_cfg.model)
 
 
 def _scheduler(cfg: TuneConfig, train_cfg: TrainConfig):
