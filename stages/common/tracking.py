@@ -1,8 +1,8 @@
 """The one place raymill talks to MLflow: runs, params, per-epoch metrics, artifacts, the model.
 
-A run is a small JSON-able handle (`{"uri", "run_id", ...}`) so the driver can hand it to the
-rank-0 training worker, which logs per-epoch metrics natively (Ray Train V2 rejects logger
-callbacks). Tracking never fails a stage: the first error in a process logs one warning with the
+A run is a small JSON-able handle (`{"uri", "run_id", ...}`). The driver logs a training run's
+per-epoch metrics itself, from the checkpoints Train commits (stages.train.epoch_log: Ray Train V2
+rejects logger callbacks, and MLflow in a worker cost its training CPU). Tracking never fails a stage: the first error in a process logs one warning with the
 fix, and tracking stays off in that process from then on.
 
 Default store: SQLite in the run folder (MLflow 3's own default backend; its file store is
@@ -283,7 +283,7 @@ def train(cfg: Config, data: Artifact, out: str, fit: Callable[[Handle | None], 
           store: str | None = None, reuse: Callable[[], Artifact | None] | None = None) -> Artifact:
     """Run `fit(handle)` (the train stage) as one MLflow run in the store of `store` (default `out`).
 
-    `fit` passes the handle to the rank-0 worker for per-epoch metrics (`log_epoch`). `reuse()`,
+    `fit` logs each epoch into the handle's run (stages.train.epoch_log). `reuse()`,
     called under the output's lock, returns the model `out` already holds for this run, if any:
     then nothing is fitted or tracked again.
     """
