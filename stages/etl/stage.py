@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from stages.common import storage
+from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id, write_manifest
 from stages.common.config import ConfigError, EtlConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
@@ -240,6 +240,8 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
 
 def _with_ray_data(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
     import ray.data
+
+    console.quiet_ray()
 
     # Each row is a whole shard's work and returns only metadata, so Ray Data's per-operator
     # reservation (which held this pipeline to one task at a time here) buys nothing.

@@ -86,6 +86,8 @@ def _read(shards: list[dict], seed: int, cpus: float, s3: dict | None, rows: int
     import ray.data
     from ray.data import DataContext, FileShuffleConfig
 
+    console.quiet_ray()
+
     remote_uris = [s["uri"] for s in shards if s["uri"].startswith("s3://")]
     fs = storage.pyarrow_filesystem(remote_uris[0], s3)[0] if remote_uris else None  # s3.* settings, retries too
     paths = [s["uri"][len("s3://"):] if fs else s["uri"] for s in shards]

@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from stages.common import session, storage
+from stages.common import console, session, storage
 from stages.common.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
                                      write_manifest)
 from stages.common.config import InferConfig, section_dict
@@ -198,6 +198,8 @@ def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]
     """
     import ray.data
 
+    console.quiet_ray()
+
     res = session.plan_infer(cfg, resources)
     items = {"batch_size": max(1, math.ceil(len(plan.items) / plan.blocks)), "batch_format": "pyarrow"}
     pool: dict[str, Any] = {"num_gpus": res["num_gpus"]}
@@ -247,6 +249,8 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resource
              s3: Any | None) -> tuple[pa.Table, float, float]:
     """Run the plan: (prediction rows, device busy seconds summed over the actors, wall seconds)."""
     import ray.data
+
+    console.quiet_ray()
 
     stages = map_batches_kwargs(cfg, plan, resources)
     actor = {"model_path": model_path, "s3": storage.s3_options(s3), "top_k": cfg.top_k, "use_gpu": cfg.use_gpu,
