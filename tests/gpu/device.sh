@@ -10,10 +10,12 @@
 #                                    # of `raymill train` by ingest path and the fine-tune (~420 s; 16k JPEGs'
 #                                    # generation + ETL alone took ~110 s on 2026-11-27)
 #   bash tests/gpu/device.sh rd      # the demo run and gpu_user's ray_data row, then the infer CLI test (~330 s)
+#   bash tests/gpu/device.sh why     # the demo run on the GPU with -v, every line timestamped from the start,
+#                                    # and Ray Train's own JSON logs: where the GPU run's fixed cost goes (~120 s)
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
 # timeout, so one that hangs leaves the others their time and its log still comes back.
 set -uo pipefail
-case "${1:-}" in bench|check|one|serve|feed|user|rd) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user|rd" >&2; exit 2 ;; esac
+case "${1:-}" in bench|check|one|serve|feed|user|rd|why) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user|rd|why" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -d /tmp/s/site ] || { mkdir -p /tmp/s && tar -xJf .gpusite/site.tar.xz -C /tmp/s; }
 export PYTHONPATH=/tmp/s/site:$PWD PATH=/tmp/s/site/bin:$PATH PYTHONUNBUFFERED=1 RAY_DATA_DISABLE_PROGRESS_BARS=1
@@ -64,4 +66,14 @@ case "${1:-}" in
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -12
     step pytest_gpu 60 python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider -k infer_cli
     tail -4 "$OUT/pytest_gpu.log" ;;
+  why)
+    python3 -m workflow demo-data /tmp/demo > /dev/null 2>&1
+    echo "== why (limit 240s, load $(cut -d' ' -f1-3 /proc/loadavg))"
+    timeout 240 python3 -m workflow run -v --config configs/default.yaml --set run.source=/tmp/demo --set run.dir=/tmp/run \
+      --set train.use_gpu=true --set infer.use_gpu=true 2>&1 \
+      | python3 -u -c 'import sys, time; t = time.time(); [print(f"{time.time() - t:7.2f} {l}", end="") for l in sys.stdin]' \
+      > "$OUT/why.log"; echo "why rc=${PIPESTATUS[0]}"
+    cp -r /tmp/ray/session_latest/logs/train "$OUT/train_logs" 2>/dev/null; cp /tmp/run/report.json "$OUT/run_report.json" 2>/dev/null
+    ray stop --force > /dev/null 2>&1
+    grep -v "^ *[0-9.]* *$" "$OUT/why.log" | grep -v "Checkpoint successfully\|Reporting training" | cut -c1-160 | tail -40 ;;
 esac
