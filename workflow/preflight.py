@@ -40,12 +40,18 @@ def start(cfg: Config) -> dict[str, Any]:
     tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
     for name in _SHARED:
         importlib.import_module(name)
-    torch = threading.Thread(target=importlib.import_module, args=("torch",), name="raymill-import-torch",
-                             daemon=True)
+    torch = threading.Thread(target=_import_quietly, args=("torch",), name="raymill-import-torch", daemon=True)
     torch.start()
     session.start(cfg.ray)
     torch.join()
     return sources
+
+
+def _import_quietly(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001: the stages' own import of it raises the same error, with the CLI's message
+        pass
 
 
 def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:
