@@ -17,7 +17,8 @@ import numpy as np
 
 from stages import etl, infer, train, tune
 from stages.common import session, storage, tracking
-from stages.common.artifacts import MANIFEST, Artifact, config_hash, data_fingerprint, listed_files, load_artifact
+from stages.common.artifacts import (MANIFEST, Artifact, config_hash, content_config, data_fingerprint, listed_files,
+                                     load_artifact)
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.feed import streaming
@@ -41,7 +42,7 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
     """
     out = storage.join(cfg.run.dir, name)
     fs, root = storage.filesystem(out, cfg.s3)
-    key = {"config_hash": config_hash(section_dict(section)), "inputs": inputs}
+    key = {"config_hash": config_hash(content_config(section_dict(section))), "inputs": inputs}
     with output_lock(out, name, cfg.s3):
         marker_path, manifest_path = storage.join(root, "stage.json"), storage.join(root, MANIFEST)
         marker = storage.read_json(fs, marker_path) if fs.exists(marker_path) else {}

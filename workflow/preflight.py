@@ -20,11 +20,12 @@ from stages.model.sizes import check_image_size
 
 __all__ = ["start", "needed_splits", "etl_inputs"]
 
-# Imported here, before the thread starts: torch's import chain and ray.init's share these, and two
-# threads importing one package's modules at once can each wait on a lock the other holds.
+# Imported here, before any thread starts: torch's import chain shares these with ray.init's and with
+# MLflow's (tracking.warm_up), and two threads importing one package's modules at once can each wait
+# on a lock the other holds (Python then raises _DeadlockError in one of them).
 _SHARED = ("numpy", "ray", "argparse", "cmath", "email.parser", "gettext", "grp", "http.client", "mmap",
            "multiprocessing", "multiprocessing.reduction", "pkgutil", "pprint", "runpy", "tarfile", "timeit",
-           "tqdm", "unicodedata", "urllib.request")
+           "tqdm", "unicodedata", "urllib.request", "unittest", "difflib")
 
 
 def start(cfg: Config) -> dict[str, Any]:
@@ -37,21 +38,27 @@ def start(cfg: Config) -> dict[str, Any]:
     sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
     _check_run_dir(cfg)
     _write_config(cfg)
-    tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
-    for name in _SHARED:
+    for name in _SHARED:  # before any thread of ours imports: MLflow's below shares them too
         importlib.import_module(name)
-    torch = threading.Thread(target=_import_quietly, args=("torch",), name="raymill-import-torch", daemon=True)
-    torch.start()
-    session.start(cfg.ray)
-    torch.join()
+    tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
+    failed: list[BaseException] = []
+    importer = threading.Thread(target=_import_into, args=("torch", failed), name="raymill-import-torch",
+                                daemon=True)
+    importer.start()
+    try:
+        session.start(cfg.ray)
+    finally:  # never leave the interpreter to exit in the middle of torch's import
+        importer.join()
+    if failed:  # torch's own error, not a later import's of a half-loaded package
+        raise failed[0]
     return sources
 
 
-def _import_quietly(name: str) -> None:
+def _import_into(name: str, failed: list[BaseException]) -> None:
     try:
         importlib.import_module(name)
-    except Exception:  # noqa: BLE001: the stages' own import of it raises the same error, with the CLI's message
-        pass
+    except Exception as e:  # noqa: BLE001: raised in the main thread, where the CLI reports it
+        failed.append(e)
 
 
 def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:

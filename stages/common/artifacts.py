@@ -15,7 +15,7 @@ from typing import Any
 from stages.common import locks, storage
 
 __all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
-           "base_manifest", "config_hash", "data_fingerprint", "manifest_kind"]
+           "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 
 MANIFEST = storage.MANIFEST
 
@@ -65,20 +65,26 @@ def data_fingerprint(manifest: dict[str, Any]) -> str:
     images (a new run id in the shard names) keeps old checkpoints valid, and new data does not.
     """
     shards = sorted((s["split"], s["format"], s["rows"], s["sha256"]) for s in manifest.get("shards", []))
-    config = {k: v for k, v in (manifest.get("config") or {}).items() if k not in _HOW_NOT_WHAT}
-    return config_hash({"classes": manifest.get("classes"), "config": config or manifest.get("config"),
+    config = manifest.get("config")
+    return config_hash({"classes": manifest.get("classes"), "config": content_config(config) if config else config,
                         "shards": shards})
 
 
-# ETL keys that choose how the shards are made, never what they hold. Left out of the content
-# fingerprint: an output made before a key existed keeps its fingerprint, and so its checkpoints.
+# Config keys that choose how a stage does its work, never what it makes (etl.ray_data_min_files).
+# Left out of every hash that decides reuse: an output made before such a key existed keeps its
+# fingerprint and its reuse, and changing the key recomputes nothing.
 _HOW_NOT_WHAT = ("ray_data_min_files",)
+
+
+def content_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a stage's section) less the keys that change how it works, not what it makes."""
+    return {k: v for k, v in config.items() if k not in _HOW_NOT_WHAT}
 
 
 def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     return {"kind": f"raymill.{stage}", "schema_version": 1,
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "code": code_version(), "config": config, "config_hash": config_hash(config),
+            "code": code_version(), "config": config, "config_hash": config_hash(content_config(config)),
             "inputs": inputs}
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from stages.common import benign
 
-__all__ = ["setup", "before_exit", "verbose", "quiet_ray", "train_logging_config", "quiet_train_worker", "epoch",
+__all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
@@ -73,8 +73,13 @@ def quiet_ray() -> None:
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(logging.WARNING)
-    # Tune's TensorBoard logger warns on every search that a list (worker_nodes) is no scalar
-    logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
+
+
+def quiet_tune() -> None:
+    """After `ray.init` (imports nothing): Tune's TensorBoard logger warns on every search that a
+    list (worker_nodes) is no scalar."""
+    if not verbose():
+        logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
 
 
 # Ray Train 2.60's controller logs this warning, with a 20-line traceback, when its autoscaling

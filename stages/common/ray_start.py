@@ -73,6 +73,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
         if getattr(context, "dashboard_url", None):
             _DASHBOARD["url"] = f"http://{context.dashboard_url}"
             log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
+        console.quiet_tune()
     resources = cluster_resources()
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")

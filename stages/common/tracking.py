@@ -1,9 +1,10 @@
 """The one place raymill talks to MLflow: runs, params, per-epoch metrics, artifacts, the model.
 
 A run is a small JSON-able handle (`{"uri", "run_id", ...}`). The driver logs a training run's
-per-epoch metrics itself, from the checkpoints Train commits (stages.train.epoch_log: Ray Train V2
-rejects logger callbacks, and MLflow in a worker cost its training CPU). Tracking never fails a stage: the first error in a process logs one warning with the
-fix, and tracking stays off in that process from then on.
+per-epoch metrics itself, from the checkpoints Train commits (stages.train.epoch_log): Ray Train V2
+rejects logger callbacks, and MLflow in a worker cost its training CPU. Tracking never fails a
+stage: the first error in a process logs one warning with the fix, and tracking stays off in that
+process from then on.
 
 Default store: SQLite in the run folder (MLflow 3's own default backend; its file store is
 deprecated). `tracking.uri` points every process at one server instead, which clusters need.
@@ -23,7 +24,7 @@ from stages.common.tracking_guard import failed as _failed, guarded as _guarded,
 from stages.common.artifacts import Artifact, code_version, config_hash
 from stages.common.config import Config, ConfigError, TrackingConfig, section_dict
 
-__all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "epoch_metrics", "warm_up", "log_files",
+__all__ = ["Handle", "store_uri", "start", "log_params", "log_metrics", "epoch_metrics", "last_step", "warm_up", "log_files",
            "register_model", "end", "train", "tune", "tune_callbacks", "log_infer", "find",
            "ui_command", "TRACKING_FILE"]
 
@@ -180,6 +181,13 @@ def log_metrics(handle: Handle, metrics: dict[str, Any], step: int | None = None
     items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
              if isinstance(v, (int, float)) and not isinstance(v, bool)]
     _client(handle["uri"], handle["timeout_s"]).log_batch(handle["run_id"], metrics=items)
+
+
+@_guarded()
+def last_step(handle: Handle, key: str) -> int | None:
+    """The highest step `key` has in the run (0 when it has none): where a resumed run's epochs go on."""
+    history = _client(handle["uri"], handle["timeout_s"]).get_metric_history(handle["run_id"], key)
+    return max((m.step for m in history), default=0)
 
 
 def epoch_metrics(row: dict[str, Any]) -> dict[str, Any]:

@@ -224,6 +224,12 @@ def _published_run(fs, root: str) -> str | None:
         return "unknown"
 
 
+# A shard task whose worker died (its node lost, a decoder that crashed the process) runs again this
+# often on either engine, then ETL fails and publishes nothing. Ray Data's own default is to retry
+# without end, which a file that kills its decoder every time would turn into a hang.
+TASK_RETRIES = 3
+
+
 def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, classes: list[str], files: int):
     """Every shard task's result (stages.etl.shards.process_task), through Ray Data, or as plain
     Ray tasks below etl.ray_data_min_files: each task is a whole shard's work and returns only
@@ -247,7 +253,7 @@ def _with_ray_data(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]
     # reservation (which held this pipeline to one task at a time here) buys nothing.
     ray.data.DataContext.get_current().op_resource_reservation_enabled = False
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-    return list(ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cpus).iter_rows())
+    return list(ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cpus, max_retries=TASK_RETRIES).iter_rows())
 
 
 def _as_ray_tasks(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
@@ -255,7 +261,7 @@ def _as_ray_tasks(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
     others are cancelled and awaited, so that none writes a shard after the caller cleans up."""
     import ray
 
-    task = ray.remote(num_cpus=cpus)(_process_row)
+    task = ray.remote(num_cpus=cpus, max_retries=TASK_RETRIES)(_process_row)
     kwargs = ray.put(fn_kwargs)
     refs = [task.remote(row, kwargs) for row in rows]
     try:

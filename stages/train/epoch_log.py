@@ -6,8 +6,8 @@ worker about 1.5 CPU seconds beside training, and on the 2-core demo epoch 2 too
 1.0 s. The driver has MLflow loaded already and only waits in `fit()`. A thread of the driver's lists
 the run's folder, reads the history that every checkpoint's meta.json carries (stages.train.loop
 writes it), and logs each epoch it has not logged yet, the epoch as MLflow's step: a point
-appears as its epoch's checkpoint is committed, within `poll_s`. Epochs committed before this run
-started (a resumed run) were logged by the run that trained them, into the same MLflow run.
+appears within `poll_s` of its checkpoint's meta.json. A resumed run goes on after the last epoch
+the MLflow run already holds (a driver killed between two polls had logged fewer than it trained).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 # stages.train.loop names each checkpoint checkpoint-e<epoch>-s<step>-<attempt>
 _NAME = re.compile(r"checkpoint-e(\d+)-s(\d+)-")
+_STEP_KEY = "train_loss"  # in every epoch's row: the run's last logged epoch is its last step
 
 
 class EpochLog:
@@ -38,12 +39,14 @@ class EpochLog:
         self.handle, self.run_uri, self.s3 = handle, run_uri, s3
         self.poll_s = poll_s if poll_s is not None else (2.0 if storage.is_remote(run_uri) else 0.5)
         self.logged, self._seen = 0, ""
+        self._fs = None  # one client for the run; each poll drops its listing cache (s3fs keeps one)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> "EpochLog":
         if self.handle is not None:
-            self.logged = max((row["epoch"] for row in self._history() or []), default=0)
+            logged = tracking.last_step(self.handle, _STEP_KEY)  # None: the store failed (it warned once)
+            self.logged = logged if logged is not None else 0
             self._thread = threading.Thread(target=self._watch, name="raymill-epochs", daemon=True)
             self._thread.start()
         return self
@@ -72,7 +75,10 @@ class EpochLog:
         """The history of the newest checkpoint whose meta.json reads whole (one still being copied
         is passed over: a later poll reads it). None when there is none, or with `new_only` when
         it is the one read last."""
-        fs, root = storage.filesystem(self.run_uri, self.s3)
+        if self._fs is None:
+            self._fs = storage.filesystem(self.run_uri, self.s3)
+        fs, root = self._fs
+        fs.invalidate_cache(root)
         if not fs.exists(root):
             return None
         named = sorted(((tuple(map(int, m.groups())), p) for p in fs.ls(root, detail=False)

@@ -12,7 +12,6 @@ from typing import Any, Sequence
 from stages.train import capacity
 from stages.etl import integrity
 from stages.feed import ray_data as ingest_ray
-from stages.model import zoo as models
 from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
 from stages.model.checkpoint_io import refusal_in
