@@ -64,17 +64,17 @@ class EpochLog:
     def poll(self) -> None:
         """Log the epochs of the newest checkpoint that are not logged yet."""
         try:
-            for row in self._history(new_only=True) or []:
+            for row in self._new_history() or []:
                 if row["epoch"] > self.logged:
                     tracking.log_metrics(self.handle, tracking.epoch_metrics(row), step=int(row["epoch"]))
                     self.logged = row["epoch"]
         except Exception:  # noqa: BLE001: the points are a view of the run, never its failure
             log.debug("tracking: reading the epochs of %s failed", self.run_uri, exc_info=True)
 
-    def _history(self, new_only: bool = False) -> list[dict[str, Any]] | None:
+    def _new_history(self) -> list[dict[str, Any]] | None:
         """The history of the newest checkpoint whose meta.json reads whole (one still being copied
-        is passed over: a later poll reads it). None when there is none, or with `new_only` when
-        it is the one read last."""
+        is passed over: a later poll reads it). None when there is none, or when it is the one
+        read last."""
         if self._fs is None:
             self._fs = storage.filesystem(self.run_uri, self.s3)
         fs, root = self._fs
@@ -84,7 +84,7 @@ class EpochLog:
         named = sorted(((tuple(map(int, m.groups())), p) for p in fs.ls(root, detail=False)
                         if (m := _NAME.match(p.rstrip("/").rsplit("/", 1)[-1]))), reverse=True)
         for _, path in named:
-            if new_only and path == self._seen:
+            if path == self._seen:
                 return None
             try:
                 history = json.loads(fs.cat_file(storage.join(path, "meta.json")))["history"]
