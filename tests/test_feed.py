@@ -20,7 +20,7 @@ from stages.feed import decoded_tier
 from stages.feed import meters
 from stages.feed import streaming
 from stages.feed.decode_pool import DecodePool, DecodeSpec
-from stages.feed.feeds import PoolFeed, ThreadFeed
+from stages.feed.feeds import FedBatch, KeptFeed, ListFeed, PoolFeed, ThreadFeed
 from tests.conftest import REPO, interruptible
 
 SPEC = DecodeSpec(size=32, raw=False, seed=3, epoch=1, augment=True, scale_min=0.3, crop=True, flip=True)
@@ -289,3 +289,37 @@ def test_stall_counts_only_input_wait_that_left_the_device_idle():
     assert "≈ 1,000 img/s" in meters.verdict(meters.EpochTimes(500, 0.0, 1.0, 1.0), "CPU", "stream", None, None, 2)
     cpu = meters.EpochTimes(images=100, wait_s=0.3, busy_s=0.7, wall_s=1.0)  # host step: never overlaps
     assert abs(cpu.stall - 0.3) < 1e-9
+
+
+def test_an_eval_pass_is_kept_only_whole_and_within_its_budget():
+    """KeptFeed copies each batch (a pool reuses its slot's memory) and hands them on only after a
+    whole pass; a pass over budget, or cut short, keeps nothing and the next pass decodes again."""
+    slot = np.zeros((2, 4, 4, 3), np.uint8)
+
+    def batches(n):  # one reused buffer, as a decode pool's slot
+        for i in range(n):
+            slot[:] = i
+            yield FedBatch([(f"k{i}", i)], slot)
+
+    class Source:
+        def __init__(self, n):
+            self.n, self.closed = n, False
+
+        def __iter__(self):
+            return batches(self.n)
+
+        def close(self):
+            self.closed = True
+
+    kept = []
+    source = Source(3)
+    feed = KeptFeed(source, budget=3 * slot.nbytes, on_kept=kept.append)
+    assert [int(f.images[0, 0, 0, 0]) for f in feed] == [0, 1, 2]
+    feed.close()
+    assert source.closed and len(kept) == 1
+    assert [int(f.images[0, 0, 0, 0]) for f in ListFeed(kept[0])] == [0, 1, 2]  # copies, not the slot
+    over = []
+    list(KeptFeed(Source(3), budget=2 * slot.nbytes, on_kept=over.append))
+    cut = []
+    next(iter(KeptFeed(Source(3), budget=3 * slot.nbytes, on_kept=cut.append)))
+    assert over == [] and cut == []

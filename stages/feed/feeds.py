@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -125,3 +125,41 @@ class ThreadFeed:
 
     def capacity(self) -> None:
         return None  # threads share the GIL with the loop: no capacity can be claimed
+
+
+class KeptFeed:
+    """One pass of an eval split's `feed`, whose batches go to `on_kept` when the pass ran to its
+    end within `budget` bytes: the eval transform draws nothing random, so a later pass can replay
+    the same pixels (ListFeed)."""
+
+    def __init__(self, feed, budget: int, on_kept: Callable[[list[FedBatch]], None]):
+        self.feed, self.budget, self.on_kept = feed, budget, on_kept
+
+    def __iter__(self) -> Iterator[FedBatch]:
+        kept: list[FedBatch] | None = []
+        size = 0
+        for fed in self.feed:
+            size += getattr(fed.images, "nbytes", 0)
+            if kept is not None and size <= self.budget:  # a copy: the pool reuses its slots
+                kept.append(FedBatch(fed.rows, np.array(fed.images, copy=True)))
+            else:
+                kept = None
+            yield fed
+        if kept is not None:
+            self.on_kept(kept)
+
+    def close(self) -> None:
+        self.feed.close()
+
+
+class ListFeed:
+    """Batches already decoded, replayed."""
+
+    def __init__(self, batches: list[FedBatch]):
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[FedBatch]:
+        return iter(self.batches)
+
+    def close(self) -> None:
+        pass

@@ -9,6 +9,7 @@ import json
 import logging
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,10 @@ def init_inputs(loop_config: dict) -> dict[str, str]:
 
 
 def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seconds: float,
-            s3: Any | None = None) -> Artifact:
-    """Export the best checkpoint, evaluate it on the test split, write curves and the manifest."""
+            s3: Any | None = None, timings: dict[str, float] | None = None) -> Artifact:
+    """Export the best checkpoint, evaluate it on the test split, write curves and the manifest.
+    `timings`: where the stage's wall went (stages.train.timings reads them), publishing added."""
+    started = time.perf_counter()
     _, meta, ledger = read_checkpoint(result.checkpoint)
     best_checkpoint, best_metrics = _best(result)
     state, best_meta, _ = read_checkpoint(best_checkpoint)
@@ -171,7 +174,8 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
                     "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
                     "device_utilisation": last.get("device_utilisation"), "tier": last.get("tier"),
                     "verdict": last.get("verdict")},
-        "files": sorted(files) + ["model.pt", "model.json"]})
+        "files": sorted(files) + ["model.pt", "model.json"],
+        "timings": {**(timings or {}), "publish_s": time.perf_counter() - started}})
     write_manifest(out, manifest, s3)
     m = manifest["metrics"]
     log.info(f"train: test_acc {console.score(m['test_acc'])} on {m['test_rows']} images, best val_acc "

@@ -10,8 +10,13 @@ reads a stale one) and keeps gloo's and NCCL's own pair sockets on the loopback 
 user set are kept). Groups that span nodes get Ray's own backend unchanged: a cluster's nodes must
 reach each other, and the README's security-group rule covers them.
 
-It plugs in through Ray Train's public extension point: a `TorchConfig` whose `backend_cls` is a
-`ray.train.backend.Backend` (DeveloperAPI), using only the worker group's `execute` and `len`.
+It plugs in through Ray Train's public extension point: a `ray.train.backend.BackendConfig` whose
+`backend_cls` is a `ray.train.backend.Backend` (both DeveloperAPI), using only the worker group's
+`execute` and `len`; `TorchTrainer` takes it as its `torch_config`. It is not a subclass of
+`ray.train.torch.TorchConfig`, whose module imports torch at its top: Train's controller unpickles
+this config, and torch's import there (~1.3 s on 2 cores) delayed every run's worker group. So it
+keeps TorchConfig's three fields and its per-worker context (the worker's CUDA device) itself, and
+reports no `framework` to Train's state API (which only reads it to list torch's version there).
 """
 from __future__ import annotations
 
@@ -22,8 +27,9 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
-from ray.train.backend import Backend
-from ray.train.torch import TorchConfig
+from typing import Optional
+
+from ray.train.backend import Backend, BackendConfig
 
 __all__ = ["LoopbackTorchConfig"]
 
@@ -79,6 +85,8 @@ class _LoopbackBackend(Backend):
         self._token: str | None = None
 
     def _ray_backend(self, config: LoopbackTorchConfig) -> Backend:
+        from ray.train.torch import TorchConfig  # groups across nodes only: it imports torch
+
         return TorchConfig(backend=config.backend, init_method=config.init_method,
                            timeout_s=config.timeout_s).backend_cls()
 
@@ -94,7 +102,8 @@ class _LoopbackBackend(Backend):
                  backend_config.backend, len(worker_group))
 
     def on_training_start(self, worker_group, backend_config: LoopbackTorchConfig) -> None:
-        self._ray_backend(backend_config).on_training_start(worker_group, backend_config)
+        if self._token is None:  # Ray's backend, Ray's hook; one node: _init_on_loopback set torch's env vars
+            self._ray_backend(backend_config).on_training_start(worker_group, backend_config)
 
     def on_shutdown(self, worker_group, backend_config: LoopbackTorchConfig) -> None:
         if self._token is None:
@@ -102,10 +111,34 @@ class _LoopbackBackend(Backend):
         worker_group.execute(_shutdown, self._token, len(worker_group) > 1)
 
 
+class _WorkerDevice:
+    """Each worker's train function runs with its CUDA device current (as TorchConfig's does)."""
+
+    def __enter__(self):
+        import ray.train.torch
+        import torch
+
+        if torch.cuda.is_available():
+            device = ray.train.torch.get_device()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 @dataclass
-class LoopbackTorchConfig(TorchConfig):
-    """`TorchConfig` whose process group opens no port off loopback on a single node."""
+class LoopbackTorchConfig(BackendConfig):
+    """`TorchConfig`'s fields, whose process group opens no port off loopback on a single node."""
+
+    backend: Optional[str] = None
+    init_method: str = "env"
+    timeout_s: int = 1800
 
     @property
     def backend_cls(self):
         return _LoopbackBackend
+
+    @property
+    def train_func_context(self):
+        return _WorkerDevice

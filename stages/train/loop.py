@@ -83,12 +83,6 @@ class Worker:
         # unset: on, for GPUs (the issue's measured default) and CPUs alike (small_cnn at 224 px on
         # the 2-core box: step 1.45 -> 1.21 ms an image, to_batch 0.50 -> 0.25)
         self.channels_last = True if self.cfg.channels_last is None else self.cfg.channels_last
-        shape = (self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout, self.seed, self.channels_last)
-        model = hooks.build(shape, self.new_model)
-        finetune.load_init(model, config.get("init"), self.cfg.model)  # before DDP; a checkpoint restores over it
-        self.model = hooks.prepare_model(model)
-        self.optimizer = finetune.optimizer(self.cfg, self.net)  # one group, or head + backbone
-        self.backbone, self.frozen = finetune.backbone_params(self.net, self.cfg.model), False
         self.refs = {split: [streaming.ShardRef(**r) for r in refs] for split, refs in config["shards"].items()}
         self.total = sum(r.rows for r in self.refs["train"])
         if self.cfg.ingest == "ray_data":  # streaming_split(equal=True) evens out the ranks
@@ -96,17 +90,34 @@ class Worker:
         self.steps = streaming.steps_per_epoch(self.total, self.world, self.cfg.batch_size)
         if self.cfg.max_steps:
             self.steps = min(self.steps, self.cfg.max_steps)
-        self.schedule = make_schedule(self.optimizer, int(self.cfg.warmup_epochs * self.steps),
-                                      self.cfg.epochs * self.steps)
-        self.autocast_dtype, use_scaler = precision_plan(self.cfg.precision, self.device.type)
-        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
         self.cache = streaming.ShardCache(self.cfg.cache_dir, self.cfg.cache_max_gb * 1e9, config["s3"])
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.carried: dict[str, Any] | None = None  # this rank's sums so far in a mid-epoch checkpoint
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
+        # Before the model: the decode pool's processes start beside DDP's wrap (which imports
+        # torch._dynamo, ~1 s) instead of after it.
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
                                  self.steps, self.open_rows)
+        try:
+            self.build_model(config)
+        except BaseException:  # the pool's processes end with the worker that failed to start
+            self.input.close()
+            raise
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
+        self.loop_at: float | None = None  # set by train_loop; the attempt's first row carries it
+
+    def build_model(self, config: dict[str, Any]) -> None:
+        """Model (init weights, DDP), optimiser, schedule and precision of this rank."""
+        shape = (self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout, self.seed, self.channels_last)
+        model = self.hooks.build(shape, self.new_model)
+        finetune.load_init(model, config.get("init"), self.cfg.model)  # before DDP; a checkpoint restores over it
+        self.model = self.hooks.prepare_model(model)
+        self.optimizer = finetune.optimizer(self.cfg, self.net)  # one group, or head + backbone
+        self.backbone, self.frozen = finetune.backbone_params(self.net, self.cfg.model), False
+        self.schedule = make_schedule(self.optimizer, int(self.cfg.warmup_epochs * self.steps),
+                                      self.cfg.epochs * self.steps)
+        self.autocast_dtype, use_scaler = precision_plan(self.cfg.precision, self.device.type)
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
 
     def new_model(self) -> torch.nn.Module:
         model = build_model(self.cfg.model, len(self.classes), self.cfg.width, self.cfg.dropout)
@@ -335,10 +346,13 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
 
     `hooks` (stages.train.run_hooks) say where it reports and restores: a Ray Train rank (the default)
     or a one-worker Tune trial."""
+    loop_at = time.time()  # this attempt's start on the worker: the stage's timings split Ray's start from ours
     console.quiet_train_worker()
     w = Worker(config, hooks or TrainHooks())
     try:
         w.restore()
+        if w.epoch == 0 and w.step == 0:  # a fresh start; a resumed run's clocks span attempts
+            w.loop_at = loop_at
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()
@@ -351,6 +365,7 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
         if start >= w.steps:
             continue
         metrics = w.train_epoch(epoch, start)
+        evaluated = time.perf_counter()
         val = w.evaluate("val") if metrics is not None else None
         # a finite training loss can still leave NaN weights (the epoch's last steps): a val loss
         # that is not finite stops the run too, before this epoch's checkpoint can be the best
@@ -358,7 +373,7 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             w.hooks.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val}, None)
             return
         w.val = val
-        row = {"epoch": epoch + 1, **metrics, **w.val, **w.startup()}
+        row = {"epoch": epoch + 1, **metrics, **w.val, "eval_s": time.perf_counter() - evaluated, **w.startup()}
         # The test split is scored here, in the workers on their device, whenever this epoch's
         # checkpoint may be the one published (the best val_acc so far, ties included): publish
         # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.
@@ -371,6 +386,9 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
+        if w.loop_at is not None:  # the attempt's first row: when its train function started
+            row["loop_at"], w.loop_at = w.loop_at, None
+        row["at"] = time.time()  # before this epoch's report: the stage's timings (train.timings)
         if w.rank == 0:  # its MLflow points: the driver logs them from the checkpoint (train.epoch_log)
             console.epoch(row, w.cfg.epochs)
         w.epoch, w.step = epoch + 1, 0

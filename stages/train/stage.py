@@ -192,9 +192,11 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     datasets, ingest = ray_data_datasets(trained, loop, plan)
     trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
     publish.warm_up_curves()  # beside fit(): the driver only waits there
+    timings = {"before_fit_s": time.perf_counter() - started, "fit_started_at": time.time()}
     try:
         with EpochLog(tracking, storage.join(state_uri, name), s3):  # the epochs' MLflow points
             result = trainer.fit()
+        timings["fit_ended_at"] = time.time()
     except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
         # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
         raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e
@@ -217,5 +219,5 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
         last = result.checkpoint.path if result.checkpoint else "none"
         raise TrainError(f"loss became NaN/inf in epoch {done + 1}; stopped, nothing published. Last good "
                          f"checkpoint: {last}. Lower train.lr or use precision=fp32")
-    artifact = publish.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3)
+    artifact = publish.publish(cfg, data, out, result, plan, loop, time.perf_counter() - started, s3, timings)
     return ingest_ray.annotate(artifact, ingest, s3)

@@ -1,0 +1,51 @@
+"""Where a train stage's wall went: Ray's start-up, raymill's own fixed costs, and the epochs.
+
+Read from what the stage publishes: the manifest's `timings` (the driver's clocks around
+`trainer.fit()` and publishing) and metrics.jsonl's rows (rank 0's clocks: `loop_at` when its train
+function started, `at` when each epoch's row was complete, before its report; `wall_s`, `eval_s`,
+`test_seconds`). The driver and rank 0 share a node on one machine, so their `time.time()` clocks
+compare; across nodes the two Ray parts absorb any clock skew between them. The parts add up to the
+stage's wall (the telescoping sums below), so nothing is hidden in a remainder.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["split", "FIXED"]
+
+# The parts that are not the epochs' own training passes: the issue's "fixed cost".
+FIXED = ("driver: checks, plan, trainer", "Ray: controller and worker group start",
+         "worker: model, DDP, decode pool, restore", "evaluation: val and test splits",
+         "reports and checkpoints between epochs", "last report and Ray's shutdown",
+         "publish: export, curves, manifest", "MLflow and the pipeline's stage record")
+
+
+def split(manifest: dict[str, Any], history: list[dict[str, Any]],
+          stage_s: float | None = None) -> dict[str, float] | None:
+    """Seconds per named part of one train stage, `epochs (real work)` among them; None for a run
+    that resumed from a checkpoint (its clocks span attempts). An attempt that failed before any
+    checkpoint counts in Ray's part: the next one starts from scratch, as the first did. `stage_s`:
+    the pipeline's own seconds for the stage (report.json), which add MLflow's run and model
+    logging; without it that part is left out."""
+    t = manifest.get("timings") or {}
+    if not history or "loop_at" not in history[0] or any("loop_at" in h for h in history[1:]) \
+            or not {"before_fit_s", "fit_started_at", "fit_ended_at", "publish_s"} <= set(t):
+        return None
+    first, last = history[0], history[-1]
+
+    def own(h: dict[str, Any]) -> float:  # an epoch's training pass and its evaluation
+        return h["wall_s"] + h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
+
+    between = sum(b["at"] - a["at"] - own(b) for a, b in zip(history, history[1:]))
+    parts = {"driver: checks, plan, trainer": t["before_fit_s"],
+             "Ray: controller and worker group start": first["loop_at"] - t["fit_started_at"],
+             "worker: model, DDP, decode pool, restore": first["at"] - own(first) - first["loop_at"],
+             "epochs (real work)": sum(h["wall_s"] for h in history),
+             "evaluation: val and test splits": sum(h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
+                                                    for h in history),
+             "reports and checkpoints between epochs": between,
+             "last report and Ray's shutdown": t["fit_ended_at"] - last["at"],
+             "publish: export, curves, manifest": t["publish_s"]}
+    if stage_s is not None:  # what the stage's own clock (metrics.seconds + publish) did not see
+        parts["MLflow and the pipeline's stage record"] = stage_s - sum(parts.values())
+    return {k: round(v, 3) for k, v in parts.items()}
