@@ -6,6 +6,7 @@ promises (per-epoch metrics, the model, the infer accuracy).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -127,6 +128,36 @@ def test_ray_trains_coordinator_timeout_is_one_line_in_the_controller(ray_sessio
     assert len(lines) == 1 and "\n" not in lines[0] and "goes on" in lines[0]
     untouched = ray.get(warn_like_the_controller.remote([]))
     assert len(untouched) == 1 and "Traceback" in untouched[0]
+
+
+def test_trains_controller_gets_the_quiet_factory_and_no_torch(ray_session, tmp_path):
+    """A real Train controller: the QuietController callback installed its record factory there,
+    and what the controller unpickles imported no torch (through `stages.train`'s old eager exports
+    and TorchConfig's module it had delayed every worker group by ~1.3 s on 2 cores)."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    from stages.train.controller_hook import QuietController
+    from stages.train.ddp_rendezvous import LoopbackTorchConfig
+
+    seen = tmp_path / "controller.json"
+
+    class Probe(ray.train.UserCallback):  # its hooks run in the controller
+        def after_report(self, run_context, metrics, checkpoint):
+            import logging
+            import sys
+
+            seen.write_text(json.dumps({"torch": "torch" in sys.modules,
+                                        "quiet": getattr(logging.getLogRecordFactory(), "raymill_quiet", False)}))
+
+    def report_once(config):
+        ray.train.report({"done": 1})
+
+    TorchTrainer(report_once, torch_config=LoopbackTorchConfig(backend="gloo"),
+                 scaling_config=ray.train.ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
+                 run_config=ray.train.RunConfig(storage_path=str(tmp_path), name="probe",
+                                                callbacks=[QuietController(), Probe()])).fit()
+    assert json.loads(seen.read_text()) == {"torch": False, "quiet": True}
 
 
 def test_an_empty_test_split_reports_no_accuracy_not_zero():
