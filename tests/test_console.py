@@ -47,6 +47,11 @@ def test_run_console_is_short_and_tracked(smoke_run):
     start = next(i for i, line in enumerate(stdout) if line.startswith("raymill run smoke:"))
     assert stdout[start + 1].startswith("| stage |") and stdout[-1].startswith("mlflow: run ")  # last
     assert "| infer |" in done.stdout and "report.md" in done.stdout
+    # the report says where the train stage's seconds went: named parts that add up to them
+    saved = json.loads((run_dir / "report.json").read_text())
+    split, train_s = saved["train_seconds_split"], next(s["seconds"] for s in saved["stages"] if s["stage"] == "train")
+    assert split and sum(split.values()) == pytest.approx(train_s, abs=0.05) and min(split.values()) > -0.05, split
+    assert "Where the train stage's" in (run_dir / "report.md").read_text()
     looks_bad = [line for line in lines if ERRORISH.search(line)]
     assert not looks_bad, "a clean run printed lines that look like errors:\n" + "\n".join(looks_bad)
 

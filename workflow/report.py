@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from stages.common import console, storage, tracking
 from stages.common.artifacts import Artifact
 from stages.common.config import Config
+from stages.train import timings as train_timings
+
+log = logging.getLogger(__name__)
 
 __all__ = ["write", "summary"]
 
@@ -66,7 +70,9 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
     rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings)]
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
+    split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
     report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
+              "train_seconds_split": split,
               "test_accuracy": infer_m.get("accuracy", train_m.get("test_acc")),
               "input_stall_fraction": train_m.get("stall_fraction"), "bottleneck": train_m.get("verdict"),
               "serve": serve, "outputs": {"etl": data.path, "model": model.path, "predictions": preds.path},
@@ -76,7 +82,7 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"
           f"{_tracking_md(tracked)}"
-          f"- total: {seconds:.0f} s\n")
+          f"- total: {seconds:.0f} s\n{_split_md(split)}")
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     storage.write_bytes_atomic(fs, storage.join(root, "report.json"), json.dumps(report, indent=2).encode())
     storage.write_bytes_atomic(fs, storage.join(root, "report.md"), md.encode())
@@ -92,3 +98,24 @@ def summary(report: dict[str, Any]) -> str:
     if mlflow:
         lines.append(f"mlflow: run {mlflow['run_id']}; browse with: {mlflow['ui']}")
     return "\n".join(lines)
+
+
+def _train_split(cfg: Config, model: Artifact, timings: dict[str, float]) -> dict[str, float] | None:
+    """Where the train stage's seconds went (stages.train.timings); None for a resumed run, or
+    when its metrics cannot be read (the report leaves the section out; the run is not failed)."""
+    fs, root = storage.filesystem(model.path, cfg.s3)
+    try:
+        history = [json.loads(x) for x in fs.cat_file(storage.join(root, "metrics.jsonl")).decode().splitlines()]
+        return train_timings.split(model.manifest, history, timings["train"])
+    except (OSError, ValueError, KeyError) as e:
+        log.info("report: no split of the train stage's time (%s)", e)
+        return None
+
+
+def _split_md(split: dict[str, float] | None) -> str:
+    if not split:
+        return ""
+    rows = "".join(f"| {name} | {s:.2f} |\n" for name, s in split.items())
+    fixed = sum(s for name, s in split.items() if name in train_timings.FIXED)
+    return (f"\n## Where the train stage's {sum(split.values()):.1f} s went\n\n| part | seconds |\n|---|---:|\n{rows}"
+            f"\nFixed cost (all but the epochs' training passes): {fixed:.1f} s.\n")
