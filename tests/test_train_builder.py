@@ -54,3 +54,15 @@ def test_ray_data_tasks_get_one_cpu_where_the_node_has_room_and_fit_a_small_one(
     set_by_user = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1, data_cpus_per_task=0.5)
     assert session.plan_workers(set_by_user, gpu_node, 0.5).data_cpus_per_task == 0.5
     assert session.plan_workers(TrainConfig(), laptop, 0.5).data_cpus_per_task == 0.0  # stream: no Ray Data
+
+
+def test_the_ddp_backend_shares_a_nodes_gpus_as_rays_torch_backend_does():
+    """Each worker sees all of its node's GPUs and uses its local rank's, so NCCL can link them
+    peer to peer (Backend's default, False, gave each worker only its own GPU)."""
+    from ray.train.torch import TorchConfig
+
+    from stages.train.ddp_rendezvous import LoopbackTorchConfig
+
+    ours, rays = LoopbackTorchConfig(backend="nccl"), TorchConfig(backend="nccl")
+    assert ours.backend_cls.share_cuda_visible_devices is rays.backend_cls.share_cuda_visible_devices is True
+    assert (ours.backend, ours.init_method, ours.timeout_s) == (rays.backend, rays.init_method, rays.timeout_s)

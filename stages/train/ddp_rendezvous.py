@@ -81,6 +81,11 @@ def _shutdown(token: str, destroy: bool) -> None:
 class _LoopbackBackend(Backend):
     """Ray's torch backend for groups across nodes; a file store on loopback for one node."""
 
+    # As Ray's torch backend: the workers on a node see all of its GPUs (each uses its local
+    # rank's), so NCCL can use peer-to-peer links between them. False (Backend's default) had
+    # given each worker only its own GPU on a multi-GPU node.
+    share_cuda_visible_devices = True
+
     def __init__(self):
         self._token: str | None = None
 
