@@ -75,5 +75,6 @@ case "${1:-}" in
       > "$OUT/why.log"; echo "why rc=${PIPESTATUS[0]}"
     cp -r /tmp/ray/session_latest/logs/train "$OUT/train_logs" 2>/dev/null; cp /tmp/run/report.json "$OUT/run_report.json" 2>/dev/null
     ray stop --force > /dev/null 2>&1
+    python3 -c 'import json; [print(f"{v:8.2f}  {k}") for k, v in (json.load(open("/tmp/run/report.json")).get("train_seconds_split") or {}).items()]' 2>/dev/null
     grep -v "^ *[0-9.]* *$" "$OUT/why.log" | grep -v "Checkpoint successfully\|Reporting training" | cut -c1-160 | tail -40 ;;
 esac
