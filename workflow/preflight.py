@@ -9,6 +9,7 @@ after it need: on the 2-core demo torch and `ray.init` took 5.0 s + 1.0 s one af
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from typing import Any
 
@@ -21,6 +22,8 @@ from stages.model.sizes import check_image_size
 
 __all__ = ["start", "needed_splits", "etl_inputs"]
 
+log = logging.getLogger(__name__)
+
 # Imported here, before any thread starts: torch's import chain shares these with ray.init's and with
 # MLflow's (tracking.warm_up), and two threads importing one package's modules at once can each wait
 # on a lock the other holds (Python then raises _DeadlockError in one of them).
@@ -30,7 +33,9 @@ _SHARED = ("numpy", "ray", "argparse", "cmath", "email.parser", "gettext", "grp"
 # Imported in a thread while Ray starts: torch, which every stage after it needs, then Ray Train's
 # TorchTrainer (ray.air, pandas, Ray Data's modules), which the train stage had imported in
 # `build_trainer` while the driver did nothing else: 0.63 s of the demo's train stage; both finish
-# inside `ray.init`'s ~4-6 s on 2 cores.
+# inside `ray.init`'s ~4-6 s on 2 cores. Ray Train's chain shares pandas, pyarrow and protobuf with
+# MLflow's warm-up: no module of either imports the other's, so neither can wait on the other in a
+# cycle, and were one to fail anyway, only torch's error is the run's (`_import_into`).
 _BESIDE_RAY = ("torch", "ray.train.torch")
 
 
@@ -61,11 +66,18 @@ def start(cfg: Config) -> dict[str, Any]:
 
 
 def _import_into(names: tuple[str, ...], failed: list[BaseException]) -> None:
+    """Import `names` in order. Only the first one's error is the run's (torch's); the rest are a
+    head start that the stage imports again where it needs them, raising there if they fail."""
     try:
-        for name in names:
-            importlib.import_module(name)
+        importlib.import_module(names[0])
     except Exception as e:  # noqa: BLE001: raised in the main thread, where the CLI reports it
         failed.append(e)
+        return
+    for name in names[1:]:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001: e.g. an import lock cycle with a thread beside it
+            log.debug("preflight: %s not imported ahead (%s); the train stage imports it", name, e)
 
 
 def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:

@@ -26,9 +26,9 @@ __all__ = ["WorkerFeeds"]
 
 log = logging.getLogger(__name__)
 
-# Decoded eval pixels a worker keeps to replay in later epochs (per worker, host memory): the demo's
-# val split is 2 MB, a 224 px one 0.15 MB an image, so ~1,700 images a worker; a larger split is
-# decoded every epoch, as before.
+# Decoded eval pixels a worker keeps to replay in later epochs (per worker, its val and test splits
+# together, host memory): the demo's val split is 2 MB; at 224 px an image is 0.15 MB, so ~1,700
+# images a worker; a split that does not fit is decoded every epoch, as before.
 EVAL_KEEP_BYTES = 256 * 2**20
 
 
@@ -164,7 +164,8 @@ class WorkerFeeds:
         pieces = streaming.rank_pieces(self.refs[split], self.seed, 0, self.rank, self.world, shuffle=False)
         stream = streaming.iter_samples(pieces, self.open_rows, self.seed, 0, self.rank, 1, shuffle=False)
         batches = iter(lambda: list(itertools.islice(stream, self.cfg.batch_size)), [])
-        return feeds.KeptFeed(self.feed(batches, self.spec(0, train=False)), EVAL_KEEP_BYTES,
+        budget = EVAL_KEEP_BYTES - sum(f.images.nbytes for kept in self._eval_kept.values() for f in kept)
+        return feeds.KeptFeed(self.feed(batches, self.spec(0, train=False)), budget,
                               lambda kept: self._eval_kept.__setitem__(split, kept))
 
     def keep(self, epoch: int, step: int, fed: feeds.FedBatch) -> None:

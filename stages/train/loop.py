@@ -104,7 +104,7 @@ class Worker:
             self.input.close()
             raise
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
-        self.loop_at: float | None = None  # set by train_loop; the attempt's first row carries it
+        self.loop_at: dict[str, Any] | None = None  # set by train_loop; the attempt's first row carries it
 
     def build_model(self, config: dict[str, Any]) -> None:
         """Model (init weights, DDP), optimiser, schedule and precision of this rank."""
@@ -291,10 +291,11 @@ class Worker:
             metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
             self.hooks.report(metrics, tmp, f"checkpoint-e{epoch:03d}-s{step:06d}-{self.attempt}")
 
-    def restore(self) -> None:
+    def restore(self) -> bool:
+        """Resume from the run's latest checkpoint; False when there is none (a fresh start)."""
         checkpoint = self.hooks.get_checkpoint()
         if checkpoint is None:
-            return
+            return False
         with checkpoint.as_directory() as tmp:
             folder = Path(tmp)
             # Fingerprint first: a foreign checkpoint's files are never even loaded.
@@ -324,6 +325,7 @@ class Worker:
                           f"epoch {self.epoch + 1} restarts from its first step")
         if self.rank == 0:
             log.info(f"train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}")
+        return True
 
 
     def apply_hyperparameters(self) -> None:
@@ -350,9 +352,9 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
     console.quiet_train_worker()
     w = Worker(config, hooks or TrainHooks())
     try:
-        w.restore()
-        if w.epoch == 0 and w.step == 0:  # a fresh start; a resumed run's clocks span attempts
-            w.loop_at = loop_at
+        # the attempt's first row says when its train function started, and whether it resumed
+        # (the rows before it are an earlier attempt's: stages.train.timings splits no such run)
+        w.loop_at = {"loop_at": loop_at, **({"resumed": True} if w.restore() else {})}
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()
@@ -373,7 +375,8 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             w.hooks.report({"stopped": "nan_loss", "epoch": epoch, "step": w.step, **w.val}, None)
             return
         w.val = val
-        row = {"epoch": epoch + 1, **metrics, **w.val, "eval_s": time.perf_counter() - evaluated, **w.startup()}
+        row = {"epoch": epoch + 1, **metrics, **w.val, "eval_s": time.perf_counter() - evaluated,
+               "report_s": w.report_s, **w.startup()}  # report_s: its mid-epoch checkpoints
         # The test split is scored here, in the workers on their device, whenever this epoch's
         # checkpoint may be the one published (the best val_acc so far, ties included): publish
         # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.
@@ -386,8 +389,8 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
-        if w.loop_at is not None:  # the attempt's first row: when its train function started
-            row["loop_at"], w.loop_at = w.loop_at, None
+        row.update(w.loop_at or {})
+        w.loop_at = None
         row["at"] = time.time()  # before this epoch's report: the stage's timings (train.timings)
         if w.rank == 0:  # its MLflow points: the driver logs them from the checkpoint (train.epoch_log)
             console.epoch(row, w.cfg.epochs)

@@ -196,7 +196,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     try:
         with EpochLog(tracking, storage.join(state_uri, name), s3):  # the epochs' MLflow points
             result = trainer.fit()
-        timings["fit_ended_at"] = time.time()
+            timings["fit_ended_at"] = time.time()  # before the epochs' last MLflow points (EpochLog's exit)
     except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
         # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
         raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e

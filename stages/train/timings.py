@@ -16,8 +16,8 @@ __all__ = ["split", "FIXED"]
 # The parts that are not the epochs' own training passes: the issue's "fixed cost".
 FIXED = ("driver: checks, plan, trainer", "Ray: controller and worker group start",
          "worker: model, DDP, decode pool, restore", "evaluation: val and test splits",
-         "reports and checkpoints between epochs", "last report and Ray's shutdown",
-         "publish: export, curves, manifest", "MLflow and the pipeline's stage record")
+         "reports and checkpoints", "last report and Ray's shutdown",
+         "publish: export, curves, manifest", "MLflow, the manifest's write, the stage's record")
 
 
 def split(manifest: dict[str, Any], history: list[dict[str, Any]],
@@ -29,23 +29,26 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     logging; without it that part is left out."""
     t = manifest.get("timings") or {}
     if not history or "loop_at" not in history[0] or any("loop_at" in h for h in history[1:]) \
-            or not {"before_fit_s", "fit_started_at", "fit_ended_at", "publish_s"} <= set(t):
+            or any(h.get("resumed") for h in history) \
+            or not {"before_fit_s", "fit_started_at", "fit_ended_at", "publish_s"} <= set(t) \
+            or history[0]["loop_at"] < t["fit_started_at"] - 60:  # an earlier fit's rows (60 s: clock skew)
         return None
     first, last = history[0], history[-1]
 
-    def own(h: dict[str, Any]) -> float:  # an epoch's training pass and its evaluation
-        return h["wall_s"] + h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
+    def own(h: dict[str, Any]) -> float:  # an epoch's training pass, its mid-epoch checkpoints, its evaluation
+        return h["wall_s"] + h.get("report_s", 0.0) + h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
 
     between = sum(b["at"] - a["at"] - own(b) for a, b in zip(history, history[1:]))
+    between += sum(h.get("report_s", 0.0) for h in history)
     parts = {"driver: checks, plan, trainer": t["before_fit_s"],
              "Ray: controller and worker group start": first["loop_at"] - t["fit_started_at"],
              "worker: model, DDP, decode pool, restore": first["at"] - own(first) - first["loop_at"],
              "epochs (real work)": sum(h["wall_s"] for h in history),
              "evaluation: val and test splits": sum(h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
                                                     for h in history),
-             "reports and checkpoints between epochs": between,
+             "reports and checkpoints": between,
              "last report and Ray's shutdown": t["fit_ended_at"] - last["at"],
              "publish: export, curves, manifest": t["publish_s"]}
     if stage_s is not None:  # what the stage's own clock (metrics.seconds + publish) did not see
-        parts["MLflow and the pipeline's stage record"] = stage_s - sum(parts.values())
+        parts["MLflow, the manifest's write, the stage's record"] = stage_s - sum(parts.values())
     return {k: round(v, 3) for k, v in parts.items()}
