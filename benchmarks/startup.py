@@ -138,7 +138,7 @@ def _demo_runs(images: int, runs: int) -> list[dict[str, Any]]:
             if parts is None:  # a fresh run.dir trains from scratch in one attempt: always split
                 raise RuntimeError(f"no timings split for {run_dir / 'train'}: did it resume?")
             rows.append({"wall_s": wall, "reported_s": report["seconds"], **stages, "parts": parts,
-                         "fixed_s": round(stages["train"] - parts["epochs (real work)"], 2),
+                         "fixed_s": round(stages["train"] - parts[timings.EPOCHS], 2),
                          "checkpoint_bytes": (run_dir / "train" / "model.pt").stat().st_size,
                          "plan": manifest["resource_plan"]})
     return rows

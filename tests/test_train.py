@@ -70,7 +70,7 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
     # where the stage's wall went: named parts that add up to it, none negative
     parts = timings.split(m, history)
     assert parts is not None and min(parts.values()) > -0.05, parts
-    assert parts["epochs (real work)"] == pytest.approx(sum(h["wall_s"] for h in history), abs=1e-3)
+    assert parts[timings.EPOCHS] == pytest.approx(sum(h["wall_s"] for h in history), abs=1e-3)
     assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
     assert parts["Ray: controller and worker group start"] > 0.5  # processes start: never instant
     # rows an earlier attempt or fit wrote are not split: their clocks are not this fit's

@@ -116,6 +116,6 @@ def _split_md(split: dict[str, float] | None) -> str:
     if not split:
         return ""
     rows = "".join(f"| {name} | {s:.2f} |\n" for name, s in split.items())
-    fixed = sum(s for name, s in split.items() if name in train_timings.FIXED)
+    fixed = sum(s for name, s in split.items() if name != train_timings.EPOCHS)
     return (f"\n## Where the train stage's {sum(split.values()):.1f} s went\n\n| part | seconds |\n|---|---:|\n{rows}"
             f"\nFixed cost (all but the epochs' training passes): {fixed:.1f} s.\n")

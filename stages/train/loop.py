@@ -104,7 +104,7 @@ class Worker:
             self.input.close()
             raise
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
-        self.loop_at: dict[str, Any] | None = None  # set by train_loop; the attempt's first row carries it
+        self.attempt_marks: dict[str, Any] | None = None  # set by train_loop; the attempt's first row carries them
 
     def build_model(self, config: dict[str, Any]) -> None:
         """Model (init weights, DDP), optimiser, schedule and precision of this rank."""
@@ -354,7 +354,7 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
     try:
         # the attempt's first row says when its train function started, and whether it resumed
         # (the rows before it are an earlier attempt's: stages.train.timings splits no such run)
-        w.loop_at = {"loop_at": loop_at, **({"resumed": True} if w.restore() else {})}
+        w.attempt_marks = {"loop_at": loop_at, **({"resumed": True} if w.restore() else {})}
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()
@@ -389,8 +389,8 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
             keys = [k for part in w.gather(w.ledger.get(str(epoch), [])) for k in part]
             row["ledger_duplicates"] = len(keys) - len(set(keys))
         w.history.append(row)
-        row.update(w.loop_at or {})
-        w.loop_at = None
+        row.update(w.attempt_marks or {})
+        w.attempt_marks = None
         row["at"] = time.time()  # before this epoch's report: the stage's timings (train.timings)
         if w.rank == 0:  # its MLflow points: the driver logs them from the checkpoint (train.epoch_log)
             console.epoch(row, w.cfg.epochs)

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["split", "FIXED"]
+__all__ = ["split", "EPOCHS"]
 
-# The parts that are not the epochs' own training passes: the issue's "fixed cost".
-FIXED = ("driver: checks, plan, trainer", "Ray: controller and worker group start",
-         "worker: model, DDP, decode pool, restore", "evaluation: val and test splits",
-         "reports and checkpoints", "last report and Ray's shutdown",
-         "publish: export, curves, manifest", "MLflow, the manifest's write, the stage's record")
+EPOCHS = "epochs (real work)"  # the epochs' own training passes; every other part is the fixed cost
 
 
 def split(manifest: dict[str, Any], history: list[dict[str, Any]],
           stage_s: float | None = None) -> dict[str, float] | None:
-    """Seconds per named part of one train stage, `epochs (real work)` among them; None for a run
+    """Seconds per named part of one train stage, EPOCHS among them; None for a run
     that resumed from a checkpoint (its clocks span attempts). An attempt that failed before any
     checkpoint counts in Ray's part: the next one starts from scratch, as the first did. `stage_s`:
     the pipeline's own seconds for the stage (report.json), which add MLflow's run and model
@@ -43,7 +39,7 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     parts = {"driver: checks, plan, trainer": t["before_fit_s"],
              "Ray: controller and worker group start": first["loop_at"] - t["fit_started_at"],
              "worker: model, DDP, decode pool, restore": first["at"] - own(first) - first["loop_at"],
-             "epochs (real work)": sum(h["wall_s"] for h in history),
+             EPOCHS: sum(h["wall_s"] for h in history),
              "evaluation: val and test splits": sum(h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
                                                     for h in history),
              "reports and checkpoints": between,
