@@ -134,6 +134,13 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
     assert asked == ["train", "train_odd", "train"]
     cold = ingest_ray.WarmEpochs(cfg.model_copy(update={"next_epoch_at": 1.0}), 0, 0, splits.get, steps)
     assert sum(len(fed.rows) for fed in cold.epoch(0)) == len(keys) and cold.next is None  # each epoch cold
+    asked.clear()
+    head = ingest_ray.WarmEpochs(cfg, 0, 0, lambda name: asked.append(name) or splits[name], steps)
+    head.begin(0)  # a fresh worker's first epoch, begun before its model is built
+    started = head.next[1]
+    batches = head.epoch(0)
+    assert batches.started is started and asked == ["train"]  # read, not started twice
+    assert sum(len(fed.rows) for fed in batches) == len(keys)
     assert "ReadParquet->MapBatches(decode_augment_batch)" in splits["train"].stats()
 
 

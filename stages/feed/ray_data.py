@@ -299,10 +299,11 @@ class WarmEpochs:
     def epoch(self, epoch: int) -> "ShardBatches":
         started = self.next[1] if self.next and self.next[0] == epoch else self.start(epoch)
         self.next = None
-        after = (lambda: self._begin(epoch + 1)) if epoch + 1 < self.cfg.epochs and self.at else None
+        after = (lambda: self.begin(epoch + 1)) if epoch + 1 < self.cfg.epochs and self.at else None
         return ShardBatches(started, on_batch=(self.at, after) if after else None)
 
-    def _begin(self, epoch: int) -> None:
+    def begin(self, epoch: int) -> None:
+        """Start `epoch`'s execution now (once); epoch(epoch) then reads it."""
         if self.next is None:
             self.next = (epoch, self.start(epoch))
 
