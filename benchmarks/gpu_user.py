@@ -146,7 +146,7 @@ def render(r: dict[str, Any]) -> str:
         lines += ["", "ray_data's wait before each epoch's first batch (s): " +
                   ", ".join(fmt(v, 2) for v in starts["ray_data"]) + "."]
     if "demo_run_s" in r:
-        lines += ["", f"Demo `raymill run` (train and infer on the GPU, tracking off): {fmt(r['demo_run_s'])} s; "
+        lines += ["", f"Demo `raymill run` (train and infer on the GPU): {fmt(r['demo_run_s'])} s; "
                   f"stages: {r.get('demo_stages_s')}."]
     elif "demo_error" in r:
         lines += ["", f"Demo `raymill run` failed: {r['demo_error'].splitlines()[-1][:200]}"]

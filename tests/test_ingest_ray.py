@@ -150,6 +150,13 @@ def test_verdicts_name_the_other_path_as_the_fix():
     assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", start_wait_s=1.0)
     assert "Ray Data's start is the weakest link, 8.0 s of the 9.0 s" in verdict(starved, "GPU", "ray_data",
                                                                                   start_wait_s=8.0)
+    # a fresh run's epoch 1 began while its worker started: the wait is in its first half, the second kept up
+    cold = verdict(starved, "GPU", "ray_data", start_wait_s=0.0, early_wait_s=8.6, late_stall=0.05)
+    assert "Ray Data's start is the weakest link, 8.6 s of the 9.0 s wait came in the epoch's first half" in cold
+    # an early wait whose second half still stalls, or a wait spread over the epoch, is Ray Data's rate
+    for early, late in ((8.6, 0.4), (4.5, 0.9)):
+        assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", start_wait_s=0.0,
+                                                         early_wait_s=early, late_stall=late)
     assert verdict(busy, "GPU", "ray_data").startswith("compute-bound: the GPU is the weakest link")
 
 

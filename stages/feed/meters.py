@@ -89,8 +89,23 @@ def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
 
+def _starting(t: EpochTimes, start_wait_s: float | None, early_wait_s: float | None,
+              late_stall: float | None) -> bool:
+    """Ray Data's wait was its execution starting: most of it before the first batch, or in the
+    epoch's first half while the second half kept up (a rate limit spreads it over the epoch).
+    A fresh run's epoch 1 begins during the worker's start, so its cold start shows in the first half."""
+    if start_wait_s is None:
+        return False
+    if start_wait_s > 0.5 * t.wait_s:
+        return True
+    if early_wait_s is None or late_stall is None:
+        return False
+    return early_wait_s >= 0.75 * t.wait_s and late_stall <= INPUT_BOUND_STALL
+
+
 def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None,
-            workers: int = 1, start_wait_s: float | None = None) -> str:
+            workers: int = 1, start_wait_s: float | None = None, early_wait_s: float | None = None,
+            late_stall: float | None = None) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
@@ -99,7 +114,8 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
     the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
     below the throughput printed next to it). `start_wait_s`: the part of the wait before the
-    epoch's first batch (Ray Data's feed reports it).
+    epoch's first batch; `early_wait_s`: the part in the epoch's first half, that one included;
+    `late_stall`: the second half's stall (Ray Data's feed reports all three).
     """
     if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
         return "too few images this epoch to judge: fewer training rows than train.num_workers"
@@ -110,9 +126,12 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:
-        if ingest == "ray_data" and start_wait_s is not None and start_wait_s > 0.5 * t.wait_s:
-            return (f"input-bound: Ray Data's start is the weakest link, {start_wait_s:.1f} s of the "
-                    f"{t.wait_s:.1f} s wait came before the epoch's first batch, beside a {device} that does "
+        if ingest == "ray_data" and _starting(t, start_wait_s, early_wait_s, late_stall):
+            where = (f"{start_wait_s:.1f} s of the {t.wait_s:.1f} s wait came before the epoch's first batch"
+                     if start_wait_s > 0.5 * t.wait_s else
+                     f"{early_wait_s:.1f} s of the {t.wait_s:.1f} s wait came in the epoch's first half, "
+                     "while its execution started (the second half kept up)")
+            return (f"input-bound: Ray Data's start is the weakest link, {where}, beside a {device} that does "
                     f"≈ {rate}; later epochs start while the one before trains, so it is paid once a run: "
                     "train more epochs a run, or train.ingest=stream (no cluster-wide start)")
         if ingest == "ray_data":

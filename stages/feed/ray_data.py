@@ -285,7 +285,7 @@ class WarmEpochs:
     """
 
     def __init__(self, cfg: TrainConfig, seed: int, rank: int, shard_of: Callable[[str], Any], steps: int = 1):
-        self.cfg, self.seed, self.rank, self.shard_of = cfg, seed, rank, shard_of
+        self.cfg, self.seed, self.rank, self.shard_of, self.steps = cfg, seed, rank, shard_of, steps
         # Batches of this epoch before the next begins (train.next_epoch_at; None: at its end). Begun
         # at the first batch (0), the next epoch's execution ran a whole epoch ahead and took this
         # one's CPUs: epoch 1 fell to 682 img/s on an H100 (epochs 2-3: 3,920) and to 211 on the
@@ -300,7 +300,7 @@ class WarmEpochs:
         started = self.next[1] if self.next and self.next[0] == epoch else self.start(epoch)
         self.next = None
         after = (lambda: self.begin(epoch + 1)) if epoch + 1 < self.cfg.epochs and self.at else None
-        return ShardBatches(started, on_batch=(self.at, after) if after else None)
+        return ShardBatches(started, on_batch=(self.at, after) if after else None, half=max(1, self.steps // 2))
 
     def begin(self, epoch: int) -> None:
         """Start `epoch`'s execution now (once); epoch(epoch) then reads it."""
@@ -312,12 +312,18 @@ class ShardBatches:
     """One epoch of this rank's Ray Data shard as stages.feed.feeds.FedBatch, like every other feed.
 
     `rows` holds (key, label, None) per row; `images` the augmented uint8 images. `wait_s` is the
-    time the training thread waited for input; `start_wait_s` the part of it before the first batch.
+    time the training thread waited for input; `start_wait_s` the part of it before the first batch,
+    `early_wait_s` the part before batch `half` (the first included), `late_stall` the stall from
+    batch `half` on: a wait that is mostly early while the rest keeps up is an execution starting,
+    one spread over the epoch is Ray Data's rate (meters.verdict).
     """
 
-    def __init__(self, started: _Started, on_batch: tuple[int, Callable[[], None]] | None = None):
-        self.started, self.on_batch = started, on_batch  # (n, f): f() once n batches are here
-        self.wait_s, self.start_wait_s, self.decode_nodes, self.decoded_in_epoch = 0.0, 0.0, set(), 0
+    def __init__(self, started: _Started, on_batch: tuple[int, Callable[[], None]] | None = None,
+                 half: int = 1):
+        self.started, self.on_batch, self.half = started, on_batch, half  # on_batch (n, f): f() once n batches are here
+        self.wait_s, self.start_wait_s, self.early_wait_s = 0.0, 0.0, 0.0
+        self.late_stall: float | None = None
+        self.decode_nodes, self.decoded_in_epoch = set(), 0
 
     def _batches(self):
         begun = time.perf_counter()
@@ -332,14 +338,22 @@ class ShardBatches:
             yield batch
 
     def __iter__(self):
-        batches = self._batches()
-        while True:
+        batches, late_from = self._batches(), None
+        for i in itertools.count():
             started = time.perf_counter()
+            if i == self.half:
+                late_from = started
             try:
                 keys, labels, images, nodes, decoded_at = next(batches)
             except StopIteration:
+                if late_from is not None:  # the second half's wait over its wall, the last step included
+                    late_wall = time.perf_counter() - late_from
+                    self.late_stall = (self.wait_s - self.early_wait_s) / late_wall if late_wall > 0 else 0.0
                 return
-            self.wait_s += time.perf_counter() - started
+            waited = time.perf_counter() - started
+            self.wait_s += waited
+            if i < self.half:
+                self.early_wait_s += waited
             self.decode_nodes |= nodes
             # rows decoded since this epoch's execution began (0 when the object-store cache served them)
             self.decoded_in_epoch += int((decoded_at >= self.started.started_at).sum())
@@ -357,7 +371,16 @@ class ShardBatches:
         blocked = _blocked_s(self.started.shard.stats())
         blocked = None if blocked is None else round(blocked - self.started.blocked_before, 3)
         return {"ray_data_blocked_s": blocked, "ray_data_start_wait_s": round(self.start_wait_s, 3),
+                "ray_data_early_wait_s": round(self.early_wait_s, 3),
+                "ray_data_late_stall": None if self.late_stall is None else round(self.late_stall, 4),
                 "decode_nodes": sorted(self.decode_nodes), "rows_decoded_in_epoch": self.decoded_in_epoch}
+
+
+def waits(feed) -> tuple[float | None, float | None, float | None]:
+    """meters.verdict's start_wait_s, early_wait_s and late_stall of an epoch's feed (Nones but Ray Data's)."""
+    if not isinstance(feed, ShardBatches):
+        return None, None, None
+    return feed.start_wait_s, feed.early_wait_s, feed.late_stall
 
 
 def annotate(artifact, ingest: dict[str, Any], s3: Any | None = None):

@@ -43,7 +43,7 @@ class WorkerFeeds:
 
     def __init__(self, cfg: TrainConfig, config: dict[str, Any], rank: int, world: int,
                  device: torch.device, refs: dict[str, list], total: int, steps: int,
-                 open_rows: Callable[[streaming.ShardRef], list]):
+                 open_rows: Callable[[streaming.ShardRef], list], fresh: bool = False):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.seed, self.size, self.raw = config["seed"], config["image_size"], config["raw"]
         self.refs, self.total, self.steps, self.open_rows = refs, total, steps, open_rows
@@ -56,6 +56,11 @@ class WorkerFeeds:
         self.tier = self.make_tier()
         self._eval_kept: dict[str, list[feeds.FedBatch]] = {}  # split -> its kept batches (eval_feed)
         self.warm = ingest_ray.WarmEpochs(cfg, self.seed, rank, _dataset_shard, steps) if cfg.ingest == "ray_data" else None
+        if self.warm is not None and fresh:
+            # A fresh run's epoch 1 starts now, beside the model's build and CUDA's start: Ray Data's
+            # cold start had been 7.8 s before its first batch on an H100 (0.0 s since). A resumed
+            # run starts at its checkpoint's epoch, in the loop.
+            self.warm.begin(0)
         # The pool starts beside the rest of the worker's start (model, DDP, restore): it was 1.0 s
         # of a 2-core demo's fixed cost before the first batch. decode_pool() waits for it.
         self._starting: dict[str, Any] = {}

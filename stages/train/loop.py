@@ -97,13 +97,7 @@ class Worker:
         # Before the model: the decode pool's processes start beside DDP's wrap (which imports
         # torch._dynamo, ~1 s) instead of after it.
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
-                                 self.steps, self.open_rows)
-        # ray_data: a fresh run's first epoch starts now, so Ray Data's cold start (its split
-        # coordinator and first tasks: 7.8 s before epoch 1's first batch on an H100 node) runs
-        # beside the model's build, CUDA's start and DDP's wrap. A resumed run starts at its
-        # checkpoint's epoch, in the loop.
-        if self.input.warm is not None and hooks.get_checkpoint() is None:
-            self.input.warm.begin(0)
+                                 self.steps, self.open_rows, fresh=hooks.get_checkpoint() is None)
         try:
             self.build_model(config)
         except BaseException:  # the pool's processes end with the worker that failed to start
@@ -238,7 +232,7 @@ class Worker:
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
-                                         self.world, getattr(feed, "start_wait_s", None)),
+                                         self.world, *ingest_ray.waits(feed)),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]
