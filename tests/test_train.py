@@ -73,6 +73,8 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
     assert parts[timings.EPOCHS] == pytest.approx(sum(h["wall_s"] for h in history), abs=1e-3)
     assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
     assert parts["Ray: controller and worker group start"] > 0.5  # processes start: never instant
+    assert parts["worker: start and model (CUDA, DDP)"] > 0.1  # 2 ranks: DDP's wrap, torch._dynamo's import
+    assert "worker: model, DDP, decode pool, restore" not in parts  # this raymill's rows split it in three
     # rows an earlier attempt or fit wrote are not split: their clocks are not this fit's
     resumed = [history[0], {**history[1], "loop_at": history[1]["at"] - 1, "resumed": True}]
     assert timings.split(m, resumed) is None

@@ -94,8 +94,7 @@ class Worker:
         self.epoch, self.step, self.history, self.ledger = 0, 0, [], {}
         self.carried: dict[str, Any] | None = None  # this rank's sums so far in a mid-epoch checkpoint
         self.val = {"val_loss": float("nan"), "val_acc": -1.0}
-        # Before the model: the decode pool's processes start beside DDP's wrap (which imports
-        # torch._dynamo, ~1 s) instead of after it.
+        # Before the model: the decode pool's processes start beside DDP's wrap (torch._dynamo's import, ~1 s)
         self.input = WorkerFeeds(self.cfg, config, self.rank, self.world, self.device, self.refs, self.total,
                                  self.steps, self.open_rows, fresh=hooks.get_checkpoint() is None)
         try:
@@ -103,6 +102,7 @@ class Worker:
         except BaseException:  # the pool's processes end with the worker that failed to start
             self.input.close()
             raise
+        self.model_at = time.time()  # the stage's timings split the worker's set-up here
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
         self.attempt_marks: dict[str, Any] | None = None  # set by train_loop; the attempt's first row carries them
 
@@ -354,7 +354,8 @@ def train_loop(config: dict[str, Any], hooks=None) -> None:
     try:
         # the attempt's first row says when its train function started, and whether it resumed
         # (the rows before it are an earlier attempt's: stages.train.timings splits no such run)
-        w.attempt_marks = {"loop_at": loop_at, **({"resumed": True} if w.restore() else {})}
+        marks = {"loop_at": loop_at, "model_at": w.model_at, "resumed": w.restore(), "ready_at": time.time()}
+        w.attempt_marks = {k: v for k, v in marks.items() if v is not False}  # "resumed" only when it did
         _epochs(w, config)
     finally:  # the decode processes end with the loop, whether it returns or raises
         w.input.close()

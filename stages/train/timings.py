@@ -2,8 +2,8 @@
 
 Read from what the stage publishes: the manifest's `timings` (the driver's clocks around
 `trainer.fit()` and publishing) and metrics.jsonl's rows (rank 0's clocks: `loop_at` when its train
-function started, `at` when each epoch's row was complete, before its report; `wall_s`, `eval_s`,
-`test_seconds`). The driver and rank 0 share a node on one machine, so their `time.time()` clocks
+function started, `model_at` when its model was built, `ready_at` when its restore check ended, `at`
+when each epoch's row was complete, before its report; `wall_s`, `eval_s`, `test_seconds`). The driver and rank 0 share a node on one machine, so their `time.time()` clocks
 compare; across nodes the two Ray parts absorb any clock skew between them. The parts add up to the
 stage's wall (the telescoping sums below), so nothing is hidden in a remainder.
 """
@@ -34,11 +34,18 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     def own(h: dict[str, Any]) -> float:  # an epoch's training pass, its mid-epoch checkpoints, its evaluation
         return h["wall_s"] + h.get("report_s", 0.0) + h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
 
+    worker = first["at"] - own(first) - first["loop_at"]  # the attempt's start to epoch 1's first step
+    if {"model_at", "ready_at"} <= set(first):  # rows of this raymill: the set-up in three parts
+        model, restore = first["model_at"] - first["loop_at"], first["ready_at"] - first["model_at"]
+        workers = {"worker: start and model (CUDA, DDP)": model, "worker: restore check": restore,
+                   "worker: decode pool's start, waited for": worker - model - restore}
+    else:
+        workers = {"worker: model, DDP, decode pool, restore": worker}
     between = sum(b["at"] - a["at"] - own(b) for a, b in zip(history, history[1:]))
     between += sum(h.get("report_s", 0.0) for h in history)
     parts = {"driver: checks, plan, trainer": t["before_fit_s"],
              "Ray: controller and worker group start": first["loop_at"] - t["fit_started_at"],
-             "worker: model, DDP, decode pool, restore": first["at"] - own(first) - first["loop_at"],
+             **workers,
              EPOCHS: sum(h["wall_s"] for h in history),
              "evaluation: val and test splits": sum(h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)
                                                     for h in history),
