@@ -154,6 +154,9 @@ def test_verdicts_name_the_other_path_as_the_fix():
     cold = verdict(starved, "GPU", "ray_data", start_wait_s=0.0, early_wait_s=8.6, late_stall=0.05)
     assert "Ray Data's start is the weakest link, 8.6 s of the 9.0 s wait came in the epoch's first half" in cold
     # an early wait whose second half still stalls, or a wait spread over the epoch, is Ray Data's rate
+    # two ranks' parts, summed: means, as the verdict's other times; no second half, no late stall
+    assert ingest_ray.judged_waits([2.0, 3.0, 0.4, 4.0], 2) == (1.0, 1.5, 0.1)
+    assert ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0], 1)[2] is None and ingest_ray.judged_waits([], 2) == (None,) * 3
     for early, late in ((8.6, 0.4), (4.5, 0.9)):
         assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", start_wait_s=0.0,
                                                          early_wait_s=early, late_stall=late)

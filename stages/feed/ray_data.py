@@ -313,7 +313,7 @@ class ShardBatches:
 
     `rows` holds (key, label, None) per row; `images` the augmented uint8 images. `wait_s` is the
     time the training thread waited for input; `start_wait_s` the part of it before the first batch,
-    `early_wait_s` the part before batch `half` (the first included), `late_stall` the stall from
+    `early_wait_s` the part before batch `half` (the first included), `late_wall_s` the wall from
     batch `half` on: a wait that is mostly early while the rest keeps up is an execution starting,
     one spread over the epoch is Ray Data's rate (meters.verdict).
     """
@@ -322,7 +322,7 @@ class ShardBatches:
                  half: int = 1):
         self.started, self.on_batch, self.half = started, on_batch, half  # on_batch (n, f): f() once n batches are here
         self.wait_s, self.start_wait_s, self.early_wait_s = 0.0, 0.0, 0.0
-        self.late_stall: float | None = None
+        self.late_wall_s = 0.0
         self.decode_nodes, self.decoded_in_epoch = set(), 0
 
     def _batches(self):
@@ -346,9 +346,8 @@ class ShardBatches:
             try:
                 keys, labels, images, nodes, decoded_at = next(batches)
             except StopIteration:
-                if late_from is not None:  # the second half's wait over its wall, the last step included
-                    late_wall = time.perf_counter() - late_from
-                    self.late_stall = (self.wait_s - self.early_wait_s) / late_wall if late_wall > 0 else 0.0
+                if late_from is not None:  # the second half's wall, its last step included
+                    self.late_wall_s = time.perf_counter() - late_from
                 return
             waited = time.perf_counter() - started
             self.wait_s += waited
@@ -372,15 +371,25 @@ class ShardBatches:
         blocked = None if blocked is None else round(blocked - self.started.blocked_before, 3)
         return {"ray_data_blocked_s": blocked, "ray_data_start_wait_s": round(self.start_wait_s, 3),
                 "ray_data_early_wait_s": round(self.early_wait_s, 3),
-                "ray_data_late_stall": None if self.late_stall is None else round(self.late_stall, 4),
+                "ray_data_late_wall_s": round(self.late_wall_s, 3),
                 "decode_nodes": sorted(self.decode_nodes), "rows_decoded_in_epoch": self.decoded_in_epoch}
 
 
-def waits(feed) -> tuple[float | None, float | None, float | None]:
-    """meters.verdict's start_wait_s, early_wait_s and late_stall of an epoch's feed (Nones but Ray Data's)."""
+def waits(feed) -> list[float]:
+    """An epoch's Ray Data wait in parts (before the first batch, in the first half, in the second
+    half, and the second half's wall), to sum over ranks; [] for the other feeds."""
     if not isinstance(feed, ShardBatches):
+        return []
+    return [feed.start_wait_s, feed.early_wait_s, feed.wait_s - feed.early_wait_s, feed.late_wall_s]
+
+
+def judged_waits(sums: list[float], world: int) -> tuple[float | None, float | None, float | None]:
+    """meters.verdict's start_wait_s, early_wait_s and late_stall from `waits` summed over `world`
+    ranks: means, as the verdict's other times (rank 0's own had read "5.6 s of the 5.3 s wait")."""
+    if not sums:
         return None, None, None
-    return feed.start_wait_s, feed.early_wait_s, feed.late_stall
+    start, early, late, late_wall = (v / world for v in sums)
+    return start, early, (late / late_wall if late_wall > 0 else None)
 
 
 def annotate(artifact, ingest: dict[str, Any], s3: Any | None = None):

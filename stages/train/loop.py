@@ -220,10 +220,10 @@ class Worker:
         """The epoch's row: rates, the three clocks (stages.feed.meters) and the verdict, over all ranks.
         Loss and accuracy count the rows a resumed epoch carried; rates only this attempt's."""
         loss_sum, correct = sums.tolist()
-        totals = self.all_sum([loss_sum, correct, seen, feed.wait_s, meter.busy_s(), wall, carried_seen])
+        waits = ingest_ray.waits(feed)  # Ray Data's: its wait's parts, summed over ranks like the rest
+        totals = self.all_sum([loss_sum, correct, seen, feed.wait_s, meter.busy_s(), wall, carried_seen, *waits])
         per_rank = [v / self.world for v in totals[2:6]]
-        times = meters.EpochTimes(int(per_rank[0]), *per_rank[1:])
-        capacity = feed.capacity()
+        times, capacity = meters.EpochTimes(int(per_rank[0]), *per_rank[1:]), feed.capacity()
         device = "GPU" if self.device.type == "cuda" else "CPU"
         rows = max(1, totals[2] + totals[6])
         row = {"train_loss": totals[0] / rows, "train_acc": totals[1] / rows,
@@ -232,7 +232,7 @@ class Worker:
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
-                                         self.world, *ingest_ray.waits(feed)),
+                                         self.world, *ingest_ray.judged_waits(totals[7:], self.world)),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]
