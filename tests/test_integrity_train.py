@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,6 +76,13 @@ def test_rerun_of_a_finished_train_hands_back_its_model_and_tracks_nothing_new(f
     sets = [a for s in BASE for a in ("--set", s)]
     assert main(["train", "--data", dataset.path, "--output", first_run.path, "--config", str(SMOKE), *sets]) == 0
     assert _published(first_run) == before
+    # as a user runs it: nothing to train, so no Ray starts (`raymill train` starts it beside torch's
+    # import only for an output that holds no model yet)
+    done = subprocess.run([sys.executable, "-m", "workflow", "train", "--data", dataset.path, "--output",
+                           first_run.path, "--config", str(SMOKE), *sets], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "already holds this run's model" in done.stdout + done.stderr, done.stderr
+    assert "[raymill] ray:" not in done.stdout + done.stderr, "a reused model started Ray"
     # tracking is on by default: no MLflow run finished, no model version registered (tracking.json)
     assert not (Path(first_run.path) / "tracking.json").exists()
 

@@ -186,12 +186,27 @@ def cmd_train(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
+    _start_unless_published(cfg, data, args.output, args.overwrite, [cfg.train.model])
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
         cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
         tracking=run), reuse=lambda: None if args.overwrite else train.published(
         cfg.train, data, args.output, cfg.run.seed, cfg.s3))
     print(f"train: test_acc={console.score(artifact.manifest['metrics']['test_acc'])} -> {artifact.path}")
     return 0
+
+
+def _start_unless_published(cfg, data, out: str, overwrite: bool, models: list[str]) -> None:
+    """Ray's start with torch's import beside it (workflow.preflight), unless `out` already holds a
+    published output: the stage then reuses it, or refuses to overwrite it, and needs no Ray. A
+    model that cannot take the data's image size is refused first (exit 2), before anything starts."""
+    from stages.common.artifacts import manifest_kind
+    from stages.model.sizes import check_image_size
+    from workflow import preflight
+
+    check_image_size(models, data.manifest["config"]["image_size"])
+    fs, root = storage.filesystem(out, cfg.s3)
+    if overwrite or manifest_kind(fs, root) is None:
+        preflight.beside_ray(cfg, out)
 
 
 def cmd_tune(args) -> int:
@@ -201,6 +216,7 @@ def cmd_tune(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
+    _start_unless_published(cfg, data, args.output, False, cfg.tune.models(cfg.train.model))
     artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
         cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
         callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output, cfg.run.seed,

@@ -20,7 +20,7 @@ from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
 from stages.model.sizes import check_image_size
 
-__all__ = ["start", "needed_splits", "etl_inputs"]
+__all__ = ["start", "beside_ray", "needed_splits", "etl_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,17 @@ def start(cfg: Config) -> dict[str, Any]:
     sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
     _check_run_dir(cfg)
     _write_config(cfg)
+    beside_ray(cfg, cfg.run.dir)
+    return sources
+
+
+def beside_ray(cfg: Config, store: str) -> None:
+    """Start Ray in this thread while torch and Ray Train import in a thread beside it, and MLflow's
+    store in `store` opens in another (`raymill run` after its checks; `raymill train` and `tune`
+    before their stage, which had imported torch, opened MLflow's run, then started Ray)."""
     for name in _SHARED:  # before any thread of ours imports: MLflow's below shares them too
         importlib.import_module(name)
-    tracking.warm_up(cfg.tracking, cfg.run.dir)  # beside Ray's start and ETL
+    tracking.warm_up(cfg.tracking, store)  # beside Ray's start (and ETL's, in `raymill run`)
     failed: list[BaseException] = []
     importer = threading.Thread(target=_import_into, args=(_BESIDE_RAY, failed), name="raymill-import-torch",
                                 daemon=True)
@@ -62,7 +70,6 @@ def start(cfg: Config) -> dict[str, Any]:
         importer.join()
     if failed:  # torch's own error, not a later import's of a half-loaded package
         raise failed[0]
-    return sources
 
 
 def _import_into(names: tuple[str, ...], failed: list[BaseException]) -> None:
