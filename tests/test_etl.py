@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-import warnings
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np

@@ -18,7 +18,7 @@ import pytest
 from stages.feed import ray_data as ingest_ray
 from stages.feed import streaming
 from stages.train import stage as train
-from stages.feed.meters import EpochTimes, verdict
+from stages.feed.meters import EpochTimes, StartWaits, verdict
 from stages.common.config import ConfigError, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
@@ -147,19 +147,25 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
 def test_verdicts_name_the_other_path_as_the_fix():
     starved, busy = EpochTimes(100, 9.0, 1.0, 10.0), EpochTimes(100, 0.1, 9.9, 10.0)
     assert "train.ingest=ray_data" in verdict(starved, "GPU", "stream")
-    assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", start_wait_s=1.0)
-    assert "Ray Data's start is the weakest link, 8.0 s of the 9.0 s" in verdict(starved, "GPU", "ray_data",
-                                                                                  start_wait_s=8.0)
+    waits = lambda start, early=0.0, late=None, warm=True: StartWaits(start, early, late, warm)
+    assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", ray_waits=waits(1.0))
+    started = verdict(starved, "GPU", "ray_data", ray_waits=waits(8.0))
+    assert "Ray Data's start is the weakest link, 8.0 s of the 9.0 s" in started and "paid once a run" in started
+    # every epoch cold (train.next_epoch_at=1): the start is paid every epoch, and the fix says so
+    cold_each = verdict(starved, "GPU", "ray_data", ray_waits=waits(8.0, warm=False))
+    assert "paid once a run" not in cold_each and "train.next_epoch_at=0.5" in cold_each
     # a fresh run's epoch 1 began while its worker started: the wait is in its first half, the second kept up
-    cold = verdict(starved, "GPU", "ray_data", start_wait_s=0.0, early_wait_s=8.6, late_stall=0.05)
+    cold = verdict(starved, "GPU", "ray_data", ray_waits=waits(0.0, 8.6, 0.05))
     assert "Ray Data's start is the weakest link, 8.6 s of the 9.0 s wait came in the epoch's first half" in cold
-    # an early wait whose second half still stalls, or a wait spread over the epoch, is Ray Data's rate
     # two ranks' parts, summed: means, as the verdict's other times; no second half, no late stall
-    assert ingest_ray.judged_waits([2.0, 3.0, 0.4, 4.0], 2) == (1.0, 1.5, 0.1)
-    assert ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0], 1)[2] is None and ingest_ray.judged_waits([], 2) == (None,) * 3
+    train = _cfg().train
+    assert ingest_ray.judged_waits([2.0, 3.0, 0.4, 4.0], 2, train) == (1.0, 1.5, 0.1, True)
+    assert ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0], 1, train).late_stall is None
+    assert ingest_ray.judged_waits([], 2, train) is None
+    assert not ingest_ray.judged_waits([1.0] * 4, 1, _cfg("train.next_epoch_at=1").train).warm
+    # an early wait whose second half still stalls, or a wait spread over the epoch, is Ray Data's rate
     for early, late in ((8.6, 0.4), (4.5, 0.9)):
-        assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", start_wait_s=0.0,
-                                                         early_wait_s=early, late_stall=late)
+        assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", ray_waits=waits(0.0, early, late))
     assert verdict(busy, "GPU", "ray_data").startswith("compute-bound: the GPU is the weakest link")
 
 

@@ -245,3 +245,16 @@ def test_ctrl_c_during_training_says_interrupted_and_exits_130(dataset, tmp_path
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, "".join(lines)[-2000:] + out[-2000:]
     assert "raymill train: interrupted; rerun the same command" in out
+
+
+def test_an_output_that_is_a_file_or_another_tools_is_refused_before_anything_starts(dataset, tmp_path, capsys):
+    sets = [a for s in BASE for a in ("--set", s)]
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "manifest.json").write_text('{"kind": "someone.else"}')
+    for out in (tmp_path / "a-file", tmp_path / "theirs"):
+        rc = main(["train", "--data", dataset.path, "--output", str(out), "--config", str(SMOKE), *sets])
+        assert rc == 2, capsys.readouterr().err
+    # nothing written into the other tool's folder: not even MLflow's store, which opens beside Ray's start
+    assert sorted(p.name for p in (tmp_path / "theirs").iterdir()) == ["manifest.json"]
+    assert (tmp_path / "a-file").read_text() == "x"

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _command(args)
     finally:
+        if (tracking := sys.modules.get("stages.common.tracking")) is not None:
+            tracking.settle()  # a run that failed early leaves no half-created MLflow store
         console.before_exit()
 
 
@@ -186,7 +188,7 @@ def cmd_train(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    _start_unless_published(cfg, data, args.output, args.overwrite, [cfg.train.model])
+    _start_unless_published(cfg, data, args.output, args.overwrite, "train", [cfg.train.model])
     artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
         cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
         tracking=run), reuse=lambda: None if args.overwrite else train.published(
@@ -195,15 +197,18 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _start_unless_published(cfg, data, out: str, overwrite: bool, models: list[str]) -> None:
+def _start_unless_published(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]) -> None:
     """Ray's start with torch's import beside it (workflow.preflight), unless `out` already holds a
     published output: the stage then reuses it, or refuses to overwrite it, and needs no Ray. A
-    model that cannot take the data's image size is refused first (exit 2), before anything starts."""
+    model that cannot take the data's image size, and an output that is a file or another stage's,
+    are refused first (exit 2), before anything starts or is written there (MLflow's store)."""
     from stages.common.artifacts import manifest_kind
+    from stages.common.locks import check_output_kind
     from stages.model.sizes import check_image_size
     from workflow import preflight
 
     check_image_size(models, data.manifest["config"]["image_size"])
+    check_output_kind(out, stage, cfg.s3)
     fs, root = storage.filesystem(out, cfg.s3)
     if overwrite or manifest_kind(fs, root) is None:
         preflight.beside_ray(cfg, out)
@@ -216,7 +221,7 @@ def cmd_tune(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    _start_unless_published(cfg, data, args.output, False, cfg.tune.models(cfg.train.model))
+    _start_unless_published(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model))
     artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
         cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
         callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output, cfg.run.seed,

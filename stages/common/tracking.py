@@ -119,6 +119,13 @@ def _warm(uri: str, timeout_s: float) -> None:
 _WARMING: dict[str, threading.Thread] = {}
 
 
+def settle(timeout_s: float = 60.0) -> None:
+    """Wait for warm-ups that no stage joined (the command failed before its first MLflow call): a
+    process that exits in the middle of a new store's creation leaves a half-migrated mlflow.db."""
+    for uri in list(_WARMING):
+        _WARMING.pop(uri).join(timeout=timeout_s)
+
+
 @_guarded()
 def _start(probe: Handle, cfg: TrackingConfig, folder: str, run_name: str, tags: dict[str, str],
            parent: Handle | None) -> Handle:

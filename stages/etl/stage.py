@@ -254,11 +254,11 @@ def _with_ray_data(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]
     # reservation (which held this pipeline to one task at a time here) buys nothing.
     ray.data.DataContext.get_current().op_resource_reservation_enabled = False
     ds = ray.data.from_items(rows, override_num_blocks=max(1, len(rows)))
-    with warnings.catch_warnings():
-        # Ray 2.60 deprecates map's **ray_remote_args but names no max_retries parameter in their
-        # place, and its default (-1) retries a task without end (upstream gap, in the notes)
-        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
-        ds = ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cpus, max_retries=TASK_RETRIES)
+    # Ray 2.60 deprecates map's **ray_remote_args (gone in 2.64) but names no max_retries parameter
+    # in their place, and its default (-1) retries a task without end (upstream gap, in the notes).
+    # A filter, not catch_warnings(): that swaps the process's filters under the threads beside ETL.
+    warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+    ds = ds.map(shards.process_task, fn_kwargs=fn_kwargs, num_cpus=cpus, max_retries=TASK_RETRIES)
     return list(ds.iter_rows())
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -89,23 +90,40 @@ def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
 
-def _starting(t: EpochTimes, start_wait_s: float | None, early_wait_s: float | None,
-              late_stall: float | None) -> bool:
-    """Ray Data's wait was its execution starting: most of it before the first batch, or in the
-    epoch's first half while the second half kept up (a rate limit spreads it over the epoch).
-    A fresh run's epoch 1 begins during the worker's start, so its cold start shows in the first half."""
-    if start_wait_s is None:
-        return False
-    if start_wait_s > 0.5 * t.wait_s:
-        return True
-    if early_wait_s is None or late_stall is None:
-        return False
-    return early_wait_s >= 0.75 * t.wait_s and late_stall <= INPUT_BOUND_STALL
+class StartWaits(NamedTuple):
+    """Ray Data's wait in an epoch, in parts (means over ranks): before the first batch, in the first
+    half of the batches (that one included), the second half's stall; `warm`: the next epoch starts
+    while this one trains (train.next_epoch_at < 1)."""
+
+    start_s: float
+    early_s: float
+    late_stall: float | None
+    warm: bool = True
+
+
+def _ray_data_start(t: EpochTimes, w: StartWaits | None, device: str, rate: str) -> str | None:
+    """The phrase for a wait that was Ray Data's execution starting: most of it before the first
+    batch, or in the epoch's first half while the second half kept up (a rate limit spreads it over
+    the epoch). A fresh run's epoch 1 begins during the worker's start, so its start shows in the
+    first half. None for any other wait."""
+    if w is None:
+        return None
+    if w.start_s > 0.5 * t.wait_s:
+        where = f"{w.start_s:.1f} s of the {t.wait_s:.1f} s wait came before the epoch's first batch"
+    elif w.late_stall is not None and w.early_s >= 0.75 * t.wait_s and w.late_stall <= INPUT_BOUND_STALL:
+        where = (f"{w.early_s:.1f} s of the {t.wait_s:.1f} s wait came in the epoch's first half, while its "
+                 "execution started (the second half kept up)")
+    else:
+        return None
+    fix = ("later epochs start while the one before trains, so it is paid once a run: train more epochs "
+           "a run, or train.ingest=stream (no cluster-wide start)" if w.warm else
+           "every epoch starts cold (train.next_epoch_at=1): train.next_epoch_at=0.5 starts the next one "
+           "while this one trains, or train.ingest=stream (no cluster-wide start)")
+    return f"input-bound: Ray Data's start is the weakest link, {where}, beside a {device} that does ≈ {rate}; {fix}"
 
 
 def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None,
-            workers: int = 1, start_wait_s: float | None = None, early_wait_s: float | None = None,
-            late_stall: float | None = None) -> str:
+            workers: int = 1, ray_waits: StartWaits | None = None) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
@@ -113,9 +131,7 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch). `t` and
     `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
     the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
-    below the throughput printed next to it). `start_wait_s`: the part of the wait before the
-    epoch's first batch; `early_wait_s`: the part in the epoch's first half, that one included;
-    `late_stall`: the second half's stall (Ray Data's feed reports all three).
+    below the throughput printed next to it). `ray_waits`: Ray Data's wait in parts.
     """
     if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
         return "too few images this epoch to judge: fewer training rows than train.num_workers"
@@ -126,18 +142,11 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     rate = _rate(t.device_images_per_s)
     have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:
-        if ingest == "ray_data" and _starting(t, start_wait_s, early_wait_s, late_stall):
-            where = (f"{start_wait_s:.1f} s of the {t.wait_s:.1f} s wait came before the epoch's first batch"
-                     if start_wait_s > 0.5 * t.wait_s else
-                     f"{early_wait_s:.1f} s of the {t.wait_s:.1f} s wait came in the epoch's first half, "
-                     "while its execution started (the second half kept up)")
-            return (f"input-bound: Ray Data's start is the weakest link, {where}, beside a {device} that does "
-                    f"≈ {rate}; later epochs start while the one before trains, so it is paid once a run: "
-                    "train more epochs a run, or train.ingest=stream (no cluster-wide start)")
         if ingest == "ray_data":
-            return (f"input-bound: Ray Data is the weakest link, stall {t.stall:.0%} beside a {device} "
-                    f"that does ≈ {rate}; add CPU nodes (decode runs on any node's CPUs), "
-                    "train.object_store_cache=true, or store decoded (etl.parquet_encoding=raw)")
+            return _ray_data_start(t, ray_waits, device, rate) or (
+                f"input-bound: Ray Data is the weakest link, stall {t.stall:.0%} beside a {device} that does "
+                f"≈ {rate}; add CPU nodes (decode runs on any node's CPUs), train.object_store_cache=true, "
+                "or store decoded (etl.parquet_encoding=raw)")
         more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
         if tier and tier.startswith("decoded"):
             return (f"input-bound: the decoded tier's augmentation ({tier}) < {device} ≈ {rate}, stall "

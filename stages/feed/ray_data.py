@@ -25,6 +25,7 @@ import numpy as np
 
 from stages.feed import streaming
 from stages.feed.feeds import FedBatch
+from stages.feed.meters import StartWaits
 from stages.common import console, session, storage
 from stages.common.artifacts import Artifact, write_manifest
 from stages.common.config import ConfigError, TrainConfig
@@ -383,13 +384,12 @@ def waits(feed) -> list[float]:
     return [feed.start_wait_s, feed.early_wait_s, feed.wait_s - feed.early_wait_s, feed.late_wall_s]
 
 
-def judged_waits(sums: list[float], world: int) -> tuple[float | None, float | None, float | None]:
-    """meters.verdict's start_wait_s, early_wait_s and late_stall from `waits` summed over `world`
-    ranks: means, as the verdict's other times (rank 0's own had read "5.6 s of the 5.3 s wait")."""
+def judged_waits(sums: list[float], world: int, cfg: TrainConfig) -> StartWaits | None:
+    """meters.verdict's ray_waits: means over ranks, as its other times (rank 0's own: "5.6 s of the 5.3 s wait")."""
     if not sums:
-        return None, None, None
+        return None
     start, early, late, late_wall = (v / world for v in sums)
-    return start, early, (late / late_wall if late_wall > 0 else None)
+    return StartWaits(start, early, late / late_wall if late_wall > 0 else None, cfg.next_epoch_at < 1)
 
 
 def annotate(artifact, ingest: dict[str, Any], s3: Any | None = None):

@@ -232,7 +232,7 @@ class Worker:
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
-                                         self.world, *ingest_ray.judged_waits(totals[7:], self.world)),
+                                         self.world, ingest_ray.judged_waits(totals[7:], self.world, self.cfg)),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]

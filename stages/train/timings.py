@@ -3,9 +3,10 @@
 Read from what the stage publishes: the manifest's `timings` (the driver's clocks around
 `trainer.fit()` and publishing) and metrics.jsonl's rows (rank 0's clocks: `loop_at` when its train
 function started, `model_at` when its model was built, `ready_at` when its restore check ended, `at`
-when each epoch's row was complete, before its report; `wall_s`, `eval_s`, `test_seconds`). The driver and rank 0 share a node on one machine, so their `time.time()` clocks
-compare; across nodes the two Ray parts absorb any clock skew between them. The parts add up to the
-stage's wall (the telescoping sums below), so nothing is hidden in a remainder.
+when each epoch's row was complete, before its report; `wall_s`, `eval_s`, `test_seconds`). The
+driver and rank 0 share a node on one machine, so their `time.time()` clocks compare; across nodes
+the two Ray parts absorb any clock skew between them. The parts add up to the stage's wall (the
+telescoping sums below), so nothing is hidden in a remainder.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     if {"model_at", "ready_at"} <= set(first):  # rows of this raymill: the set-up in three parts
         model, restore = first["model_at"] - first["loop_at"], first["ready_at"] - first["model_at"]
         workers = {"worker: start and model (CUDA, DDP)": model, "worker: restore check": restore,
-                   "worker: decode pool's start, waited for": worker - model - restore}
+                   "worker: first feed's start (decode pool), row bookkeeping": worker - model - restore}
     else:
         workers = {"worker: model, DDP, decode pool, restore": worker}
     between = sum(b["at"] - a["at"] - own(b) for a, b in zip(history, history[1:]))
