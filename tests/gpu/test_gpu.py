@@ -112,7 +112,7 @@ def test_step_meter_reads_the_device_share_we_set():
     assert 0.35 < times.utilisation < 0.65, (times, t0)
 
 
-def test_raymill_infer_cli_with_use_gpu(trained, tmp_path):
+def test_raymill_infer_cli_with_use_gpu(trained, tmp_path, capfd):
     """`raymill infer --set infer.use_gpu=true`: the command a user runs (it failed on a GPU with
     "You must provide batch_size to map_batches when requesting GPUs"); a small job runs in the
     driver on the GPU, and with infer.local_max_rows=0 through Ray Data's GPU map."""
@@ -128,6 +128,13 @@ def test_raymill_infer_cli_with_use_gpu(trained, tmp_path):
         metrics = json.loads((out / "manifest.json").read_text())["metrics"]
         assert metrics["rows"] > 0 and metrics["errors"] == 0
         assert metrics["decode"] == decode and metrics["device"] == "cuda" and 0 < metrics["device_utilisation"] <= 1
+    # a clean run prints nothing that looks like an error: Ray Data's GPU map had warned that num_cpus
+    # beside num_gpus is experimental, and that a map of concurrency 15 had 1 input (issue #39)
+    from tests.test_console import ERRORISH
+
+    printed = capfd.readouterr()
+    looks_bad = [line for line in (printed.out + printed.err).splitlines() if ERRORISH.search(line)]
+    assert not looks_bad, "\n".join(looks_bad)
 
 
 def test_serve_on_the_gpu_answers_v2_batches_and_rolls_on_one_gpu(gpu_ray, tmp_path):
