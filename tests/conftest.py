@@ -238,16 +238,17 @@ def demo_dataset(root: Path, etl_cfg, images: int, seed: int):
     return etl.run(etl_cfg, str(root / "src"), str(root / "ds"))
 
 
-def kill_one_train_worker(killed: list) -> bool:
-    """SIGKILL one `ray::RayTrainWorker` of this test session's Ray (our descendants only, never
-    another session's workers); its pid goes into `killed`. False when none is running yet."""
+def kill_one_train_worker(killed: list, actor: str = "ray::RayTrainWorker") -> bool:
+    """SIGKILL one `actor` process (a Train worker; `ray::ImplicitFunc`: the one-worker host's Tune
+    trial actor) of this test session's Ray (our descendants only, never another session's
+    workers); its pid goes into `killed`. False when none is running yet."""
     import signal
 
     import psutil
 
     for proc in psutil.Process().children(recursive=True):
         try:
-            if "ray::RayTrainWorker" in " ".join(proc.cmdline()):
+            if actor in " ".join(proc.cmdline()):
                 os.kill(proc.pid, signal.SIGKILL)
                 killed.append(proc.pid)
                 return True

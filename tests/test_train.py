@@ -238,3 +238,56 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
     cfg = _cfg()
     with pytest.raises(train.TrainError, match=shard.name):
         train.run(cfg.train, load_artifact(str(copy)), str(tmp_path / "t"), ray_cfg=cfg.ray)
+
+
+# ---- one worker on one node: the loop in a Tune trial actor (stages/train/solo.py) --------------
+def _kill_the_trial_after_its_first_checkpoint(folder: Path, killed: list) -> None:
+    deadline = time.time() + 240
+    while time.time() < deadline and not killed:
+        if any(folder.glob("checkpoint_000000")) and kill_one_train_worker(killed, "ray::ImplicitFunc"):
+            return
+        time.sleep(0.05)
+
+
+def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_model(dataset, tmp_path):
+    """train.num_workers=1 on one node: no TorchTrainer. A run whose actor is SIGKILLed mid-epoch with
+    no retries left fails naming the resume; the same command then restores Tune's experiment from
+    the last checkpoint and publishes the model an uninterrupted run publishes, byte for byte."""
+    cfg = _cfg("train.num_workers=1", "train.cpus_per_worker=1", "train.max_failures=0")
+    ref = train.run(cfg.train, dataset, str(tmp_path / "ref"), seed=0, ray_cfg=cfg.ray)
+    m = ref.manifest
+    assert m["timings"]["host"] == "tune_trial" and m["resource_plan"]["num_workers"] == 1
+    _ledger_ok(ref, dataset)
+    history = [json.loads(line) for line in (Path(ref.path) / "metrics.jsonl").read_text().splitlines()]
+    parts = timings.split(m, history)
+    assert parts is not None and "Ray: controller and worker group start" not in parts
+    assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
+
+    out, killed = tmp_path / "killed", []
+    watcher = threading.Thread(target=_kill_the_trial_after_its_first_checkpoint,
+                               args=(out / "ray/train/solo", killed))
+    watcher.start()
+    with pytest.raises(train.TrainError, match="rerun the same command to resume"):
+        train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    watcher.join()
+    assert killed, "no trial actor was killed: the test did not exercise recovery"
+    assert not (out / "model.pt").exists()  # nothing published by the failed run
+    artifact = train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("resumed") for r in rows), "the rerun started over instead of resuming"
+    _ledger_ok(artifact, dataset)
+    got = torch.load(out / "model.pt", weights_only=True)
+    want = torch.load(Path(ref.path) / "model.pt", weights_only=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_train_host_plans_the_trial_actor_only_where_train_adds_nothing():
+    plan = session.plan_workers(TrainConfig(num_workers=1), {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    assert session.train_host(TrainConfig(), plan, nodes=1) == "tune_trial"
+    assert session.train_host(TrainConfig(), plan, nodes=2) == "ray_train"  # node loss: Train's capacity wait
+    assert session.train_host(TrainConfig(host="ray_train"), plan, nodes=1) == "ray_train"
+    assert session.train_host(TrainConfig(ingest="ray_data"), plan, nodes=1) == "ray_train"
+    two = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    assert session.train_host(TrainConfig(), two, nodes=1) == "ray_train"
+    with pytest.raises(ConfigError, match="train.host=tune_trial.*train.num_workers=1"):
+        session.train_host(TrainConfig(host="tune_trial"), two, nodes=1)

@@ -132,6 +132,10 @@ class TrainConfig(Section):
     warmup_epochs: float = Field(0.5, ge=0)
     num_workers: int | None = Field(None, ge=1)  # None: planned (session.planned_workers)
     min_workers: int | None = Field(None, ge=1)  # set for elastic training: (min_workers, num_workers)
+    # Who runs the loop (session.train_host): auto = one Tune trial actor for one worker on a one-node
+    # cluster with stream ingest (stages/train/solo.py: 7 s less start-up on 2 cores), else Ray Train's
+    # TorchTrainer; ray_train: always the TorchTrainer; tune_trial: the actor (one worker, stream only).
+    host: Literal["auto", "ray_train", "tune_trial"] = "auto"
     use_gpu: bool = False
     cpus_per_worker: float | None = Field(None, gt=0)  # None: planned by stages.common.session
     gpus_per_worker: float = Field(1.0, gt=0)

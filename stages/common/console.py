@@ -75,6 +75,18 @@ def quiet_ray() -> None:
             handler.setLevel(logging.WARNING)
 
 
+def tune_verbosity() -> int:
+    """A Tuner's `RunConfig.verbose`: Tune's own console output only with --verbose. Without it,
+    Tune's documented switches also silence its warning that fast trials snapshot the experiment
+    often, and its new output engine, which draws a configuration box at every start whatever
+    `verbose` says (Ray 2.60's TuneTerminalReporter); the old engine at verbose=0 draws nothing."""
+    if verbose():
+        return 1
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    return 0
+
+
 def quiet_tune() -> None:
     """After `ray.init` (imports nothing): Tune's TensorBoard logger warns on every search that a
     list (worker_nodes) is no scalar."""
@@ -160,6 +172,17 @@ def quiet_train_worker() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in _OURS:
         logging.getLogger(name).setLevel(logging.INFO)
+
+
+def epoch_lines_here() -> None:
+    """In a Tune trial actor that trains a whole run (stages.train.solo): the epoch lines to its
+    stdout, which Ray forwards to the driver's console. Train's workers get a console handler from
+    Ray Train; a trial actor has none, and its INFO records were dropped. Once a process."""
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))  # the line carries its "[raymill]"
+        log.addHandler(handler)
+        log.propagate = False  # never twice, whatever handler the root logger gets
 
 
 def score(value: float | None) -> str:

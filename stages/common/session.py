@@ -15,7 +15,7 @@ from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noq
 from stages.common.ray_start import dashboard_url, start  # noqa: F401 (re-exported)
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "WorkerPlan",
-           "plan_workers", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
+           "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
            "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,21 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
              plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
+
+
+def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
+    """Who hosts a fresh train run's loop (train.host): "tune_trial" (one Tune function actor,
+    stages.train.solo) or "ray_train" (a TorchTrainer). auto takes the actor only where Train's
+    extra parts buy nothing: one worker, not elastic, stream ingest (ray_data's split is Train's),
+    one node (a lost GPU node stays Train's capacity wait and error, not a trial pending forever)."""
+    solo = plan.num_workers == 1 and plan.min_workers is None and train.ingest == "stream"
+    if train.host == "tune_trial" and not solo:
+        raise ConfigError(f"train.host=tune_trial runs one worker with train.ingest=stream, but the plan has "
+                          f"{plan.num_workers} worker(s) (min_workers={plan.min_workers}) and ingest="
+                          f"{train.ingest}; set train.num_workers=1 and train.ingest=stream, or train.host=auto")
+    if train.host == "auto":
+        return "tune_trial" if solo and nodes == 1 else "ray_train"
+    return train.host
 
 
 def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:

@@ -23,8 +23,9 @@ __all__ = ["EpochLog"]
 
 log = logging.getLogger(__name__)
 
-# stages.train.loop names each checkpoint checkpoint-e<epoch>-s<step>-<attempt>
-_NAME = re.compile(r"checkpoint-e(\d+)-s(\d+)-")
+# stages.train.loop names each of Ray Train's checkpoints checkpoint-e<epoch>-s<step>-<attempt>;
+# Tune numbers a trial's (stages.train.solo) checkpoint_<index>, in the order they were reported
+_NAME = re.compile(r"checkpoint-e(\d+)-s(\d+)-|checkpoint_(\d+)$")
 _STEP_KEY = "train_loss"  # in every epoch's row: the run's last logged epoch is its last step
 
 
@@ -81,7 +82,7 @@ class EpochLog:
         fs.invalidate_cache(root)
         if not fs.exists(root):
             return None
-        named = sorted(((tuple(map(int, m.groups())), p) for p in fs.ls(root, detail=False)
+        named = sorted(((tuple(int(g) for g in m.groups() if g is not None), p) for p in fs.ls(root, detail=False)
                         if (m := _NAME.match(p.rstrip("/").rsplit("/", 1)[-1]))), reverse=True)
         for _, path in named:
             if path == self._seen:

@@ -15,10 +15,10 @@ from stages.feed import ray_data as ingest_ray
 from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
 from stages.model.checkpoint_io import refusal_in
-from stages.train import finetune
+from stages.train import finetune, solo
 from stages.train.epoch_log import EpochLog
 from stages.train.loop import train_loop
-from stages.common import console, fingerprint, session, storage
+from stages.common import cluster, console, fingerprint, session, storage
 from stages.common.tracking import log_params
 from stages.common.artifacts import Artifact, config_hash, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
@@ -171,6 +171,50 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     return done
 
 
+def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str, resumes: bool,
+          s3: Any | None) -> str:
+    """The run's host: the one its saved state was made by (a resume goes on where it was), else
+    session.train_host's choice for this plan."""
+    if not resumes:
+        host = session.train_host(cfg, plan, len(cluster.node_resources()))
+    else:
+        host = "tune_trial" if solo.holds_state(state_uri, name, s3) else "ray_train"
+        if host == "tune_trial" and plan.num_workers != 1:
+            log.warning("train: %s was started by one worker in a Tune trial actor; it resumes there with "
+                        "one worker (the plan has %d; --overwrite starts over with them)",
+                        storage.join(state_uri, name), plan.num_workers)
+    if host == "tune_trial":
+        log.info("train: one worker on one node: its loop runs in a Tune trial actor, without Ray Train's "
+                 "controller and worker group (train.host=ray_train keeps them)")
+    return host
+
+
+def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, interruptible: bool):
+    """`fit()`'s result, or the error a user acts on: where the last good checkpoint is, what a
+    refused checkpoint or a missing node needs, how to resume after Ctrl-C."""
+    resume = f"rerun the same command to resume from the last checkpoint in {out}"
+    try:
+        result = fit()
+    except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
+        # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
+        raise KeyboardInterrupt(resume) from e
+    except Exception as e:  # Train V2 raises once train.max_failures retries are used up
+        if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
+            raise TrainError(refusal) from e
+        if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
+            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; "
+                         f"{resume}: {str(e).splitlines()[0]}") from e
+    if result.error:  # Tune's trial (stages.train.solo) returns its error; a refused checkpoint is one
+        if refusal := refusal_in(result.error):
+            raise TrainError(refusal) from result.error
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; {resume}: "
+                         f"{str(result.error).splitlines()[0]}") from result.error
+    if interruptible and solo.interrupted(result):  # Tune's SIGINT handler stopped the trial
+        raise KeyboardInterrupt(resume)
+    return result
+
+
 def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
                 s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
     started = time.perf_counter()
@@ -181,7 +225,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     trained = init.train if init else cfg
     state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest, init.record["sha256"] if init else None)
-    fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
+    resumes = fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     resources = session.start(ray_cfg)
     plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
@@ -189,28 +233,19 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
             **finetune.shipped(init)}
     if init and tracking:
         log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
-    datasets, ingest = ray_data_datasets(trained, loop, plan)
-    trainer = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets)
+    host = _host(cfg, plan, state_uri, name, resumes, s3)
+    if host == "tune_trial":
+        fit, run_uri = (lambda: solo.fit(cfg, loop, plan, state_uri, name, s3)), solo.run_uri(state_uri, name)
+        ingest = {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
+    else:
+        datasets, ingest = ray_data_datasets(trained, loop, plan)
+        fit = build_trainer(cfg, loop, plan, state_uri, name, s3, datasets=datasets).fit
+        run_uri = storage.join(state_uri, name)
     publish.warm_up_curves()  # beside fit(): the driver only waits there
-    timings = {"before_fit_s": time.perf_counter() - started, "fit_started_at": time.time()}
-    try:
-        with EpochLog(tracking, storage.join(state_uri, name), s3):  # the epochs' MLflow points
-            result = trainer.fit()
-            timings["fit_ended_at"] = time.time()  # before the epochs' last MLflow points (EpochLog's exit)
-    except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
-        # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
-        raise KeyboardInterrupt(f"rerun the same command to resume from the last checkpoint in {out}") from e
-    except Exception as e:  # Train V2 raises once train.max_failures retries are used up
-        if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
-            raise TrainError(refusal) from e
-        if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
-            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
-        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; rerun "
-                         f"the same command to resume from the last checkpoint in {out}: "
-                         f"{str(e).splitlines()[0]}") from e
-    if result.error:
-        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries: "
-                         f"{result.error}") from result.error
+    timings = {"before_fit_s": time.perf_counter() - started, "fit_started_at": time.time(), "host": host}
+    with EpochLog(tracking, run_uri, s3):  # the epochs' MLflow points
+        result = _fit(cfg, fit, plan, out, interruptible=host == "tune_trial")
+        timings["fit_ended_at"] = time.time()  # before the epochs' last MLflow points (EpochLog's exit)
     # The loop ends early only when the loss (or val loss) stops being finite. Its report of that
     # carries no checkpoint, and Train V2's result keeps only checkpointed metrics: the sign is a
     # last checkpoint short of train.epochs (or none at all when epoch 1 diverged).

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["split", "EPOCHS"]
+__all__ = ["split", "EPOCHS", "RAY_START"]
 
-EPOCHS = "epochs (real work)"  # the epochs' own training passes; every other part is the fixed cost
+EPOCHS = "epochs (real work)"
+# Ray's part by the run's host (stages.common.session.train_host)
+RAY_START = {"ray_train": "Ray: controller and worker group start", "tune_trial": "Ray: Tune's trial actor start"}  # the epochs' own training passes; every other part is the fixed cost
 
 
 def split(manifest: dict[str, Any], history: list[dict[str, Any]],
@@ -45,7 +47,7 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     between = sum(b["at"] - a["at"] - own(b) for a, b in zip(history, history[1:]))
     between += sum(h.get("report_s", 0.0) for h in history)
     parts = {"driver: checks, plan, trainer": t["before_fit_s"],
-             "Ray: controller and worker group start": first["loop_at"] - t["fit_started_at"],
+             RAY_START[t.get("host", "ray_train")]: first["loop_at"] - t["fit_started_at"],
              **workers,
              EPOCHS: sum(h["wall_s"] for h in history),
              "evaluation: val and test splits": sum(h.get("eval_s", 0.0) + h.get("test_seconds", 0.0)

@@ -11,24 +11,12 @@ import logging
 
 from ray import tune
 
+from stages.common.console import tune_verbosity as verbosity  # noqa: F401 (the search's; re-exported)
 from stages.common.trials import ended as trial_ended
 
 __all__ = ["TrialLines", "verbosity"]
 
 log = logging.getLogger(__name__)
-
-
-def verbosity() -> int:
-    """`RunConfig.verbose`: Tune's own console output only with --verbose. Without it, Tune's
-    documented switch also silences its warning that fast trials snapshot the experiment often."""
-    import os
-
-    from stages.common import console
-
-    if console.verbose():
-        return 1
-    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    return 0
 
 
 class TrialLines(tune.Callback):
