@@ -17,8 +17,12 @@ costs and the real work, side by side in one run (the demo: configs/default.yaml
   (`RAY_TRAIN_HEALTH_CHECK_INTERVAL_S`, stages/common/ray_start.TRAIN_POLL_S).
 - **Data checks** before the first step, at 1x and 10x the demo: the first train on an ETL
   output hashes every shard, a second one only stats them (stages/etl/integrity.verify_once).
+- **One worker under each train host** (`--host-runs` each, alternating): the demo end to end with
+  `train.num_workers=1` x 2 CPUs, a one-GPU node's plan on the CPUs, with `train.host=ray_train`
+  (a TorchTrainer) and `tune_trial` (one Tune trial actor, what `auto` picks there).
 These run in that order, one at a time. The targets: the demo's train-stage fixed cost <= 0.5x the
-naive floor (Ray's defaults, median), in every run; the demo's `raymill run` <= 40 s on 2 cores (every run).
+naive floor (Ray's defaults, median), in every run; the demo's `raymill run` <= 40 s on 2 cores (every run);
+one worker's fixed cost under the trial actor <= 0.6x under Ray Train (worst against best).
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=int, default=10, help="the larger data set for the data checks (default 10x)")
     p.add_argument("--epochs", type=int, default=10, help="train.epochs (default 10: configs/default.yaml)")
     p.add_argument("--demo-runs", type=int, default=3, help="`raymill run` of the demo, end to end (default 3)")
+    p.add_argument("--host-runs", type=int, default=2,
+                   help="one-worker demo runs per train host, alternating (default 2 each; 0: skip)")
 
 
 def _noop_loop(config: dict) -> None:
@@ -117,19 +123,20 @@ def _data_checks(etl_cfg, root: Path, images: int, tag: str) -> dict[str, Any]:
     return {"images": images, "shard_mb": round(mb, 1), "first_s": times[0], "second_s": times[1]}
 
 
-def _demo_runs(images: int, runs: int) -> list[dict[str, Any]]:
-    """`raymill run` of the demo, `runs` times, each into a fresh run.dir: wall, stage seconds, and
-    the train stage's parts (stages.train.timings)."""
+def _demo_runs(images: int, runs: int, sets: list[list[str]] | None = None) -> list[dict[str, Any]]:
+    """`raymill run` of the demo, `runs` times (or once per `sets`, each run's extra --set keys),
+    each into a fresh run.dir: wall, stage seconds, and the train stage's parts (stages.train.timings)."""
+    sets = sets or [[]] * runs
     from stages.train import timings
     from workflow import demo_data
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="raymill-demo-") as tmp:
         demo_data.generate(Path(tmp) / "demo", images=images, seed=0)  # `make run`'s data
-        for i in range(runs):
+        for i, extra in enumerate(sets):
             run_dir = Path(tmp) / f"run{i}"
             wall = raymill("run", "--config", str(REPO / "configs" / "default.yaml"),
-                           *train_sets([f"run.source={Path(tmp) / 'demo'}", f"run.dir={run_dir}"]))
+                           *train_sets([f"run.source={Path(tmp) / 'demo'}", f"run.dir={run_dir}", *extra]))
             report = json.loads((run_dir / "report.json").read_text())
             stages = {s["stage"]: round(s["seconds"], 2) for s in report["stages"]}
             manifest = json.loads((run_dir / "train" / "manifest.json").read_text())
@@ -140,7 +147,7 @@ def _demo_runs(images: int, runs: int) -> list[dict[str, Any]]:
             rows.append({"wall_s": wall, "reported_s": report["seconds"], **stages, "parts": parts,
                          "fixed_s": round(stages["train"] - parts[timings.EPOCHS], 2),
                          "checkpoint_bytes": (run_dir / "train" / "model.pt").stat().st_size,
-                         "plan": manifest["resource_plan"]})
+                         "plan": manifest["resource_plan"], "host": manifest["timings"].get("host", "ray_train")})
     return rows
 
 
@@ -151,6 +158,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     load, out = loadavg(), {"args": vars(args)}
     out["demo"] = _demo_runs(args.images, args.demo_runs)
+    one = ["train.num_workers=1", "train.cpus_per_worker=2"]  # a one-GPU node's shape, on the CPUs
+    out["hosts"] = _demo_runs(args.images, 0, [one + [f"train.host={h}"] for _ in range(args.host_runs)
+                                               for h in ("ray_train", "tune_trial")])
     plan = out["demo"][0]["plan"]
     out["plan"] = {"workers": plan["num_workers"], "cpus_per_worker": plan["cpus_per_worker"]}
     with tempfile.TemporaryDirectory(prefix="raymill-startup-") as tmp:
@@ -202,6 +212,7 @@ def render(result: dict[str, Any]) -> str:
                         *[""] * len(floor_runs)],
                        ["`ray.init` (not in the train stage)", *(fmt(f["ray_init_s"], 2) for f in floor_runs),
                         fmt(floor["ray_init_s"], 2)]], "l" + "r" * (len(floor_runs) + 1)) + [""]
+    lines += _hosts_lines(result.get("hosts") or [])
     check_rows = [[k, v["images"], fmt(v["shard_mb"], 1), fmt(v["first_s"], 3), fmt(v["second_s"], 3)]
                   for k, v in result["checks"].items()]
     lines += ["Data checks before the first step (stages/etl/integrity.verify_once):", ""]
@@ -218,4 +229,33 @@ def render(result: dict[str, Any]) -> str:
                 "pass": big["second_s"] <= 2 * max(result["checks"]["1x"]["second_s"], 0.01)},
                {"target": f"demo `raymill run`, slowest of {len(demo)}, seconds (<= 40 on 2 cores)",
                 "measured": slowest, "pass": slowest <= 40}]
+    targets += _hosts_targets(result.get("hosts") or [])
     return "\n".join(lines + targets_table(targets, 3))
+
+
+def _by_host(hosts: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return {h: [d for d in hosts if d["host"] == h] for h in ("ray_train", "tune_trial")}
+
+
+def _hosts_lines(hosts: list[dict[str, Any]]) -> list[str]:
+    """The one-worker shape (a one-GPU node's plan, on the CPUs here) under each train host."""
+    if not hosts:
+        return []
+    lines = ["One worker x 2 CPUs (`train.num_workers=1`: the plan of a one-GPU node, emulated on the CPUs), "
+             "the demo end to end under each train host, alternating (seconds; `train.host=tune_trial` is "
+             "what `auto` picks for this shape on one node: stages/train/solo.py):", ""]
+    rows = [[d["host"], fmt(d["wall_s"], 1), fmt(d["train"], 2), fmt(d["parts"]["epochs (real work)"], 2),
+             fmt(d["fixed_s"], 2), fmt(next(v for k, v in d["parts"].items() if k.startswith("Ray:")), 2),
+             fmt(d["parts"]["worker: start and model (CUDA, DDP)"], 2),
+             fmt(d["parts"]["last report and Ray's shutdown"], 2)] for d in hosts]
+    return lines + md_table(["host", "demo wall", "train stage", "epochs", "fixed cost", "Ray's part",
+                             "worker: start and model", "last report and shutdown"], rows, "lrrrrrrr") + [""]
+
+
+def _hosts_targets(hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by = _by_host(hosts)
+    if not by["ray_train"] or not by["tune_trial"]:
+        return []
+    worst, best = max(d["fixed_s"] for d in by["tune_trial"]), min(d["fixed_s"] for d in by["ray_train"])
+    return [{"target": "one worker: train fixed cost, Tune trial host (worst) / Ray Train host (best) <= 0.6",
+             "measured": ratio(worst, best, 3), "pass": worst <= 0.6 * best}]
