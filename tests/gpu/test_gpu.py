@@ -47,6 +47,8 @@ def test_raymill_train_runs_on_the_gpu_with_a_true_utilisation(trained):
     assert m["resource_plan"]["use_gpu"] and m["resource_plan"]["decode_processes"] >= 1
     assert m["resource_plan"]["num_workers"] == torch.cuda.device_count()
     assert m["metrics"]["test_scored_in"] == "workers"
+    # one GPU: one worker, in a Tune trial actor (stages/train/solo.py), its GPU seen as cuda:0
+    assert m["timings"]["host"] == ("tune_trial" if torch.cuda.device_count() == 1 else "ray_train")
     rows = [json.loads(line) for line in (Path(artifact.path) / "metrics.jsonl").read_text().splitlines()]
     assert [r["tier"] for r in rows] == ["stream", "decoded-gpu"]
     for r in rows:
