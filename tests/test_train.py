@@ -1,6 +1,7 @@
 """Train stage on real shards with a real 2-worker DDP run: kill test, S3, cache, stall report.
 
-Three TorchTrainer runs in total (~30 s each on 2 CPUs); keep it that way.
+Three TorchTrainer runs in total (~30 s each on 2 CPUs), and one-worker runs in a Tune trial actor
+(~18 s together); keep it that way.
 """
 from __future__ import annotations
 
@@ -272,6 +273,13 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
     watcher.join()
     assert killed, "no trial actor was killed: the test did not exercise recovery"
     assert not (out / "model.pt").exists()  # nothing published by the failed run
+    # a checkpoint someone rewrote with a pickle is refused by the trial actor, and the run says why
+    state = sorted((out / "ray/train/solo").glob("checkpoint_*"))[-1] / "state.pt"
+    saved = state.read_bytes()
+    torch.save({"model": threading.Lock}, state)  # a class: only a full unpickle could load it
+    with pytest.raises(train.TrainError, match="not plain tensors"):
+        train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    state.write_bytes(saved)
     artifact = train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("resumed") for r in rows), "the rerun started over instead of resuming"

@@ -28,16 +28,18 @@ class CheckpointRefused(RuntimeError):
 def refusal_in(error: BaseException) -> str | None:
     """The worker's CheckpointRefused message, when that is why a fit failed; else None.
 
-    `ray.train.WorkerGroupError.worker_failures` (public) maps each rank to its exception; if
-    a wrapper with traceback text comes instead, its `module.CheckpointRefused: ...` line counts.
+    `ray.train.WorkerGroupError.worker_failures` (public) maps each rank to its exception; a Tune
+    trial's error (stages.train.solo) is the failure itself. If a wrapper with traceback text comes
+    instead, its `module.CheckpointRefused: ...` line counts.
     """
     prefix = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
-    for failure in (getattr(error, "worker_failures", None) or {}).values():
+    failures = getattr(error, "worker_failures", None) or {"trial": error}
+    for failure in failures.values():
+        for line in str(failure).splitlines():  # first: Ray's RayTaskError(CheckpointRefused) is one too,
+            if line.startswith(prefix):  # and its str() is the remote traceback
+                return line[len(prefix):]
         if isinstance(failure, CheckpointRefused):
             return str(failure)
-        for line in str(failure).splitlines():
-            if line.startswith(prefix):
-                return line[len(prefix):]
     return None
 
 
