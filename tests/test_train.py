@@ -297,5 +297,8 @@ def test_train_host_plans_the_trial_actor_only_where_train_adds_nothing():
     assert session.train_host(TrainConfig(ingest="ray_data"), plan, nodes=1) == "ray_train"
     two = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert session.train_host(TrainConfig(), two, nodes=1) == "ray_train"
-    with pytest.raises(ConfigError, match="train.host=tune_trial.*train.num_workers=1"):
-        session.train_host(TrainConfig(host="tune_trial"), two, nodes=1)
+    # asked for by name: one worker is planned; what it cannot run is refused when the config loads
+    assert session.plan_workers(TrainConfig(host="tune_trial"), {"CPU": 2.0, "GPU": 0.0}, 0.5).num_workers == 1
+    for bad in ("train.num_workers=2", "train.ingest=ray_data", "train.min_workers=1"):
+        with pytest.raises(ConfigError, match="train.host=tune_trial runs one worker"):
+            _cfg("train.host=tune_trial", bad)

@@ -3,7 +3,7 @@
 Each stage writes into `<run.dir>/<stage>/`, holding its lock. A stage whose published manifest is
 the one it published, with the same config and inputs (for ETL: a listing fingerprint of the
 source), is reused (and says so); `run.force` recomputes. An interrupted stage (no manifest)
-resumes when its config is unchanged: Ray Train restores from its own checkpoints.
+resumes when its config is unchanged: the train stage restores from its own checkpoints.
 """
 from __future__ import annotations
 

@@ -182,6 +182,13 @@ class TrainConfig(Section):
     # Extra custom resources per worker, e.g. {accelerator: 1}: pins workers to the nodes that have them.
     worker_resources: dict[str, float] = Field(default_factory=dict)
 
+    @model_validator(mode="after")
+    def _one_worker_host(self) -> "TrainConfig":
+        if self.host == "tune_trial" and ((self.num_workers or 1) > 1 or self.min_workers or self.ingest != "stream"):
+            raise ValueError("train.host=tune_trial runs one worker with train.ingest=stream; unset train.num_workers "
+                             "and train.min_workers, set train.ingest=stream, or set train.host=auto")
+        return self
+
 
 class TuneConfig(Section):
     enabled: bool = False

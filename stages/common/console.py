@@ -15,7 +15,7 @@ from typing import Any
 
 from stages.common import benign
 
-__all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "train_logging_config", "quiet_train_worker", "epoch",
+__all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity", "epoch_lines_here", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 # how robustly the run executes, not which rows are seen in which order or the maths applied:
 # - retries and retention: max_failures, num_to_keep, checkpoint_every_steps (only when a
 #   position is saved, never the position's meaning);
-# - placement: num_workers, min_workers, cpus_per_worker, gpus_per_worker, use_gpu. A world
+# - placement: num_workers, min_workers, cpus_per_worker, gpus_per_worker, use_gpu, host (who
+#   runs the loop: the same checkpoints either way, stages/train/solo.py). A world
 #   size change is the elastic path the checkpoint already handles (the epoch restarts);
 # - input plumbing: decode_threads, decode_processes (pixels do not depend on who decodes them),
 #   prefetch_batches, pin_memory, cache_dir, cache_max_gb,
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 TRAIN_RESUMABLE = frozenset({
     "max_failures", "num_to_keep", "checkpoint_every_steps", "num_workers", "min_workers",
     "cpus_per_worker", "gpus_per_worker", "use_gpu", "decode_threads", "decode_processes", "prefetch_batches",
-    "pin_memory", "cache_dir", "cache_max_gb", "storage_path"})
+    "pin_memory", "cache_dir", "cache_max_gb", "storage_path", "host"})
 
 SUFFIX = ".fingerprint.json"
 DEFAULT_FIX = "use a new --output, or pass --overwrite to discard that state and start over"

@@ -95,10 +95,6 @@ def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
     extra parts buy nothing: one worker, not elastic, stream ingest (ray_data's split is Train's),
     one node (a lost GPU node stays Train's capacity wait and error, not a trial pending forever)."""
     solo = plan.num_workers == 1 and plan.min_workers is None and train.ingest == "stream"
-    if train.host == "tune_trial" and not solo:
-        raise ConfigError(f"train.host=tune_trial runs one worker with train.ingest=stream, but the plan has "
-                          f"{plan.num_workers} worker(s) (min_workers={plan.min_workers}) and ingest="
-                          f"{train.ingest}; set train.num_workers=1 and train.ingest=stream, or train.host=auto")
     if train.host == "auto":
         return "tune_trial" if solo and nodes == 1 else "ray_train"
     return train.host
@@ -107,8 +103,8 @@ def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
 def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
     """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
     one-GPU node trains on it rather than refusing a second worker), else 2 (DDP on a laptop)."""
-    if train.num_workers:
-        return train.num_workers
+    if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
+        return train.num_workers or 1
     return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9)) if train.use_gpu else 2
 
 

@@ -1,4 +1,4 @@
-"""Training: PyTorch DDP on Ray Train over the ETL shards, with checkpoints, resume and a verdict on the feed.
+"""Training: PyTorch DDP on Ray Train (one worker: a Tune trial actor) over the ETL shards, with checkpoints, resume and a verdict on the feed.
 
 The exports load `stages.train.stage` (and torch) on first use, not on the package's import: Ray
 Train's controller unpickles this package's light modules (controller_hook, ddp_rendezvous) and had

@@ -15,6 +15,7 @@ one-worker Tune trial already does (`run_hooks.TuneHooks`). The guarantees stay 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -23,7 +24,7 @@ from stages.common.config import TrainConfig
 from stages.train.loop import train_loop
 from stages.train.run_hooks import TuneHooks
 
-__all__ = ["fit", "holds_state", "run_uri", "interrupted", "TRIAL_DIR"]
+__all__ = ["fit", "holds_state", "run_uri", "interrupted", "first_line", "TRIAL_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +32,11 @@ TRIAL_DIR = "solo"  # the one trial's folder under the run's: its checkpoint_000
 
 
 def holds_state(state_uri: str, name: str, s3: Any | None = None) -> bool:
-    """Whether `<state_uri>/<name>` holds a Tune experiment this host can resume."""
-    from ray import tune
-
-    pafs, base = storage.pyarrow_filesystem(state_uri, s3)
-    return tune.Tuner.can_restore(f"{base}/{name}", storage_filesystem=pafs)
+    """Whether `<state_uri>/<name>` was made by this host: Tune's experiment file, or the trial's
+    folder (a driver killed before Tune's first snapshot). Reads names only, imports no Tune."""
+    fs, root = storage.filesystem(state_uri, s3)
+    folder = storage.join(root, name)
+    return any(fs.exists(storage.join(folder, part)) for part in ("tuner.pkl", TRIAL_DIR))
 
 
 def run_uri(state_uri: str, name: str) -> str:
@@ -63,7 +64,6 @@ def fit(cfg: TrainConfig, loop: dict[str, Any], plan: session.WorkerPlan, state_
     # trains with this run's loop config (the fingerprint guard has checked it is the same run's).
     trainable = tune.with_resources(_trial(loop), resources)
     verbose = console.tune_verbosity()  # before a restore too: it sets Tune's switches for this process
-    _quiet_failures()
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
         log.info("train: resuming the one-worker run in %s from its latest checkpoint", storage.join(state_uri, name))
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
@@ -77,29 +77,51 @@ def fit(cfg: TrainConfig, loop: dict[str, Any], plan: session.WorkerPlan, state_
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=metric,
                                                         checkpoint_score_order=mode),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
-    return tuner.fit()[0]  # a trial that raises past its retries comes back with `error` set
+    with _quiet_tune():
+        grid = tuner.fit()  # a trial that raises past its retries comes back with `error` set
+    if len(grid) == 0:  # Ctrl-C before Tune made the trial
+        raise KeyboardInterrupt
+    return grid[0]
 
 
-class _OneLineFailures(logging.Filter):
-    """Tune's controller logs a trial's failure with its whole traceback (30 lines for a killed
-    actor) even when it retries the trial. Without --verbose that record is one line naming the
-    error, and the run's own error says the rest if the retries run out."""
+def first_line(error: BaseException) -> str:
+    """The line a user reads of a failure: a Tune trial's RayTaskError names the actor and pid
+    first, so its cause's message is taken."""
+    cause = getattr(error, "cause", None) or error  # RayTaskError.cause: the exception the actor raised
+    return f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+
+
+class _TuneLines(logging.Filter):
+    """Tune's driver lines that the train stage says better, without --verbose: a trial's failure
+    (with its 30-line traceback, even when Tune retries it) becomes one line; Tune's own Ctrl-C
+    notes, which advise `Tuner.restore(...)`, and its "Trials did not complete" are dropped (the
+    stage's own error or exit says what to do: rerun the same command)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and "Trial task failed" in str(record.msg):
-            error = record.exc_info[1]
-            record.msg, record.args = "train: the trial actor failed (%s: %s); Tune restarts it from its " \
-                "latest checkpoint while train.max_failures allows", (type(error).__name__, str(error).splitlines()[0])
+        message = str(record.msg)
+        if record.exc_info and "Trial task failed" in message:
+            record.msg, record.args = ("train: the trial actor failed (%s); Tune restarts it from its latest "
+                                       "checkpoint while train.max_failures allows", (first_line(record.exc_info[1]),))
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.WARNING, "WARNING"  # retried, not yet the run's failure
-        return True
+            return True
+        return not message.startswith(("Stop signal received", "Experiment has been interrupted",
+                                       "Trials did not complete"))
 
 
-def _quiet_failures() -> None:
-    """Install `_OneLineFailures` on Tune's controller logger, once a process, unless --verbose."""
-    logger = logging.getLogger("ray.tune.execution.tune_controller")
-    if not console.verbose() and not any(isinstance(f, _OneLineFailures) for f in logger.filters):
-        logger.addFilter(_OneLineFailures())
+@contextlib.contextmanager
+def _quiet_tune():
+    """`_TuneLines` on Tune's driver loggers for one fit, unless --verbose: a search later in the
+    same process (a notebook, `raymill run`) keeps Tune's own lines."""
+    loggers = [logging.getLogger(n) for n in ("ray.tune.execution.tune_controller", "ray.tune.tune")]
+    line = None if console.verbose() else _TuneLines()
+    for logger in loggers if line else []:
+        logger.addFilter(line)
+    try:
+        yield
+    finally:
+        for logger in loggers if line else []:
+            logger.removeFilter(line)
 
 
 def _trial(loop: dict[str, Any]):

@@ -1,11 +1,15 @@
-"""Train stage: Ray Train DDP over the ETL shards, then export the best model for inference.
+"""Train stage: Ray Train DDP over the ETL shards (or, for one worker on one node, one Tune trial
+actor: stages/train/solo.py), then export the best model for inference.
 
 Outputs in `out/`: manifest.json, metrics.jsonl, curves.png, model.pt + model.json (loadable
-without Ray), ledger.json (when train.ledger), and Ray Train's run folder under `ray/`.
+without Ray), ledger.json (when train.ledger), and the run's state under `ray/` (Ray Train's run
+folder, or Tune's experiment).
 """
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from typing import Any, Sequence
 
@@ -179,11 +183,14 @@ def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str,
         host = session.train_host(cfg, plan, len(cluster.node_resources()))
     else:
         host = "tune_trial" if solo.holds_state(state_uri, name, s3) else "ray_train"
+        if cfg.host not in ("auto", host):
+            log.warning("train: %s was started with train.host=%s; it resumes there (--overwrite starts over "
+                        "with train.host=%s)", storage.join(state_uri, name), host, cfg.host)
         if host == "tune_trial" and plan.num_workers != 1:
             log.warning("train: %s was started by one worker in a Tune trial actor; it resumes there with "
                         "one worker (the plan has %d; --overwrite starts over with them)",
                         storage.join(state_uri, name), plan.num_workers)
-    if host == "tune_trial":
+    if host == "tune_trial" and not resumes:
         log.info("train: one worker on one node: its loop runs in a Tune trial actor, without Ray Train's "
                  "controller and worker group (train.host=ray_train keeps them)")
     return host
@@ -193,10 +200,14 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, interruptibl
     """`fit()`'s result, or the error a user acts on: where the last good checkpoint is, what a
     refused checkpoint or a missing node needs, how to resume after Ctrl-C."""
     resume = f"rerun the same command to resume from the last checkpoint in {out}"
+    # Train V2 and Tune install their own SIGINT handlers and leave them after a fit that ended
+    # normally: the next Ctrl-C (publish, infer, serve) then only logged "Stop signal received".
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
     try:
         result = fit()
-    except SystemExit as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the run, and the ray.get
-        # it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
+    except (SystemExit, KeyboardInterrupt) as e:  # Ctrl-C: Train V2's own SIGINT handler aborts the
+        # run, and the ray.get it interrupted raises SystemExit(1); the CLI had exited 1 saying nothing
         raise KeyboardInterrupt(resume) from e
     except Exception as e:  # Train V2 raises once train.max_failures retries are used up
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
@@ -204,12 +215,16 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, interruptibl
         if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
             raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; "
-                         f"{resume}: {str(e).splitlines()[0]}") from e
+                         f"{resume}: {solo.first_line(e)}") from e
+    finally:
+        if main and handler is not None:
+            signal.signal(signal.SIGINT, handler)
     if result.error:  # Tune's trial (stages.train.solo) returns its error; a refused checkpoint is one
         if refusal := refusal_in(result.error):
             raise TrainError(refusal) from result.error
-        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; {resume}: "
-                         f"{str(result.error).splitlines()[0]}") from result.error
+        last = result.checkpoint.path if result.checkpoint else "none"
+        raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries "
+                         f"(last good checkpoint: {last}); {resume}: {solo.first_line(result.error)}") from result.error
     if interruptible and solo.interrupted(result):  # Tune's SIGINT handler stopped the trial
         raise KeyboardInterrupt(resume)
     return result

@@ -14,9 +14,9 @@ from typing import Any
 
 __all__ = ["split", "EPOCHS", "RAY_START"]
 
-EPOCHS = "epochs (real work)"
+EPOCHS = "epochs (real work)"  # the epochs' own training passes; every other part is the fixed cost
 # Ray's part by the run's host (stages.common.session.train_host)
-RAY_START = {"ray_train": "Ray: controller and worker group start", "tune_trial": "Ray: Tune's trial actor start"}  # the epochs' own training passes; every other part is the fixed cost
+RAY_START = {"ray_train": "Ray: controller and worker group start", "tune_trial": "Ray: Tune's trial actor start"}
 
 
 def split(manifest: dict[str, Any], history: list[dict[str, Any]],
