@@ -357,3 +357,14 @@ def test_a_refused_stage_leaves_no_mlflow_run(tmp_path):
     client = _client(tracking.store_uri(cfg.tracking, str(tmp_path / "train")))
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)
     assert client.search_runs([experiment.experiment_id]) == []
+
+
+def test_epoch_log_reads_the_one_worker_hosts_checkpoint_names(tmp_path):
+    """Tune numbers the trial's checkpoints (stages/train/solo.py): the newest is the highest
+    number, not the last in text order (checkpoint_000010 after checkpoint_000009)."""
+    for index, epochs in ((2, 1), (9, 2), (10, 3)):
+        folder = tmp_path / f"checkpoint_{index:06d}"
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"history": [{"epoch": e} for e in range(1, epochs + 1)]}))
+    (tmp_path / "params.json").write_text("{}")  # Tune's own files beside them are passed over
+    assert [h["epoch"] for h in EpochLog(None, str(tmp_path))._new_history()] == [1, 2, 3]
