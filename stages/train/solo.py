@@ -87,7 +87,8 @@ def fit(cfg: TrainConfig, loop: dict[str, Any], plan: session.WorkerPlan, state_
 def first_line(error: BaseException) -> str:
     """The line a user reads of a failure: a Tune trial's RayTaskError names the actor and pid
     first, so its cause's message is taken."""
-    cause = getattr(error, "cause", None) or error  # RayTaskError.cause: the exception the actor raised
+    cause = getattr(error, "cause", None)  # RayTaskError.cause: the exception the actor raised (an
+    cause = cause if isinstance(cause, BaseException) else error  # ActorDiedError's is Ray's context record)
     return f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
 
 
