@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from stages.feed import streaming
+from stages.train import solo
 from stages.train import stage as train
 from stages.train import timings
 from stages.model.predict import to_batch
@@ -266,7 +267,7 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
 
     out, killed = tmp_path / "killed", []
     watcher = threading.Thread(target=_kill_the_trial_after_its_first_checkpoint,
-                               args=(out / "ray/train/solo", killed))
+                               args=(out / "ray/train/attempt-000/solo", killed))
     watcher.start()
     with pytest.raises(train.TrainError, match="rerun the same command to resume"):
         train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
@@ -274,7 +275,7 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
     assert killed, "no trial actor was killed: the test did not exercise recovery"
     assert not (out / "model.pt").exists()  # nothing published by the failed run
     # a checkpoint someone rewrote with a pickle is refused by the trial actor, and the run says why
-    state = sorted((out / "ray/train/solo").glob("checkpoint_*"))[-1] / "state.pt"
+    state = out / "ray/train" / solo.committed(str(out / "ray"), "train")[-1][0] / "state.pt"  # the one resumed from
     saved = state.read_bytes()
     torch.save({"model": threading.Lock}, state)  # a class: only a full unpickle could load it
     with pytest.raises(train.TrainError, match="not plain tensors"):

@@ -65,8 +65,12 @@ class TuneHooks:
 
     rank, world = 0, 1
 
-    def __init__(self) -> None:
+    def __init__(self, resume=None) -> None:
+        """`resume`: the checkpoint to start from when Tune has none for this trial (the last one
+        an earlier attempt of a one-worker train committed, stages.train.solo)."""
         import ray
+
+        self.resume = resume
 
         # Tune sets CUDA_VISIBLE_DEVICES to the trial's GPUs, so the trial's GPU is cuda:0.
         gpus = ray.get_gpu_ids() if torch.cuda.is_available() else []
@@ -105,4 +109,4 @@ class TuneHooks:
         import ray.tune
 
         # the trial's own latest checkpoint, or under PBT the donor's that the trial was cloned from
-        return ray.tune.get_checkpoint()
+        return ray.tune.get_checkpoint() or self.resume

@@ -9,14 +9,22 @@ one-worker Tune trial already does (`run_hooks.TuneHooks`). The guarantees stay 
 - a checkpoint is committed (copied into the run's storage) before `ray.tune.report` returns;
 - `FailureConfig(max_failures)` restarts a killed actor from the trial's latest checkpoint, and
   the loop resumes there as a Train rank does (same checkpoint files, same RNG and position);
-- the experiment state in `<state>/<name>` is restored by the next run (`Tuner.restore`) after
-  the driver died, was interrupted, or the retries ran out.
+- after the driver died, was interrupted, or the retries ran out, the next run is a new Tune
+  experiment (`<state>/<name>/attempt-NNN`) whose trial starts from the last checkpoint an earlier
+  attempt committed (listed in its trial's result.json, which Tune writes after the checkpoint is
+  stored). Not `Tuner.restore`: it unpickles the folder's tuner.pkl, keeps the failure count
+  and config of the first attempt, and in 1 of 4 reruns after a killed actor (max_failures=0)
+  it marked the errored trial finished without running it (Ray 2.60).
 `session.train_host` decides when this host is used; a run keeps the host its state was made by.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
+import signal
+import threading
 from typing import Any
 
 from stages.common import console, session, storage
@@ -24,64 +32,112 @@ from stages.common.config import TrainConfig
 from stages.train.loop import train_loop
 from stages.train.run_hooks import TuneHooks
 
-__all__ = ["fit", "holds_state", "run_uri", "interrupted", "first_line", "TRIAL_DIR"]
+__all__ = ["Attempt", "committed", "holds_state", "first_line", "TRIAL_DIR", "ATTEMPT"]
 
 log = logging.getLogger(__name__)
 
-TRIAL_DIR = "solo"  # the one trial's folder under the run's: its checkpoint_00000N folders
+TRIAL_DIR = "solo"  # the one trial's folder in each attempt: its checkpoint_00000N folders
+ATTEMPT = "attempt-"  # one Tune experiment per `raymill train` of this run
 
 
 def holds_state(state_uri: str, name: str, s3: Any | None = None) -> bool:
-    """Whether `<state_uri>/<name>` was made by this host: Tune's experiment file, or the trial's
-    folder (a driver killed before Tune's first snapshot). Reads names only, imports no Tune."""
+    """Whether `<state_uri>/<name>` was made by this host (an attempt folder). Names only."""
     fs, root = storage.filesystem(state_uri, s3)
-    folder = storage.join(root, name)
-    return any(fs.exists(storage.join(folder, part)) for part in ("tuner.pkl", TRIAL_DIR))
+    return bool(_attempts(fs, storage.join(root, name)))
 
 
-def run_uri(state_uri: str, name: str) -> str:
-    """The folder that holds this host's checkpoints (stages.train.epoch_log reads it)."""
-    return storage.join(state_uri, name, TRIAL_DIR)
+def _attempts(fs, folder: str) -> list[str]:
+    try:
+        return sorted(n for n in (p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(folder, detail=False))
+                      if n.startswith(ATTEMPT))
+    except FileNotFoundError:
+        return []
 
 
-def interrupted(result) -> bool:
-    """A trial that Tune stopped without finishing or failing: the driver's Ctrl-C. Its last row
-    is not marked `done` (a finished trial's is, a NaN stop included)."""
-    return result.error is None and not (result.metrics or {}).get("done")
+def committed(state_uri: str, name: str, s3: Any | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(path under the run's folder, reported metrics) of each checkpoint the attempts so far
+    committed and still keep, in report order: result.json lists a checkpoint only after Tune
+    stored it, so a folder a killed actor was still copying is never resumed from."""
+    fs, root = storage.filesystem(state_uri, s3)
+    folder, found = storage.join(root, name), []
+    for attempt in _attempts(fs, folder):
+        trial = storage.join(folder, attempt, TRIAL_DIR)
+        try:
+            lines = fs.cat_file(storage.join(trial, "result.json")).decode().splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut by a killed driver
+                continue
+            kept = row.get("checkpoint_dir_name")
+            if kept and fs.exists(storage.join(trial, kept, "meta.json")):
+                found.append((f"{attempt}/{TRIAL_DIR}/{kept}", row))
+    return found
 
 
-def fit(cfg: TrainConfig, loop: dict[str, Any], plan: session.WorkerPlan, state_uri: str, name: str,
-        s3: Any | None = None, metric: str = "val_acc", mode: str = "max"):
-    """Train in one Tune trial actor, or resume the experiment saved in `<state_uri>/<name>`;
-    the trial's `ray.tune.Result` (checkpoint, best_checkpoints, metrics, error, path)."""
-    from ray import tune
+class Attempt:
+    """This run's Tune experiment: `run_uri` holds its checkpoints (stages.train.epoch_log reads
+    them while `fit()` trains)."""
 
-    pafs, base = storage.pyarrow_filesystem(state_uri, s3)
-    experiment = f"{base}/{name}"
-    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
-                 **cfg.worker_resources}
-    # The loop travels in the function's closure, not in the experiment state: a restored run
-    # trains with this run's loop config (the fingerprint guard has checked it is the same run's).
-    trainable = tune.with_resources(_trial(loop), resources)
-    verbose = console.tune_verbosity()  # before a restore too: it sets Tune's switches for this process
-    if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
-        log.info("train: resuming the one-worker run in %s from its latest checkpoint", storage.join(state_uri, name))
-        tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
-                                   resume_errored=True, storage_filesystem=pafs)
-    else:
+    def __init__(self, cfg: TrainConfig, loop: dict[str, Any], plan: session.WorkerPlan, state_uri: str,
+                 name: str, s3: Any | None = None):
+        self.cfg, self.loop, self.plan, self.state_uri, self.name, self.s3 = cfg, loop, plan, state_uri, name, s3
+        fs, root = storage.filesystem(state_uri, s3)
+        self.index = len(_attempts(fs, storage.join(root, name)))
+        self.run_uri = storage.join(state_uri, name, f"{ATTEMPT}{self.index:03d}", TRIAL_DIR)
+
+    def fit(self):
+        """The trial's `ray.tune.Result`, its `best_checkpoints` over every attempt of the run and
+        `error` set when it failed; KeyboardInterrupt when Tune stopped it (Ctrl-C)."""
+        from ray import tune
+
+        pafs, base = storage.pyarrow_filesystem(self.state_uri, self.s3)
+        earlier = [(tune.Checkpoint(f"{base}/{self.name}/{path}", filesystem=pafs), row)
+                   for path, row in committed(self.state_uri, self.name, self.s3)]
+        if earlier:
+            log.info("train: resuming from %s (attempt %d of this run)", earlier[-1][0].path, self.index + 1)
+        cfg, plan = self.cfg, self.plan
+        resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
+                     **cfg.worker_resources}
         tuner = tune.Tuner(
-            trainable,
+            tune.with_resources(_trial(self.loop, earlier[-1][0] if earlier else None), resources),
             tune_config=tune.TuneConfig(num_samples=1, trial_dirname_creator=lambda trial: TRIAL_DIR),
             run_config=tune.RunConfig(
-                name=name, storage_path=base, storage_filesystem=pafs, verbose=verbose,
-                checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=metric,
-                                                        checkpoint_score_order=mode),
+                name=f"{ATTEMPT}{self.index:03d}", storage_path=f"{base}/{self.name}", storage_filesystem=pafs,
+                verbose=console.tune_verbosity(),
+                checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.num_to_keep,
+                                                        checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
+        return _outcome(_fit(tuner), earlier)
+
+
+def _fit(tuner):
+    """`tuner.fit()` under `_quiet_tune`; with whether a Ctrl-C stopped it. Tune swaps in its own
+    SIGINT handler for the fit and puts the one before back only when the signal came: the one
+    sign of a Ctrl-C that does not depend on the trial's recorded state."""
+    before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     with _quiet_tune():
-        grid = tuner.fit()  # a trial that raises past its retries comes back with `error` set
-    if len(grid) == 0:  # Ctrl-C before Tune made the trial
+        grid = tuner.fit()
+    return grid, before is not None and signal.getsignal(signal.SIGINT) is before
+
+
+def _outcome(fitted, earlier: list):
+    grid, ctrl_c = fitted
+    if len(grid) == 0 and ctrl_c:  # before Tune made the trial
         raise KeyboardInterrupt
-    return grid[0]
+    result = grid[0]
+    if grid.num_errors and result.error is None:  # its error file not read back yet
+        result = dataclasses.replace(result, error=RuntimeError(f"the trial actor failed (see {result.path})"))
+    if result.error is None and not (result.metrics or {}).get("done"):  # neither finished nor failed
+        if ctrl_c:
+            raise KeyboardInterrupt
+        result = dataclasses.replace(result, error=RuntimeError(
+            f"Tune stopped the trial before its last epoch and recorded no error (see {result.path})"))
+    # the best is chosen over the whole run: an earlier attempt's best epoch counts as it would have
+    return dataclasses.replace(result, best_checkpoints=earlier + list(result.best_checkpoints or []),
+                               checkpoint=result.checkpoint or (earlier[-1][0] if earlier else None))
 
 
 def first_line(error: BaseException) -> str:
@@ -125,9 +181,9 @@ def _quiet_tune():
             logger.removeFilter(line)
 
 
-def _trial(loop: dict[str, Any]):
+def _trial(loop: dict[str, Any], resume):
     def raymill_train(config: dict) -> None:  # the actor's name in `ray list actors` and in logs
         console.epoch_lines_here()
-        train_loop(loop, TuneHooks())
+        train_loop(loop, TuneHooks(resume))
 
     return raymill_train

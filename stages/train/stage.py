@@ -196,7 +196,7 @@ def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str,
     return host
 
 
-def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, interruptible: bool):
+def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
     """`fit()`'s result, or the error a user acts on: where the last good checkpoint is, what a
     refused checkpoint or a missing node needs, how to resume after Ctrl-C."""
     resume = f"rerun the same command to resume from the last checkpoint in {out}"
@@ -225,8 +225,6 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, interruptibl
         last = result.checkpoint.path if result.checkpoint else "none"
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries "
                          f"(last good checkpoint: {last}); {resume}: {solo.first_line(result.error)}") from result.error
-    if interruptible and solo.interrupted(result):  # Tune's SIGINT handler stopped the trial
-        raise KeyboardInterrupt(resume)
     return result
 
 
@@ -250,7 +248,8 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
         log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
     host = _host(cfg, plan, state_uri, name, resumes, s3)
     if host == "tune_trial":
-        fit, run_uri = (lambda: solo.fit(cfg, loop, plan, state_uri, name, s3)), solo.run_uri(state_uri, name)
+        attempt = solo.Attempt(cfg, loop, plan, state_uri, name, s3)
+        fit, run_uri = attempt.fit, attempt.run_uri
         ingest = {"ingest": "stream", "resume": ingest_ray.RESUME["stream"]}
     else:
         datasets, ingest = ray_data_datasets(trained, loop, plan)
@@ -259,7 +258,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     publish.warm_up_curves()  # beside fit(): the driver only waits there
     timings = {"before_fit_s": time.perf_counter() - started, "fit_started_at": time.time(), "host": host}
     with EpochLog(tracking, run_uri, s3):  # the epochs' MLflow points
-        result = _fit(cfg, fit, plan, out, interruptible=host == "tune_trial")
+        result = _fit(cfg, fit, plan, out)
         timings["fit_ended_at"] = time.time()  # before the epochs' last MLflow points (EpochLog's exit)
     # The loop ends early only when the loss (or val loss) stops being finite. Its report of that
     # carries no checkpoint, and Train V2's result keeps only checkpointed metrics: the sign is a
