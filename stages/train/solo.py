@@ -125,8 +125,10 @@ def _fit(tuner):
 
 def _outcome(fitted, earlier: list):
     grid, ctrl_c = fitted
-    if len(grid) == 0 and ctrl_c:  # before Tune made the trial
-        raise KeyboardInterrupt
+    if len(grid) == 0:  # Tune made no trial: stopped at once
+        if ctrl_c:
+            raise KeyboardInterrupt
+        raise RuntimeError("Tune ended the run before it made its trial")
     result = grid[0]
     if grid.num_errors and result.error is None:  # its error file not read back yet
         result = dataclasses.replace(result, error=RuntimeError(f"the trial actor failed (see {result.path})"))
