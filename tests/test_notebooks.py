@@ -42,4 +42,24 @@ def test_notebook_executes(name, notebook_env):
     # a notebook that succeeds shows no traceback either (03_tune's trial actors had printed one per
     # decode-pool semaphore as the search ended, until the pool stopped naming semaphores: pipe_pool)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
-    assert "Traceback (most recent call last)" not in text, text[-3000:]
+    assert "Traceback (most recent call last)" not in _without_ray_sigterm_noise(text), text[-3000:]
+
+
+def _without_ray_sigterm_noise(text: str) -> str:
+    """Drop the one block Ray itself prints when Tune ends a finished trial's actor with SIGTERM
+    while that process runs a garbage-collector callback: "Exception ignored in: <... WeakSet ...>",
+    Ray's `sigterm_handler`, "SystemExit: 1" (1 of 4 fresh-clone CI runs, 2026-11-27). It is the
+    actor's shutdown, after its trial's results are in; any other traceback still fails."""
+    kept, block = [], []
+    for line in text.splitlines():
+        if "Exception ignored in:" in line:
+            block = [line]
+        elif block:
+            block.append(line)
+            if line.rstrip().endswith("SystemExit: 1"):
+                if not any("sigterm_handler" in b for b in block):
+                    kept += block
+                block = []
+        else:
+            kept.append(line)
+    return "\n".join(kept + block)
