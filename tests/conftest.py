@@ -1,8 +1,10 @@
 """Shared fixtures: one local Ray per session, a loopback S3 (moto server), image factories."""
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import re
 import socket
 import sys
 import threading
@@ -90,7 +92,10 @@ def s3_bucket(s3_server, request):
     """A fresh bucket per test; yields (endpoint_url, bucket_name)."""
     import boto3
 
-    name = "raymill-" + request.node.name.lower().replace("_", "-")[:40].strip("-")
+    # the test's name, cut to fit S3's 63 characters, and a hash of its whole id: parametrized
+    # cases once shared a bucket (and one resumed the other's run from it)
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower())[:36].strip("-")
+    name = f"raymill-{slug}-{hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:8]}"
     client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     client.create_bucket(Bucket=name)
     yield s3_server, name

@@ -159,3 +159,27 @@ def test_benchmarks_are_smaller_than_the_product():
         return sum(len(p.read_text().splitlines()) for p in _files(folder))
 
     assert lines("benchmarks") < lines("stages") + lines("workflow")
+
+
+def test_ray_data_task_functions_unpickle_without_torch(tmp_path):
+    """Ray pickles a map function by its module: a Ray Data task worker unpickling one of these
+    imports that module first. None of them may pull torch into a decode-only worker (each new
+    worker paid ~1.7 s of CPU for it, on the first epoch's critical path)."""
+    import subprocess
+    import sys
+
+    from ray import cloudpickle
+
+    from stages.feed import ray_udfs
+    from stages.infer import decode as infer_decode
+
+    functions = [ray_udfs.decode_augment_batch, ray_udfs.decode_batch, ray_udfs.augment_batch,
+                 ray_udfs.from_webdataset, infer_decode.decode_batch]
+    pickled = tmp_path / "functions.pkl"
+    pickled.write_bytes(cloudpickle.dumps(functions))
+    probe = ("import sys; from ray import cloudpickle; "
+             f"fs = cloudpickle.loads(open({str(pickled)!r}, 'rb').read()); "
+             "print(len(fs), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == [str(len(functions)), "False"], done.stdout

@@ -121,7 +121,10 @@ def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_p
         artifact.manifest["metrics"]["seconds"] + artifact.manifest["timings"]["publish_s"], abs=0.2), parts
 
 
-def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_path):
+@pytest.mark.parametrize("workers", [2, 1])
+def test_s3_tar_shards_through_cache_and_s3_checkpoints(workers, dataset, s3_bucket, tmp_path):
+    """Both train hosts on S3: Ray Train's workers (2), and one worker in a Tune trial actor (1,
+    stages.train.solo), whose rerun after a finished but unpublished run once failed as 'NaN'."""
     import s3fs
 
     endpoint, bucket = s3_bucket
@@ -132,8 +135,9 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
 
     remote = load_artifact(f"s3://{bucket}/ds", "etl", s3)
     cfg = _cfg("train.data_format=tar", "train.checkpoint_every_steps=0", "train.ledger=false",
-               f"train.cache_dir={tmp_path / 'cache'}", "train.decoded_tier=auto")
+               f"train.cache_dir={tmp_path / 'cache'}", "train.decoded_tier=auto", f"train.num_workers={workers}")
     artifact = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
+    assert artifact.manifest["timings"]["host"] == ("tune_trial" if workers == 1 else "ray_train")
     history = [json.loads(line) for line in fs.cat_file(f"{bucket}/run/metrics.jsonl").decode().splitlines()]
     # rank 0's counters: epoch 1 fills the cache; epoch 2 fetches nothing (it trains from the decoded
     # tier, and evaluates on the pixels epoch 1's evaluation kept: WorkerFeeds.eval_feed)
@@ -145,12 +149,14 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(dataset, s3_bucket, tmp_
     cached = list((tmp_path / "cache").glob("*.tar"))
     assert cached and all(p.stat().st_size > 0 for p in cached)
     assert fs.find(f"{bucket}/run/ray/train"), "no checkpoint was written to S3"
-    assert artifact.manifest["checkpoint"]["latest"].startswith(f"{bucket}/run/ray/train/checkpoint-")
+    assert artifact.manifest["checkpoint"]["latest"].startswith(
+        f"{bucket}/run/ray/train/{'attempt-000/solo/checkpoint_' if workers == 1 else 'checkpoint-'}")
     # resume from the S3 checkpoint: a second fit of the same run, unpublished as after a crash in
     # publish, finds it and trains nothing new
     fs.rm_file(f"{bucket}/run/manifest.json")
     again = train.run(cfg.train, remote, f"s3://{bucket}/run", seed=0, ray_cfg=cfg.ray, s3=s3)
     assert again.manifest["metrics"]["epochs"] == 2
+    assert again.manifest["checkpoint"]["best"] == artifact.manifest["checkpoint"]["best"]
 
 
 def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts():

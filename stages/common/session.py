@@ -39,6 +39,12 @@ class WorkerPlan:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def resources(self, worker_resources: dict[str, float]) -> dict[str, float]:
+        """What one worker holds in Ray (`worker_resources`: train.worker_resources), whichever
+        host runs it: a Train worker, a Tune trial actor, or the one-worker train host."""
+        return {"CPU": self.cpus_per_worker, **({"GPU": self.gpus_per_worker} if self.use_gpu else {}),
+                **worker_resources}
+
 
 def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
                  slots: int = 1, keep_reserve: bool | None = None) -> WorkerPlan:
@@ -153,9 +159,7 @@ class TrialPlan:
         """What Tune reserves for one trial (`worker_resources`: train.worker_resources)."""
         if not self.in_function:
             return {"CPU": TRIAL_DRIVER_CPUS}
-        w = self.workers
-        return {"CPU": w.cpus_per_worker, **({"GPU": w.gpus_per_worker} if w.use_gpu else {}),
-                **worker_resources}
+        return self.workers.resources(worker_resources)
 
 
 # A trial's driver only launches and watches its trainer. Tune refuses a trial with no

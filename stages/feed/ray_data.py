@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from stages.feed import streaming
+from stages.feed import ray_udfs as udfs
 from stages.feed.feeds import FedBatch
 from stages.feed.meters import StartWaits
 from stages.common import console, session, storage
@@ -31,7 +31,7 @@ from stages.common.artifacts import Artifact, write_manifest
 from stages.common.config import ConfigError, TrainConfig
 
 __all__ = ["RESUME", "SPLITS", "check_plan", "decode_rows", "build_train_dataset", "build_train_datasets",
-           "equal_rows", "ShardBatches", "WarmEpochs", "decode_batch", "augment_batch", "decode_augment_batch"]
+           "equal_rows", "ShardBatches", "WarmEpochs"]
 
 log = logging.getLogger(__name__)
 
@@ -111,48 +111,7 @@ def _read(shards: list[dict], seed: int, cpus: float, s3: dict | None, rows: int
             ctx.use_datasource_v2, ctx.enable_progress_bars = default, bars
         return ds.select_columns(["key", "label", "image"])
     ds = ray.data.read_webdataset(paths, filesystem=fs, decoder=None, shuffle=shuffle, num_cpus=cpus)
-    return ds.map_batches(_from_webdataset, batch_size=rows, num_cpus=cpus)
-
-
-def _from_webdataset(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Ray's WebDataset columns (__key__, cls, jpg|png) -> the parquet layout (key, label, image)."""
-    images = batch["jpg"] if "jpg" in batch else batch["png"]
-    return {"key": batch["__key__"], "label": np.array([int(c) for c in batch["cls"]], np.int64),
-            "image": images}
-
-
-def decode_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool) -> dict[str, np.ndarray]:
-    """Stored image bytes -> uint8 HWC pixels."""
-    return _decoded(batch, np.stack([streaming.decode_sample(b, image_size, raw) for b in batch["image"]]))
-
-
-def _decoded(batch: dict[str, np.ndarray], images: np.ndarray) -> dict[str, np.ndarray]:
-    """The decoded batch's columns. Node id and wall time show where and when decoding ran: the
-    placement test and the cache check (no decode inside a cached epoch) read them."""
-    import ray
-
-    n, node = len(images), ray.get_runtime_context().get_node_id()
-    return {"key": batch["key"], "label": batch["label"].astype(np.int64), "image": images,
-            "decode_node": np.array([node] * n), "decoded_at": np.full(n, time.time())}
-
-
-def augment_batch(batch: dict[str, np.ndarray], scale_min: float, crop: bool,
-                  flip: bool) -> dict[str, np.ndarray]:
-    """The training augmentation of stages.feed.streaming.augment, per row.
-
-    Fresh entropy, not (seed, epoch, key) as in the stream path: a Ray Data task is not told
-    which epoch it serves. ray_data runs are therefore not bit-reproducible.
-    """
-    rng = np.random.default_rng()
-    return {**batch, "image": np.stack([streaming.augment(p, rng, scale_min, crop, flip) for p in batch["image"]])}
-
-
-def decode_augment_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool, scale_min: float,
-                         crop: bool, flip: bool) -> dict[str, np.ndarray]:
-    """decode_batch then augment_batch in one call: the batch's pixels are stacked once, not twice."""
-    rng = np.random.default_rng()  # fresh entropy, as augment_batch
-    return _decoded(batch, np.stack([streaming.augment(streaming.decode_sample(b, image_size, raw), rng,
-                                                       scale_min, crop, flip) for b in batch["image"]]))
+    return ds.map_batches(udfs.from_webdataset, batch_size=rows, num_cpus=cpus)
 
 
 def build_train_dataset(cfg: TrainConfig, shards: list[dict], *, seed: int, image_size: int, raw: bool,
@@ -181,15 +140,15 @@ def build_train_datasets(cfg: TrainConfig, shards: list[dict], *, seed: int, ima
     rows, decode = decode_rows(shards, image_size), {"image_size": image_size, "raw": raw}
     names = SPLITS if cfg.epochs > 1 else SPLITS[:1]
     if cfg.object_store_cache:
-        decoded = _read(shards, seed, cpus, s3, rows).map_batches(decode_batch, fn_kwargs=decode,
+        decoded = _read(shards, seed, cpus, s3, rows).map_batches(udfs.decode_batch, fn_kwargs=decode,
                                                                    batch_size=rows, num_cpus=cpus)
         cached = _cached(decoded, info)
-        datasets = {name: cached.map_batches(augment_batch, fn_kwargs=augment, batch_size=rows, num_cpus=cpus)
+        datasets = {name: cached.map_batches(udfs.augment_batch, fn_kwargs=augment, batch_size=rows, num_cpus=cpus)
                     for name in names}
     else:  # one UDF, pixels stacked once: first batch 0.9 -> 0.65 s, +5% images/s (224 px, 2-core box)
         # Each dataset its own file-order seed: Ray reseeds it per execution with hash((seed, index)).
         datasets = {name: _read(shards, seed + i * 1_000_003, cpus, s3, rows).map_batches(
-            decode_augment_batch, fn_kwargs={**decode, **augment}, batch_size=rows, num_cpus=cpus)
+            udfs.decode_augment_batch, fn_kwargs={**decode, **augment}, batch_size=rows, num_cpus=cpus)
             for i, name in enumerate(names)}
     for ds in datasets.values():
         # Every epoch runs this dataset inside Train's split coordinator actor, whose stdout reaches

@@ -6,7 +6,7 @@
   threads while the GPU waits.
 
 Both give every sample exactly one row: an unusable file is a row with its error reason, never an
-exception, and both use the project's one eval transform (`predict.preprocess`,
+exception, and both use the project's one eval transform (`stages.model.transform.preprocess`,
 `streaming.decode_sample`), so the two plans predict the same.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from stages.model import predict
+from stages.model.transform import preprocess
 from stages.etl import sources
 from stages.feed import streaming
 from stages.etl.stage import sample_key
@@ -74,7 +74,7 @@ class Reader:
             if sample["size"] > cap:  # not even read: one huge file must not sink the worker
                 return None, "too_large", f"{sample['size']} bytes > {cap}"
             data = sources.read_capped(self.fs, self.root, sample["rel"], cap, rules["follow_symlinks"])
-            return predict.preprocess(data, self.info, tuple(rules["allowed_formats"]),
+            return preprocess(data, self.info, tuple(rules["allowed_formats"]),
                                       rules["max_image_pixels"]), None, None
         except BadImage as e:
             return None, e.reason, e.detail

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stages.feed import streaming
-from stages.etl.images import decode_rgb
+from stages.model.transform import preprocess  # re-exported: the eval transform, torch-free
 from stages.model.zoo import build_model
 from stages.common import storage
 from stages.common.config import ConfigError
@@ -70,16 +70,6 @@ def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]
     model = build_model(info["architecture"], len(info["classes"]), info["width"], info["dropout"])
     model.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
     return model.eval(), info
-
-
-def preprocess(data: bytes, info: dict, allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP"),
-               max_pixels: int = 89_478_485) -> np.ndarray:
-    """The eval transform for raw image bytes: identical to what ETL stored for training.
-
-    Raises stages.etl.images.BadImage (with .reason) for unusable bytes.
-    """
-    return decode_rgb(data, info["image_size"], resize=info.get("resize", "crop"),
-                      allowed_formats=allowed_formats, max_pixels=max_pixels)
 
 
 @torch.no_grad()

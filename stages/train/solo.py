@@ -99,8 +99,7 @@ class Attempt:
         if earlier:
             log.info("train: resuming from %s (attempt %d of this run)", earlier[-1][0].path, self.index + 1)
         cfg, plan = self.cfg, self.plan
-        resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
-                     **cfg.worker_resources}
+        resources = plan.resources(cfg.worker_resources)
         tuner = tune.Tuner(
             tune.with_resources(_trial(self.loop, earlier[-1][0] if earlier else None), resources),
             tune_config=tune.TuneConfig(num_samples=1, trial_dirname_creator=lambda trial: TRIAL_DIR),
@@ -137,6 +136,10 @@ def _outcome(fitted, earlier: list):
             raise KeyboardInterrupt
         result = dataclasses.replace(result, error=RuntimeError(
             f"Tune stopped the trial before its last epoch and recorded no error (see {result.path})"))
+    if result.error is None and "epoch" not in result.metrics and earlier:
+        # Resumed after the last epoch (a run that stopped before publishing): the loop had nothing
+        # to train and reported nothing, so the run's last row is the last committed checkpoint's.
+        result = dataclasses.replace(result, metrics={**earlier[-1][1], "done": True})
     # the best is chosen over the whole run: an earlier attempt's best epoch counts as it would have
     return dataclasses.replace(result, best_checkpoints=earlier + list(result.best_checkpoints or []),
                                checkpoint=result.checkpoint or (earlier[-1][0] if earlier else None))

@@ -131,8 +131,7 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
 
     fs, path = storage.pyarrow_filesystem(storage_uri, s3)
     workers = (plan.min_workers, plan.num_workers) if plan.min_workers else plan.num_workers
-    resources = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {}),
-                 **cfg.worker_resources}
+    resources = plan.resources(cfg.worker_resources)
     return TorchTrainer(
         _entry, train_loop_config=loop, datasets=datasets,
         scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=plan.use_gpu,
