@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, str] = {
     "finetune": "benchmarks.finetune",
     "startup": "benchmarks.startup",
     "chaos": "benchmarks.chaos",
+    "coldstart": "benchmarks.coldstart",
 }
 
 HERE = Path(__file__).resolve().parent
