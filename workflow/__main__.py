@@ -6,6 +6,7 @@ The console shows raymill's own lines; Ray's chatter stays in Ray's log files un
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -188,30 +189,34 @@ def cmd_train(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    _start_unless_published(cfg, data, args.output, args.overwrite, "train", [cfg.train.model])
-    artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
-        cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
-        tracking=run), reuse=lambda: None if args.overwrite else train.published(
-        cfg.train, data, args.output, cfg.run.seed, cfg.s3))
+    with _locked_before_ray(cfg, data, args.output, args.overwrite, "train", [cfg.train.model]):
+        artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
+            cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
+            tracking=run), reuse=lambda: None if args.overwrite else train.published(
+            cfg.train, data, args.output, cfg.run.seed, cfg.s3))
     print(f"train: test_acc={console.score(artifact.manifest['metrics']['test_acc'])} -> {artifact.path}")
     return 0
 
 
-def _start_unless_published(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]) -> None:
-    """Ray's start with torch's import beside it (workflow.preflight), unless `out` already holds a
-    published output: the stage then reuses it, or refuses to overwrite it, and needs no Ray. A
-    model that cannot take the data's image size, and an output that is a file or another stage's,
-    are refused first (exit 2), before anything starts or is written there (MLflow's store)."""
+@contextlib.contextmanager
+def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]):
+    """The output's lock for the whole command, then Ray's start with torch's import beside it
+    (workflow.preflight), unless `out` already holds a published output: the stage then reuses it,
+    or refuses to overwrite it, and needs no Ray. A model that cannot take the data's image size,
+    and an output that is a file, another stage's, or another run's (locked), are refused first
+    (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
+    lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
-    from stages.common.locks import check_output_kind
+    from stages.common.locks import output_lock
     from stages.model.sizes import check_image_size
     from workflow import preflight
 
     check_image_size(models, data.manifest["config"]["image_size"])
-    check_output_kind(out, stage, cfg.s3)
-    fs, root = storage.filesystem(out, cfg.s3)
-    if overwrite or manifest_kind(fs, root) is None:
-        preflight.beside_ray(cfg, out)
+    with output_lock(out, stage, cfg.s3):  # checks the output's kind too
+        fs, root = storage.filesystem(out, cfg.s3)
+        if overwrite or manifest_kind(fs, root) is None:
+            preflight.beside_ray(cfg, out)
+        yield
 
 
 def cmd_tune(args) -> int:
@@ -221,11 +226,11 @@ def cmd_tune(args) -> int:
     from stages.common.artifacts import load_artifact
 
     data = load_artifact(args.data, "etl", cfg.s3)
-    _start_unless_published(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model))
-    artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
-        cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
-        callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output, cfg.run.seed,
-                                                           cfg.s3))
+    with _locked_before_ray(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model)):
+        artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
+            cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
+            callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output,
+                                                               cfg.run.seed, cfg.s3))
     print(f"tune: best {artifact.manifest['metrics']} -> {artifact.path}")
     return 0
 
