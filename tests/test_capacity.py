@@ -60,6 +60,9 @@ def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
     assert "train.capacity_timeout_s=40s" in message and "1 alive node(s) (CPU 1)" in message
     assert "missing: 1 x {CPU: 0.75}" in message and "ray start --address" in message
     assert "train.min_workers=1" in message and "rerun the same command" in message and "runs/x/train" in message
+    # train.worker_resources count: a node without the custom resource holds no worker
+    custom = str(capacity.capacity_error(plan, 40, "runs/x/train", nodes, worker_resources={"fast_disk": 1.0}))
+    assert "fit only 0" in custom and "fast_disk: 1" in custom, custom
 
 
 def test_serve_and_train_plan_leaves_ray_data_its_reserve():

@@ -168,4 +168,4 @@ def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, cap
         holder.wait()
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"pid {holder.pid}" in run.stderr
-    assert "ray dashboard" not in run.stdout + run.stderr and "ray:" not in run.stdout, run.stdout + run.stderr
+    assert "ray dashboard" not in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr

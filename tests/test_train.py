@@ -159,6 +159,27 @@ def test_s3_tar_shards_through_cache_and_s3_checkpoints(workers, dataset, s3_buc
     assert again.manifest["checkpoint"]["best"] == artifact.manifest["checkpoint"]["best"]
 
 
+def test_a_rerun_after_the_last_epoch_takes_the_last_committed_row():
+    """solo._outcome: an attempt that resumed after the last epoch reported nothing (Tune's own
+    keys and done); the run's row is the last checkpoint an earlier attempt committed."""
+    from ray import tune
+
+    class Grid(list):
+        num_errors = 0
+
+    row = {"epoch": 2, "val_acc": 0.5, "test_acc": 0.4}
+    earlier = [(tune.Checkpoint("/x/attempt-000/solo/checkpoint_000001"), row)]
+    nothing = tune.Result(metrics={"done": True, "trial_id": "t"}, checkpoint=None, error=None, path="/x")
+    result = solo._outcome((Grid([nothing]), False), earlier)
+    assert result.metrics == {**row, "done": True} and result.checkpoint.path.endswith("checkpoint_000001")
+    assert result.best_checkpoints == earlier
+    # a trial stopped before its end stays an error, and a Ctrl-C stays a Ctrl-C
+    unfinished = tune.Result(metrics={}, checkpoint=None, error=None, path="/x")
+    assert "before its last epoch" in str(solo._outcome((Grid([unfinished]), False), earlier).error)
+    with pytest.raises(KeyboardInterrupt):
+        solo._outcome((Grid([unfinished]), True), earlier)
+
+
 def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts():
     cfg = _cfg()
     one = cfg.train.model_copy(update={"num_workers": 1})

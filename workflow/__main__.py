@@ -162,9 +162,11 @@ def cmd_etl(args) -> int:
     cfg = load_config(args.config, overrides)
     from stages import etl
     from stages.common import session
+    from stages.common.locks import output_lock
 
-    session.start(cfg.ray)
-    artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
+    with output_lock(args.output, "etl", cfg.s3):  # before Ray: a locked output is refused at once
+        session.start(cfg.ray)
+        artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
     t, m = artifact.manifest["totals"], artifact.manifest["metrics"]
     print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} "
           f"images/s={m['images_per_s']} MB={m['mb_written']} seconds={m['seconds']} -> {artifact.path}")
@@ -239,9 +241,11 @@ def cmd_infer(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import infer
     from stages.common import session, tracking
+    from stages.common.locks import output_lock
 
-    session.start(cfg.ray)
-    artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
+    with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
+        session.start(cfg.ray)
+        artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
     return 0

@@ -3,8 +3,10 @@
 They live apart from stages.feed.ray_data, which imports torch (the feed's batches, the meters):
 Ray pickles a map function by its module, so each new task worker imported that module, and torch
 with it, before its first block. Here only numpy, Pillow (stages.feed.streaming) and ray, which
-the worker already holds: a fresh Ray's first pass over the demo's train split took 5.9-7.0 s
-with the UDF in a module that imports torch and 4.9-5.6 s without (2 cores, 2 task workers).
+the worker already holds. On 2 cores, a fresh Ray's first pass over the demo's train split took
+3.7-3.9 s when its task workers also imported the old home, 1.9-2.1 s without (`python -m
+benchmarks coldstart`); epoch 1 of a 4-epoch `raymill train --set train.ingest=ray_data` on the
+demo took 5.1-5.6 s before this module and 2.9-3.2 s after (two commits run alternately, by hand).
 """
 from __future__ import annotations
 

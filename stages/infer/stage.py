@@ -9,7 +9,7 @@ or one per raw file, a few hundred to a block). Two plans (`infer.decode`, sessi
   cross the object store, and the GPU no longer waits for JPEG decoding on its actor's few CPUs.
 Both report the device's busy time (CUDA events around the forward pass, stages.feed.meters).
 
-Preprocessing is the project's one eval transform: `predict.preprocess` for raw files (what ETL
+Preprocessing is the project's one eval transform: `transform.preprocess` for raw files (what ETL
 stores for training) and `data.decode_sample` for shards, so batch inference, serving and the
 train stage's test evaluation agree prediction for prediction.
 """

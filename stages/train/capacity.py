@@ -77,12 +77,13 @@ def workers_that_fit(per_worker: dict[str, float], nodes: list[dict]) -> int:
 
 
 def capacity_error(plan: WorkerPlan, capacity_timeout_s: float, out: str,
-                   nodes: list[dict] | None = None) -> CapacityError:
-    """The error to stop with: what the group needs, what the cluster has, and how to go on."""
+                   nodes: list[dict] | None = None, worker_resources: dict[str, float] | None = None) -> CapacityError:
+    """The error to stop with: what the group needs, what the cluster has, and how to go on.
+    `worker_resources` (train.worker_resources) count too: a node without them holds no worker."""
     import ray
 
     nodes = ray.nodes() if nodes is None else nodes
-    per_worker = {"CPU": plan.cpus_per_worker, **({"GPU": plan.gpus_per_worker} if plan.use_gpu else {})}
+    per_worker = plan.resources(worker_resources or {})
     need = plan.min_workers or plan.num_workers
     fit = workers_that_fit(per_worker, nodes)
     alive = [n for n in nodes if n.get("Alive")]

@@ -136,7 +136,7 @@ def _outcome(fitted, earlier: list):
             raise KeyboardInterrupt
         result = dataclasses.replace(result, error=RuntimeError(
             f"Tune stopped the trial before its last epoch and recorded no error (see {result.path})"))
-    if result.error is None and "epoch" not in result.metrics and earlier:
+    if result.error is None and "epoch" not in (result.metrics or {}) and earlier:
         # Resumed after the last epoch (a run that stopped before publishing): the loop had nothing
         # to train and reported nothing, so the run's last row is the last committed checkpoint's.
         result = dataclasses.replace(result, metrics={**earlier[-1][1], "done": True})

@@ -212,7 +212,8 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
         if refusal := refusal_in(e):  # a refused checkpoint: rerunning cannot help, say why
             raise TrainError(refusal) from e
         if capacity.is_capacity_timeout(e):  # a lost node was never replaced: say what is missing
-            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out) from e
+            raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out,
+                                          worker_resources=cfg.worker_resources) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; "
                          f"{resume}: {solo.first_line(e)}") from e
     finally:

@@ -41,6 +41,7 @@ from stages.tune.results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searc
 from stages.common import fingerprint, session, storage
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
+from stages.common.locks import output_lock
 
 __all__ = ["run", "published", "searched_models", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
            "EXPERIMENT", "searched_keys", "pbt_mutations", "PBT_KEYS"]
@@ -209,7 +210,14 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
 
     `callbacks` go into the search's `RunConfig` (experiment trackers such as
     `stages.common.tracking_tune`'s MLflow callback); a restored search keeps those it started with.
+    One search per output: the output is locked for the search, as train locks its run.
     """
+    with output_lock(out, "tune", s3):
+        return _run_locked(cfg, train_cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, callbacks=callbacks)
+
+
+def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, seed: int,
+                ray_cfg: RayConfig, s3: Any | None, callbacks: Sequence[Any]) -> Artifact:
     started = time.perf_counter()
     check_search(cfg, train_cfg)
     if (done := published(cfg, train_cfg, data, out, seed, s3)) is not None:
