@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 report = json.loads((root / "run" / "report.json").read_text())
                 out["demo_stages_s"] = {s["stage"]: round(s["seconds"], 1) for s in report["stages"]}
                 out["demo_pipeline_s"] = report["seconds"]
+                out["demo_run_split"] = report.get("run_seconds_split")  # the whole wait, in parts
+                out["demo_train_split"] = report.get("train_seconds_split")
             except Exception as e:
                 out["demo_error"] = str(e)[-1500:]
             print(f"[gpu_user] demo run: {out.get('demo_run_s')} s {out.get('demo_stages_s')} "
@@ -148,6 +150,10 @@ def render(r: dict[str, Any]) -> str:
     if "demo_run_s" in r:
         lines += ["", f"Demo `raymill run` (train and infer on the GPU): {fmt(r['demo_run_s'])} s; "
                   f"stages: {r.get('demo_stages_s')}."]
+        for name in ("demo_run_split", "demo_train_split"):
+            if r.get(name):
+                lines += ["", f"{'The run' if name == 'demo_run_split' else 'Its train stage'}, in parts (s): "
+                          + ", ".join(f"{k} {fmt(v, 2)}" for k, v in r[name].items()) + "."]
     elif "demo_error" in r:
         lines += ["", f"Demo `raymill run` failed: {r['demo_error'].splitlines()[-1][:200]}"]
     if r.get("note"):

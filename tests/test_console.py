@@ -52,6 +52,10 @@ def test_run_console_is_short_and_tracked(smoke_run):
     split, train_s = saved["train_seconds_split"], next(s["seconds"] for s in saved["stages"] if s["stage"] == "train")
     assert split and sum(split.values()) == pytest.approx(train_s, abs=0.05) and min(split.values()) > -0.05, split
     assert "Where the train stage's" in (run_dir / "report.md").read_text()
+    # ... and where the whole run's went: before the first stage, each stage, the rest
+    whole = saved["run_seconds_split"]
+    assert sum(whole.values()) == pytest.approx(saved["seconds"], abs=0.1) and min(whole.values()) > -0.05, whole
+    assert list(whole)[1:4] == ["etl", "train", "infer"] and list(whole)[0].startswith("before the first stage")
     looks_bad = [line for line in lines if ERRORISH.search(line)]
     assert not looks_bad, "a clean run printed lines that look like errors:\n" + "\n".join(looks_bad)
 

@@ -107,6 +107,7 @@ def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
     reused: dict[str, bool] = {}
 
     t = time.perf_counter()
+    before = t - started  # the command's start to ETL's: checks, Ray's start with torch's import beside it
     data, reused["etl"] = stage("etl", cfg, cfg.etl, sources,
                     lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
     timings["etl"] = time.perf_counter() - t
@@ -144,7 +145,7 @@ def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
-                        {name for name, again in reused.items() if again})
+                        {name for name, again in reused.items() if again}, before_s=before)
 
 
 def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:

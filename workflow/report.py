@@ -64,14 +64,17 @@ def _tracking_md(info: dict[str, Any] | None) -> str:
 
 
 def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: dict | None,
-          timings: dict[str, float], seconds: float, reused: set[str] = frozenset()) -> dict[str, Any]:
+          timings: dict[str, float], seconds: float, reused: set[str] = frozenset(),
+          before_s: float | None = None) -> dict[str, Any]:
     """Write report.json and report.md; return the report (`summary(report)` is its console text).
-    `reused`: the stages this run took unchanged from an earlier one."""
+    `reused`: the stages this run took unchanged from an earlier one; `before_s`: the seconds
+    before the first stage (the run's split says where the whole wait went)."""
     rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings)]
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
     report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
+              "run_seconds_split": _run_split(timings, seconds, before_s, serve is not None),
               "train_seconds_split": split,
               "test_accuracy": infer_m.get("accuracy", train_m.get("test_acc")),
               "input_stall_fraction": train_m.get("stall_fraction"), "bottleneck": train_m.get("verdict"),
@@ -82,11 +85,24 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"
           f"{_tracking_md(tracked)}"
-          f"- total: {seconds:.0f} s\n{_split_md(split)}")
+          f"- total: {seconds:.0f} s"
+          + "".join(f"; {k} {v:.1f} s" for k, v in (report["run_seconds_split"] or {}).items())
+          + f"\n{_split_md(split)}")
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     storage.write_bytes_atomic(fs, storage.join(root, "report.json"), json.dumps(report, indent=2).encode())
     storage.write_bytes_atomic(fs, storage.join(root, "report.md"), md.encode())
     return report
+
+
+def _run_split(timings: dict[str, float], seconds: float, before_s: float | None,
+               served: bool) -> dict[str, float] | None:
+    """The run's wall in parts that add up to it: before the first stage, each stage, the rest."""
+    if before_s is None:
+        return None
+    rest = "the rest: " + ("the endpoint's start and probe, " if served else "") + "the report"
+    return {"before the first stage: the command's start, checks, Ray's start": round(before_s, 2),
+            **{name: round(value, 2) for name, value in timings.items()},
+            rest: round(seconds - before_s - sum(timings.values()), 2)}
 
 
 def summary(report: dict[str, Any]) -> str:
