@@ -96,6 +96,12 @@ class Attempt:
         pafs, base = storage.pyarrow_filesystem(self.state_uri, self.s3)
         earlier = [(tune.Checkpoint(f"{base}/{self.name}/{path}", filesystem=pafs), row)
                    for path, row in committed(self.state_uri, self.name, self.s3)]
+        if earlier and _trained_through(earlier[-1][1], self.cfg.epochs):
+            # stopped between its last epoch and publishing: nothing to train, no trial to start
+            log.info("train: %s already holds all %d epochs; publishing them", earlier[-1][0].path, self.cfg.epochs)
+            last, row = earlier[-1]
+            return tune.Result(metrics={**row, "done": True}, checkpoint=last, error=None, path=last.path,
+                               best_checkpoints=earlier)
         if earlier:
             log.info("train: resuming from %s (attempt %d of this run)", earlier[-1][0].path, self.index + 1)
         cfg, plan = self.cfg, self.plan
@@ -110,6 +116,11 @@ class Attempt:
                                                         checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
         return _outcome(_fit(tuner), earlier)
+
+
+def _trained_through(row: dict[str, Any], epochs: int) -> bool:
+    """Whether a committed checkpoint's row is the end of the run's last epoch (not a mid-epoch one)."""
+    return row.get("position_epoch") == epochs and row.get("position_step") == 0
 
 
 def _fit(tuner):
