@@ -44,6 +44,7 @@ BENCHMARKS: dict[str, str] = {
     "startup": "benchmarks.startup",
     "chaos": "benchmarks.chaos",
     "coldstart": "benchmarks.coldstart",
+    "serve_user": "benchmarks.serve_user",
 }
 
 HERE = Path(__file__).resolve().parent
