@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import loadavg
+from benchmarks.common import REPO, loadavg
 
 __all__ = ["add_arguments", "run", "render"]
 
-REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "two_node_run.py"
 
 

@@ -11,10 +11,14 @@ import platform
 import threading
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb",
+__all__ = ["REPO", "machine_info", "versions", "MemorySampler", "measure", "combine", "loadavg", "now_iso", "mb",
            "ratio", "fmt", "pct", "start_ray", "wait_for_quiet", "md_table", "targets_table", "NOISY_SPREAD", "with_retry"]
+
+# The checkout's root: benchmarks run raymill's CLI from it, with it on PYTHONPATH.
+REPO = Path(__file__).resolve().parents[1]
 
 # Fastest / slowest run of one method above this: a 5-15% verdict is inside the noise, so say so.
 NOISY_SPREAD = 1.15

@@ -50,12 +50,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import NOISY_SPREAD, fmt, md_table, ratio, start_ray, targets_table, with_retry
+from benchmarks.common import NOISY_SPREAD, REPO, fmt, md_table, ratio, start_ray, targets_table, with_retry
 
 __all__ = ["add_arguments", "run", "render"]
 
 TARGETS = {"throughput_ratio": 2.0, "first_batch_ratio": 1.5, "stall_fraction": 0.05}
-REPO = Path(__file__).resolve().parents[1]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

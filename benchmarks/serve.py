@@ -41,9 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import REPO
+
 __all__ = ["add_arguments", "run", "render"]
 
-REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"ours": {}, "nobatch": {"batching": False}, "2 replicas": {"num_replicas": 2},
             "one hop": {"model_deployment": False}, "no access log": {"access_log": False}}
 # (what, variant, level, ratio of) -> bound; checked per ingress mode against FastAPI in that mode
@@ -106,14 +107,14 @@ def _jpegs(n: int, size: str) -> list[bytes]:
     return out
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Wait for `url`/healthz; fail at once when the child serving it has exited."""
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120, what: str = "the FastAPI baseline") -> None:
+    """Wait for `url`/healthz; fail at once, naming `what`, when the child serving it has exited."""
     import httpx
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the FastAPI baseline exited with code {proc.returncode} before {url} was healthy")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before {url} was healthy")
         try:
             if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
                 return

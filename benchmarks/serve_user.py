@@ -31,12 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, loadavg, md_table, ratio, targets_table
+from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table
 from benchmarks.serve import _free_port, _jpegs, _make_model, _wait_healthy
 
 __all__ = ["add_arguments", "run", "render"]
 
-REPO = Path(__file__).resolve().parents[1]
 TARGET = 1.2  # c=1 p50 ours / (floor + the model's own time), #39
 FLOOR = ("import signal, sys; from ray import serve; from stages.common import session; "
          "from stages.common.config import load_config; from stages.serve import app; "
@@ -78,7 +77,8 @@ def _serve_one(kind: str, model: Path, body: bytes, n: int) -> dict[str, Any]:
     load = loadavg()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=180)
+        _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=180,
+                      what="raymill serve" if kind == "ours" else "the floor app")
         time.sleep(2)  # the replicas' own start-up work settles
         return {"kind": kind, "p50_ms": _probe(f"http://127.0.0.1:{port}", body, n), "loadavg_before": load}
     finally:

@@ -37,12 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, loadavg, md_table, ratio, targets_table
+from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table
 from benchmarks.user_runs import raymill, train_sets
 
 __all__ = ["add_arguments", "run", "render"]
 
-REPO = Path(__file__).resolve().parents[1]
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 # The demo's train stage starts ~3 s after `ray.init` returns (ETL runs between); the floor's fit
 # waits as long, so neither pays for the other's Ray still starting its worker processes.

@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import REPO
+
 __all__ = ["raymill", "train_sets", "epochs_summary"]
 
-REPO = Path(__file__).resolve().parents[1]
 EPOCH_KEYS = ("epoch", "images_per_s", "wall_s", "wait_s", "stall_fraction", "device_utilisation",
               "ray_data_start_wait_s", "verdict")
 

@@ -1,6 +1,7 @@
 """Shared fixtures: one local Ray per session, a loopback S3 (moto server), image factories."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -241,6 +242,28 @@ def demo_dataset(root: Path, etl_cfg, images: int, seed: int):
 
     demo_data.generate(root / "src", images=images, seed=seed)
     return etl.run(etl_cfg, str(root / "src"), str(root / "ds"))
+
+
+@contextlib.contextmanager
+def lock_held(out: Path, kind: str, timeout_s: float = 60.0):
+    """Another process holding `out`'s output lock (stages.common.locks) for `kind` while the block
+    runs; yields its Popen (tests look for its pid in the refusal). It is SIGKILLed at the end, so
+    it dies holding the lock and the lock file stays behind, as after a crash."""
+    import select
+    import signal
+    import subprocess
+
+    hold = ("import sys, time; from stages.common import locks\n"
+            f"with locks.output_lock(sys.argv[1], {kind!r}):\n    print('locked', flush=True); time.sleep(600)")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        ready, _, _ = select.select([holder.stdout], [], [], timeout_s)
+        assert ready and holder.stdout.readline().strip() == "locked", f"the holder did not take the lock in {timeout_s} s"
+        yield holder
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
 
 
 def kill_one_train_worker(killed: list, actor: str = "ray::RayTrainWorker") -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from workflow.__main__ import main
 from stages.common.config import ConfigError, load_config
-from tests.conftest import BAD_FILES, REPO, make_tree
+from tests.conftest import BAD_FILES, REPO, lock_held, make_tree
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -150,22 +150,14 @@ def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, cap
     """`raymill train` into an output another run holds: exit 2 naming the holder, and no Ray of
     its own started first (the lock is the command's first step, not the stage's)."""
     import os
-    import signal
 
     src, ds, out = tmp_path / "src", tmp_path / "ds", tmp_path / "m"
     make_tree(src, per_class=3, bad=False)
     assert main(["etl", "--input", str(src), "--output", str(ds), "--set", "etl.image_size=16"]) == 0
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
-    hold = ("import sys, time; from stages.common import locks\n"
-            "with locks.output_lock(sys.argv[1], 'train'):\n    print('locked', flush=True); time.sleep(600)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held(out, "train") as holder:
         run = subprocess.run([sys.executable, "-m", "workflow", "train", "--data", str(ds), "--output", str(out)],
                              env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"pid {holder.pid}" in run.stderr
     assert "ray dashboard" not in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr

@@ -8,9 +8,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from stages.model.predict import preprocess
 from stages.etl.images import decode_rgb
 from stages.common import locks, storage
 from stages.common.config import EtlConfig, S3Config
-from tests.conftest import REPO, free_port, image_bytes, make_tree
+from tests.conftest import free_port, image_bytes, lock_held, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
 
@@ -142,31 +139,16 @@ def test_files_in_check_survives_python_dash_o(tmp_path):
         etl._manifest(CFG, "src", "run", listing, results, [], time.perf_counter())
 
 
-HOLDER = """
-import sys, time
-from stages.common import locks, storage
-with locks.output_lock(sys.argv[1], "etl"):
-    print("locked", flush=True)
-    time.sleep(600)
-"""
-
-
 def test_second_run_on_a_locked_output_exits_2_naming_the_holder(tmp_path, ray_session, capsys):
     from workflow.__main__ import main
 
     src, out = tmp_path / "src", tmp_path / "ds"
     make_tree(src, per_class=3, bad=False)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdout=subprocess.PIPE, env=env, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held(out, "etl") as holder:  # dies holding the lock: the lock file stays behind
         with pytest.raises(locks.OutputLockedError, match=f"pid {holder.pid}"):
             etl.run(CFG, str(src), str(out))
         assert main(["etl", "--input", str(src), "--output", str(out)]) == 2
         assert f"pid {holder.pid}" in capsys.readouterr().err
-    finally:
-        holder.send_signal(signal.SIGKILL)  # dies holding the lock: the lock file stays behind
-        holder.wait()
     assert (out / locks.LOCK_NAME).exists()
     art = etl.run(CFG, str(src), str(out))  # stale: taken over
     assert verify(art.path) == [] and not (out / locks.LOCK_NAME).exists()

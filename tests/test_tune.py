@@ -32,7 +32,7 @@ from stages.tune import stage as tune
 from stages.feed import streaming
 from workflow import demo_data
 from stages.common.config import ConfigError, load_config
-from tests.conftest import REPO, stray_decode_processes
+from tests.conftest import REPO, lock_held, stray_decode_processes
 
 # tune.seed=19 samples, in trial order: (1e-5, fp32) (0.01, fp16) (0.01, fp32) (1e-5, fp32).
 # Trial 0 (bad) sets rung 1; trial 1 fails; trial 2 (good) passes; trial 3 (bad) falls below the
@@ -301,26 +301,14 @@ def test_a_search_made_with_another_config_is_refused_naming_the_key(search, dat
 def test_a_second_search_into_a_held_output_is_refused_before_anything_runs(dataset, tmp_path):
     """tune.run holds its output's lock, as train.run does: another process's search there is
     refused naming it, and nothing is written beside its lock."""
-    import subprocess
-    import sys
-
     from stages.common import locks
 
     out = tmp_path / "held"
-    hold = ("import sys, time; from stages.common import locks\n"
-            "with locks.output_lock(sys.argv[1], 'tune'):\n    print('locked', flush=True); time.sleep(600)")
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with lock_held(out, "tune") as holder:
         cfg = _cfg()
         with pytest.raises(locks.OutputLockedError, match=f"pid {holder.pid}"):
             tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
         assert sorted(p.name for p in out.iterdir()) == [locks.LOCK_NAME]
-    finally:
-        holder.kill()
-        holder.wait()
-
 
 def test_config_errors_name_the_key(dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.search_space\.lr\.type"):
