@@ -244,8 +244,9 @@ def cmd_infer(args) -> int:
     from stages.common.locks import output_lock
 
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
-        session.start(cfg.ray)
-        artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3)
+        # Ray starts only for a job that needs it: a few hundred images run in this process
+        artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
+                             start_ray=lambda: session.start(cfg.ray))
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
     return 0
