@@ -224,13 +224,15 @@ def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(t
     etl.run(CFG, str(src), str(out))
     foreign = out / "shards" / "train-00000-00-20990101T000000-abcdef.parquet"
     foreign.write_bytes(b"another run's shard")
-    real = etl.write_manifest
+    from stages.etl import publish
+
+    real = publish.write_manifest
 
     def committed_then_timed_out(*args, **kwargs):
         real(*args, **kwargs)
         raise TimeoutError("read timeout on the PUT response")
 
-    monkeypatch.setattr(etl, "write_manifest", committed_then_timed_out)
+    monkeypatch.setattr(publish, "write_manifest", committed_then_timed_out)
     second = etl.run(CFG.model_copy(update={"image_size": 16}), str(src), str(out), overwrite=True)
     assert verify(str(out)) == []  # the published manifest's shards are all there
     assert json.loads((out / "manifest.json").read_text())["run_id"] == second.manifest["run_id"]

@@ -106,7 +106,7 @@ def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) 
 def etl_inputs(cfg: Config) -> dict[str, Any]:
     """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
     changed images are noticed without hashing every file."""
-    listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks)
+    listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)
     return {"source": cfg.run.source, "source_listing": listing.fingerprint}
 
 

@@ -81,6 +81,9 @@ class EtlConfig(Section):
     # small jobs. Raise it to ~4x the cluster's CPUs on big clusters.
     min_shards: int = Field(8, ge=1)
     split: SplitFractions = SplitFractions()
+    # auto: a tree whose top folders are train/ (val/, test/) holding class folders keeps its own
+    # splits (stages.etl.layout); classes: every top folder is a class; splits: refuse any other tree
+    layout: Literal["auto", "classes", "splits"] = "auto"
     max_bad_fraction: float = Field(0.5, ge=0, le=1)  # more bad files than this fails the job
     max_image_pixels: int = Field(89_478_485, ge=1)  # above: quarantined as decompression bomb
     max_file_mb: float = Field(64.0, gt=0)  # larger source files are quarantined unread

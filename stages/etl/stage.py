@@ -19,9 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.common import console, storage
-from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id, write_manifest
+from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id
 from stages.common.config import ConfigError, EtlConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
+from stages.etl import layout as layouts
+from stages.etl import publish as publishing
 from stages.etl import shards
 from stages.etl import sources
 
@@ -50,37 +52,43 @@ class Listing:
     rejected: list[dict[str, Any]]  # quarantine rows found by listing (loose files, links, FIFOs): never read
     hidden: int  # dotfiles such as .DS_Store, skipped and counted
     fingerprint: str = ""  # names, sizes and mtimes of everything listed: changes when the source does
+    layout: layouts.Layout = layouts.Layout()  # <class>/<image>, or split by its folders
 
 
-def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source") -> Listing:
-    """List an ImageFolder tree: the class is the first folder under `source`."""
+def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source",
+             layout: str = "auto") -> Listing:
+    """List an ImageFolder tree: the class is the first folder under `source`, or the second in a
+    tree split by its folders (`<split>/<class>/`, stages.etl.layout; `layout`: etl.layout)."""
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root) or not fs.isdir(root):
         what = "is a file, not a folder" if fs.exists(root) else "does not exist"
         raise InputNotFoundError(f"input '{source}' {what}; pass --input (run.source for `raymill run`) "
                                  f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file>")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
+    tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
     files, rejected, classes, spellings = [], [], set(), {}
     for entry in entries:
         if entry.problem:
             rejected.append(sources.entry_row(entry))
-        elif "/" not in entry.rel:
+        elif (folder := tree.class_folder(entry.rel)) is None:
             rejected.append(sources.entry_row(replace(entry, problem=(
-                "outside_class_folder", "file is not inside a <class_name>/ folder"))))
+                "outside_class_folder", f"file is not inside a {tree.where()} folder"))))
         else:
-            folder = entry.rel.split("/", 1)[0]
             name = sources.class_name(folder)
             classes.add(name)
             spellings.setdefault(name, set()).add(folder)
             files.append((entry.rel, entry.size))
     if not files:
-        raise InputNotFoundError(f"no image files found under '{source}/<class_name>/'; expected ImageFolder "
+        raise InputNotFoundError(f"no image files found under '{source}/{tree.where()}'; expected ImageFolder "
                        f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
     sources.check_spellings(spellings)
     # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
     # is the folders (_log_summary names every class without a usable image)
-    empty = sorted(set(sources.top_folders(fs, root)) - classes)
-    return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty))
+    folders = [f for split in tree.splits for f in sources.top_folders(fs, storage.join(root, split))] \
+        if tree.splits else sources.top_folders(fs, root)
+    empty = sorted(set(folders) - classes)
+    return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty),
+                   tree)
 
 
 def sample_key(relpath: str) -> str:
@@ -107,8 +115,8 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
     label_of = {name: i for i, name in enumerate(listing.classes)}
     by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
     for rel, size in listing.files:
-        label = label_of[sources.class_of(rel)]
-        by_split[split_of(rel, cfg.split)].append((sample_key(rel), rel, label, size))
+        label = label_of[sources.class_name(listing.layout.class_folder(rel))]
+        by_split[listing.layout.split_of(rel, cfg.split, split_of)].append((sample_key(rel), rel, label, size))
     rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
     tasks = []
     for split, items in by_split.items():
@@ -159,7 +167,9 @@ def _check_task_fits(cfg: EtlConfig) -> None:
 
 def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:
     started = time.perf_counter()
-    listing = discover(source, s3, cfg.follow_symlinks)
+    listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
+    if listing.layout.splits:
+        log.info("etl: %s", listing.layout.describe())
     out_fs, out_root = storage.filesystem(out, s3)
     previous = _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
@@ -173,14 +183,14 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
         quarantine_rel = f"quarantine-{run_id}.jsonl"
         manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
-        _publish(out, manifest, s3, out_fs, out_root)
+        publishing.publish(out, manifest, s3, out_fs, out_root)
     except BaseException:
         # A write can raise after the store committed it (an S3 response timeout): then the
         # manifest names these shards, and deleting them would publish a dataset with holes.
-        if _published_run(out_fs, out_root) not in (run_id, "unknown"):
-            _remove_run_files(out_fs, out_root, run_id)
+        if publishing.published_run(out_fs, out_root) not in (run_id, "unknown"):
+            publishing.remove_run_files(out_fs, out_root, run_id)
         raise
-    _remove_stale(out_fs, out_root, manifest, previous)
+    publishing.remove_stale(out_fs, out_root, manifest, previous)
     _log_summary(manifest)
     return Artifact("etl", str(out).rstrip("/"), manifest)
 
@@ -198,31 +208,6 @@ def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | 
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")
     return None
-
-
-def _publish(out: str, manifest: dict[str, Any], s3: Any | None, fs, root: str) -> None:
-    """Write the manifest: the publish step. A write that raised after the store committed it
-    (a response timeout on S3) is a publish, not a failure: the manifest names these shards."""
-    try:
-        write_manifest(out, manifest, s3)
-    except Exception as e:
-        if _published_run(fs, root) != manifest["run_id"]:
-            raise
-        log.warning("etl: the manifest write raised %s: %s, but the store committed it; published",
-                    type(e).__name__, e)
-
-
-def _published_run(fs, root: str) -> str | None:
-    """run_id of the manifest in `root` now; None when there is none; "unknown" when unreadable."""
-    try:
-        fs.invalidate_cache(root)
-        return storage.read_json(fs, storage.join(root, "manifest.json")).get("run_id")
-    except FileNotFoundError:
-        return None
-    except Exception as e:  # the endpoint that just failed may still be failing: keep the files
-        log.warning("etl: cannot tell whether the manifest was published (%s); keeping this run's files; "
-                    "check with: raymill verify", e)
-        return "unknown"
 
 
 # A shard task whose worker died (its node lost, a decoder that crashed the process) runs again this
@@ -344,41 +329,6 @@ def _write_quarantine(fs, root: str, relative: str, quarantine: list) -> dict[st
     storage.write_bytes_atomic(fs, storage.join(root, relative), data)
     return {"path": relative, "count": len(quarantine), "sha256": storage.sha256_bytes(data),
             "bytes": len(data), "reasons": dict(Counter(q["reason"] for q in quarantine))}
-
-
-def _remove_run_files(fs, root: str, run_id: str) -> None:
-    """Best effort: delete this run's unpublished files (the manifest never named them)."""
-    try:
-        for path in fs.find(root):
-            if run_id in path.rsplit("/", 1)[-1]:
-                fs.rm_file(path)
-    except Exception as e:  # the endpoint may be the thing that failed
-        log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
-
-
-def _remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
-    """After an overwrite is published, delete the files of the manifest it replaced.
-
-    Only files that manifest named: another run's shards, or anything else in the folder, are not
-    ours to delete (a killed run's leftovers are listed in the log for the user to remove).
-    """
-    keep = {s["path"] for s in manifest["shards"]} | {manifest["quarantine"]["path"]}
-    named = set()
-    if previous:
-        named = {s["path"] for s in previous.get("shards", [])} | {previous.get("quarantine", {}).get("path")}
-    for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
-        if _is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
-            fs.rm_file(storage.join(root, relative))
-    fs.invalidate_cache(root)
-    leftovers = [p for p in fs.find(root) if _is_shard_file(p[len(root):].lstrip("/"))
-                 and p[len(root):].lstrip("/") not in keep | named]
-    if leftovers:
-        log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
-                    len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
-
-
-def _is_shard_file(relative: str) -> bool:
-    return relative.startswith("shards/") or relative.startswith("quarantine-")
 
 
 def _log_summary(m: dict[str, Any]) -> None:

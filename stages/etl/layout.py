@@ -1,0 +1,90 @@
+"""How an ImageFolder tree is laid out: `<class>/<image>`, or already split, `<split>/<class>/<image>`.
+
+Many datasets come split by their makers (ImageNet's `train/` and `val/`, most Kaggle and Hugging
+Face image-folder exports). Read as `<class>/<image>`, such a tree trains a classifier of the
+folders `train`, `val` and `test`: it reports a fine accuracy and is worthless. So a tree whose top
+folders are all split names, one of them `train`, with images inside class folders under them, is
+read as split (`etl.layout=auto`): the class is the second folder, and each image keeps the split
+its makers gave it. A split the tree lacks is carved from `train/` by the same hash as an unsplit
+tree's (`etl.split` shares), so a `train/` + `test/` tree still gets a val split to pick
+checkpoints by. `etl.layout=classes` reads such folders as classes after all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterable
+
+from stages.common.config import ConfigError
+
+__all__ = ["Layout", "SPLIT_FOLDERS", "detect"]
+
+# Folder names (any case) that name a split, and the split they name.
+SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
+                 "dev": "val", "test": "test", "testing": "test"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """`splits`: {top folder as listed: the split it names}; empty for a `<class>/<image>` tree."""
+    splits: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def depth(self) -> int:
+        """How many folders come before the class folder."""
+        return 1 if self.splits else 0
+
+    def class_folder(self, rel: str) -> str | None:
+        """The folder that names `rel`'s class, or None when `rel` lies outside any class folder."""
+        parts = rel.split("/")
+        return parts[self.depth] if len(parts) > self.depth + 1 else None
+
+    def where(self) -> str:
+        """Where a file must lie, for messages."""
+        return "<split>/<class_name>/" if self.splits else "<class_name>/"
+
+    def describe(self) -> str:
+        """One line for the log: how the tree was read, and how to read it otherwise."""
+        tops = sorted(self.splits)
+        return (f"the input is split by its folders ({', '.join(f'{t}/' for t in tops)}): each image keeps its "
+                f"split, and its class is the folder below (etl.layout=classes reads {' and '.join(tops)} as classes)")
+
+    def split_of(self, rel: str, fractions: Any, hashed_split) -> str:
+        """The split of the file at `rel`: its split folder's, or, for a file in `train/`, the hashed
+        split among train and the splits the tree has no folder for (shares as in `fractions`)."""
+        if not self.splits:
+            return hashed_split(rel, fractions)
+        given = self.splits[rel.split("/", 1)[0]]
+        return given if given != "train" else hashed_split(rel, self._carved(fractions))
+
+    def _carved(self, fractions: Any) -> SimpleNamespace:
+        """`fractions` over train and the splits without a folder, renormalised: a tree with a
+        `test/` folder carves only val from `train/`, at val / (train + val)."""
+        present = set(self.splits.values())
+        shares = {s: getattr(fractions, s) if s == "train" or s not in present else 0.0 for s in ("train", "val", "test")}
+        total = sum(shares.values())
+        if total <= 0:  # etl.split.train=0 with no split to carve: train/ stays train
+            return SimpleNamespace(train=1.0, val=0.0, test=0.0)
+        return SimpleNamespace(**{s: v / total for s, v in shares.items()})
+
+
+def detect(rels: Iterable[str], top_folders: Iterable[str], layout: str) -> Layout:
+    """The tree's layout from its files' relative paths and its top folders (empty ones included),
+    as `etl.layout` (auto|classes|splits) asks."""
+    rels = list(rels)
+    holding = {r.split("/", 1)[0] for r in rels if "/" in r}  # as the OS names them: the files' paths
+    tops = holding | set(top_folders)  # and the empty ones
+    if layout == "classes":
+        return Layout()
+    named = {t: SPLIT_FOLDERS.get(t.lower()) for t in tops}
+    split_like = bool(tops) and all(named.values()) and "train" in named.values()
+    if layout == "splits" and not split_like:
+        raise ConfigError(f"etl.layout=splits, but the input's top folders {sorted(tops)} are not all split "
+                          f"names ({', '.join(sorted(set(SPLIT_FOLDERS)))}) with a train folder among "
+                          "them; rename them, or set etl.layout=auto")
+    if not (split_like and (layout == "splits" or any(r.count("/") >= 2 for r in rels))):
+        return Layout()
+    if len(set(named.values())) != len(named):
+        raise ConfigError(f"the input's folders {sorted(tops)} name one split twice; merge them, or set "
+                          "etl.layout=classes to read them as classes")
+    return Layout({t: named[t] for t in holding})  # an empty split folder gives its split nothing

@@ -1,0 +1,74 @@
+"""Publishing an ETL output, and the files around it: the manifest written last (the publish
+step), a failed run's files removed, and an overwritten output's old shards deleted after the new
+manifest is out (stages.etl.stage)."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from stages.common import storage
+from stages.common.artifacts import write_manifest
+
+__all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "is_shard_file"]
+
+log = logging.getLogger("stages.etl.stage")  # the stage's lines, under the stage's logger
+
+
+def publish(out: str, manifest: dict[str, Any], s3: Any | None, fs, root: str) -> None:
+    """Write the manifest: the publish step. A write that raised after the store committed it
+    (a response timeout on S3) is a publish, not a failure: the manifest names these shards."""
+    try:
+        write_manifest(out, manifest, s3)
+    except Exception as e:
+        if published_run(fs, root) != manifest["run_id"]:
+            raise
+        log.warning("etl: the manifest write raised %s: %s, but the store committed it; published",
+                    type(e).__name__, e)
+
+
+def published_run(fs, root: str) -> str | None:
+    """run_id of the manifest in `root` now; None when there is none; "unknown" when unreadable."""
+    try:
+        fs.invalidate_cache(root)
+        return storage.read_json(fs, storage.join(root, "manifest.json")).get("run_id")
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # the endpoint that just failed may still be failing: keep the files
+        log.warning("etl: cannot tell whether the manifest was published (%s); keeping this run's files; "
+                    "check with: raymill verify", e)
+        return "unknown"
+
+
+def remove_run_files(fs, root: str, run_id: str) -> None:
+    """Best effort: delete this run's unpublished files (the manifest never named them)."""
+    try:
+        for path in fs.find(root):
+            if run_id in path.rsplit("/", 1)[-1]:
+                fs.rm_file(path)
+    except Exception as e:  # the endpoint may be the thing that failed
+        log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
+
+
+def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
+    """After an overwrite is published, delete the files of the manifest it replaced.
+
+    Only files that manifest named: another run's shards, or anything else in the folder, are not
+    ours to delete (a killed run's leftovers are listed in the log for the user to remove).
+    """
+    keep = {s["path"] for s in manifest["shards"]} | {manifest["quarantine"]["path"]}
+    named = set()
+    if previous:
+        named = {s["path"] for s in previous.get("shards", [])} | {previous.get("quarantine", {}).get("path")}
+    for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
+        if is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
+            fs.rm_file(storage.join(root, relative))
+    fs.invalidate_cache(root)
+    leftovers = [p for p in fs.find(root) if is_shard_file(p[len(root):].lstrip("/"))
+                 and p[len(root):].lstrip("/") not in keep | named]
+    if leftovers:
+        log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
+                    len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
+
+
+def is_shard_file(relative: str) -> bool:
+    return relative.startswith("shards/") or relative.startswith("quarantine-")

@@ -1,0 +1,98 @@
+"""ETL on a tree its makers already split (`<split>/<class>/<image>`, stages.etl.layout): the
+class is the second folder and each image keeps its split; other trees are read as before."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from stages.common.config import ConfigError, EtlConfig, S3Config
+from stages.etl import stage as etl
+from stages.etl.integrity import verify
+from tests.conftest import image_bytes
+
+CFG = EtlConfig(image_size=16, shard_max_rows=10)
+
+
+def _split_tree(root: Path, per_split: dict[str, int], classes=("cat", "dog")) -> dict[str, str]:
+    """{relative path: its split folder} for `per_split` images of each class under each folder."""
+    written = {}
+    for s_index, (folder, n) in enumerate(per_split.items()):
+        for c_index, name in enumerate(classes):
+            (root / folder / name).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                rel = f"{folder}/{name}/{name}_{i:03d}.jpg"
+                (root / rel).write_bytes(image_bytes(100 * s_index + 10 * c_index + i, size=(40, 30)))
+                written[rel] = folder
+    return written
+
+
+def test_a_split_tree_keeps_its_splits_and_takes_classes_from_the_folder_below(tmp_path, ray_session):
+    written = _split_tree(tmp_path / "src", {"train": 6, "Validation": 2, "test": 3})
+    (tmp_path / "src" / "train" / "bird").mkdir()  # an empty class folder is a class, as ImageFolder's
+    (tmp_path / "src" / "train" / "labels.csv").write_text("not an image in a class folder")
+    art = etl.run(CFG, str(tmp_path / "src"), str(tmp_path / "ds"))
+    m = art.manifest
+    assert m["classes"] == ["bird", "cat", "dog"]
+    assert m["counts"] == {"train": {"cat": 6, "dog": 6}, "val": {"cat": 2, "dog": 2}, "test": {"cat": 3, "dog": 3}}
+    quarantine = (Path(art.path) / m["quarantine"]["path"]).read_text().splitlines()
+    assert [(q["path"], q["reason"]) for q in map(json.loads, quarantine)] == [("train/labels.csv",
+                                                                                "outside_class_folder")]
+    split_of_folder = {"train": "train", "Validation": "val", "test": "test"}
+    for shard in (s for s in m["shards"] if s["format"] == "parquet"):
+        for row in pq.read_table(Path(art.path) / shard["path"]).to_pylist():
+            folder, name, _ = row["path"].split("/")
+            assert written[row["path"]] == folder and shard["split"] == split_of_folder[folder]
+            assert m["classes"][row["label"]] == name
+    assert verify(art.path) == []
+
+
+def test_a_split_tree_without_val_carves_val_from_train_alone(tmp_path):
+    _split_tree(tmp_path / "src", {"train": 60, "test": 5})
+    listing = etl.discover(str(tmp_path / "src"))
+    assert listing.classes == ["cat", "dog"] and listing.layout.splits == {"train": "train", "test": "test"}
+    placed = {rel: task["split"] for task in etl.plan_tasks(listing, CFG) for _, rel, _, _ in task["items"]}
+    by_folder = Counter((rel.split("/")[0], split) for rel, split in placed.items())
+    assert by_folder[("test", "test")] == 10 and by_folder[("train", "test")] == 0
+    # val gets etl.split.val / (train + val) of train/: 1/9 of 120 images, within the hash's spread
+    assert 5 <= by_folder[("train", "val")] <= 24 and sum(by_folder.values()) == 130
+
+
+def test_other_trees_are_read_as_class_folders(tmp_path):
+    # classes that happen to be called train and test, with their images right inside: classes
+    for name in ("train", "test"):
+        (tmp_path / "flat" / name).mkdir(parents=True)
+        (tmp_path / "flat" / name / "a.jpg").write_bytes(image_bytes(1))
+    assert etl.discover(str(tmp_path / "flat")).classes == ["test", "train"]
+    _split_tree(tmp_path / "split", {"train": 1, "val": 1})
+    # etl.layout=classes reads split folders as classes, as before
+    assert etl.discover(str(tmp_path / "split"), layout="classes").classes == ["train", "val"]
+    # a top folder that is not a split's name: every top folder is a class
+    (tmp_path / "split" / "extra" / "x").mkdir(parents=True)
+    (tmp_path / "split" / "extra" / "x" / "b.jpg").write_bytes(image_bytes(2))
+    assert etl.discover(str(tmp_path / "split")).classes == ["extra", "train", "val"]
+
+
+def test_a_layout_that_cannot_be_read_is_refused_naming_the_fix(tmp_path):
+    _split_tree(tmp_path / "cls", {"cat": 1, "dog": 1}, classes=("x",))
+    with pytest.raises(ConfigError, match="etl.layout=splits, but the input's top folders"):
+        etl.discover(str(tmp_path / "cls"), layout="splits")
+    _split_tree(tmp_path / "twice", {"train": 1, "val": 1, "valid": 1})
+    with pytest.raises(ConfigError, match="name one split twice.*etl.layout=classes"):
+        etl.discover(str(tmp_path / "twice"))
+
+
+def test_a_split_tree_on_s3(tmp_path, s3_bucket):
+    """An object store lists no folders, only keys: the layout comes from the keys."""
+    import s3fs
+
+    endpoint, bucket = s3_bucket
+    _split_tree(tmp_path / "src", {"train": 2, "val": 1})
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs.put(str(tmp_path / "src") + "/", f"{bucket}/raw/", recursive=True)
+    listing = etl.discover(f"s3://{bucket}/raw", S3Config(endpoint_url=endpoint))
+    assert listing.classes == ["cat", "dog"] and listing.layout.splits == {"train": "train", "val": "val"}
+    assert sorted(rel.split("/")[0] for rel, _ in listing.files) == ["train"] * 4 + ["val"] * 2
