@@ -150,7 +150,8 @@ def test_a_raw_folder_is_read_with_the_rules_of_the_models_training_data(setup, 
     data, model_path = setup
     _, info = load_model(model_path)  # a model.json without `read` (published before it): ETL's defaults
     assert model_info(TrainConfig(), data, {})["read"] == {
-        k: data.manifest["config"][k] for k in ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")}
+        k: data.manifest["config"][k] for k in ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks",
+                                                "layout")}
     buf = io.BytesIO()
     Image.new("RGB", (40, 30), (200, 10, 10)).save(buf, format="GIF")
     (tmp_path / "a.gif").write_bytes(buf.getvalue())
@@ -204,6 +205,15 @@ def test_a_small_job_on_the_command_line_never_starts_ray(setup, tmp_path):
     rows, metrics = _outputs(load_artifact(str(tmp_path / "cli"), "infer"))
     here, _ = _outputs(infer.run(InferConfig(), model_path, data.path, str(tmp_path / "here")))
     assert [r["class_name"] for r in rows] == [r["class_name"] for r in here] and metrics["decode"] == "in-process"
+
+
+def test_a_raw_folder_split_by_its_folders_is_labelled_by_the_class_folder_below(setup, tmp_path):
+    """`<split>/<class>/` (stages.etl.layout): each image's label is its class folder, not `train`."""
+    _, model_path = setup
+    for split in ("train", "test"):
+        make_tree(tmp_path / "raw" / split, per_class=2, bad=False, classes=("circle", "square"))
+    rows, metrics = _outputs(infer.run(InferConfig(), model_path, str(tmp_path / "raw"), str(tmp_path / "out")))
+    assert [r["true_class"] for r in rows] == [r["path"].split("/")[1] for r in rows] and metrics["labelled"] == 8
 
 
 def test_raw_folder_with_fifo_outside_link_and_non_utf8_name(setup, tmp_path):

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # The etl.* keys that say how source files are read; model.json `read` records them
 # (stages.model.publish) so that infer and serve read new files by the same rules.
-READ_KEYS = ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks")
+READ_KEYS = ("allowed_formats", "max_image_pixels", "max_file_mb", "follow_symlinks", "layout")
 CHUNK_BYTES = 1 << 20
 
 

@@ -40,8 +40,9 @@ class Reader:
     """Turns one work item (a shard, or one raw file) into samples, and a sample into pixels."""
 
     def __init__(self, info: dict, s3: dict, *, mode: str, source: str | None = None, raw: bool = False,
-                 etl_classes: list | None = None):
+                 etl_classes: list | None = None, class_depth: int = 0):
         self.info, self.mode, self.raw = info, mode, raw
+        self.class_depth = class_depth  # 1: a raw folder split by its folders (stages.etl.layout)
         self.etl_classes = list(etl_classes or [])
         # a class folder's name -> the model's class: both in NFC, as ETL names classes
         self.known = {unicodedata.normalize("NFC", c): c for c in info["classes"]}
@@ -55,13 +56,17 @@ class Reader:
                 else item["path"]
             return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
                      "reason": item["reason"], "detail": item["detail"],
-                     "true_class": self.known.get(sources.class_of(item["path"]))}]  # as ETL names it
+                     "true_class": self.known.get(self._class_of(item["path"]))}]
         ref = streaming.ShardRef(**item)
         # ETL's class names through the model's, as for a raw folder: a class the model lacks is no label
         return [{"key": key, "path": path, "image": image,
                  "true_class": self.known.get(unicodedata.normalize("NFC", self.etl_classes[label]))}
                 for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format,
                                                                     with_path=True)]
+
+    def _class_of(self, path: str) -> str | None:
+        """The class folder's name as ETL names it: the first folder, or the one below a split's."""
+        return sources.class_of(path.split("/", self.class_depth)[-1]) if path.count("/") > self.class_depth else None
 
     def decode(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, str | None, str | None]:
         """(pixels, None, None), or (None, reason, detail) for an unusable image."""

@@ -64,10 +64,12 @@ class Predictor(BatchPredictor):
     its work items (stages.infer.decode.Reader), decoding in threads: Pillow releases the GIL."""
 
     def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
-                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None):
+                 threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None,
+                 class_depth: int = 0):
         super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
         self.batch_size = batch_size
-        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes)
+        self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes,
+                                          class_depth=class_depth)
         self.pool = ThreadPoolExecutor(max_workers=threads)
 
     def __call__(self, batch: pa.Table) -> pa.Table:

@@ -34,11 +34,12 @@ import torch
 from stages.common import console, session, storage
 from stages.common.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
                                      write_manifest)
-from stages.common.config import InferConfig, section_dict
+from stages.common.config import ConfigError, InferConfig, section_dict
 from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
 from stages.infer.predictors import BUSY, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict
+from stages.etl import layout as layouts
 from stages.etl import sources
 from stages.feed import streaming
 from stages.etl.stage import InputNotFoundError, check_apart, root_cause
@@ -145,7 +146,17 @@ def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
     if not fs.isdir(root):
         raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
-    return _plan_files(fs, root, source, infer_decode.read_rules(info)["follow_symlinks"])
+    return _plan_files(fs, root, source, infer_decode.read_rules(info))
+
+
+def _layout(fs, root: str, entries: list, trained: str) -> layouts.Layout:
+    """The folder's layout, for labels only: a folder that no layout reads cleanly (`val/` beside
+    `valid/`) is predicted all the same, labelled by its first folders."""
+    try:
+        return layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root),
+                              "classes" if trained == "classes" else "auto")
+    except ConfigError:
+        return layouts.Layout()
 
 
 def _spread(plan: Plan, parallel: int) -> Plan:
@@ -183,11 +194,13 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
                 {"format": fmt, "split": cfg.split, "data_run_id": m.get("run_id")})
 
 
-def _plan_files(fs, root: str, source: str, follow_symlinks: str) -> Plan:
+def _plan_files(fs, root: str, source: str, rules: dict[str, Any]) -> Plan:
     """Every non-hidden entry is an item: links out of the folder (as the training data's
     etl.follow_symlinks judged them), FIFOs and unreadable files come back as error rows (never
-    read, never dropped); a non-UTF-8 name travels as hex bytes."""
-    entries, hidden = sources.list_tree(fs, root, follow_symlinks)
+    read, never dropped); a non-UTF-8 name travels as hex bytes. A file's label is its class
+    folder's, found as the training data's etl.layout finds it (`<class>/` or `<split>/<class>/`)."""
+    entries, hidden = sources.list_tree(fs, root, rules["follow_symlinks"])
+    tree = _layout(fs, root, entries, rules["layout"])
     items = []
     for e in entries:
         name = sources.shown(e.rel)
@@ -196,7 +209,8 @@ def _plan_files(fs, root: str, source: str, follow_symlinks: str) -> Plan:
                       "size": e.size, "reason": reason, "detail": detail})
     if not items:
         raise InferError(f"no files under '{source}'; pass an image folder or an ETL output")
-    return Plan("images", items, math.ceil(len(items) / FILES_PER_BLOCK), len(items), {"mode": "images", "source": source},
+    return Plan("images", items, math.ceil(len(items) / FILES_PER_BLOCK), len(items),
+                {"mode": "images", "source": source, "class_depth": tree.depth},
                 {"files": len(items), "hidden_skipped": hidden})
 
 
