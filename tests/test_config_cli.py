@@ -133,6 +133,18 @@ def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_ses
         preflight.needed_splits(load_config(smoke), {"train": {"a": 3}, "val": {"a": 1}, "test": {}})
 
 
+def test_one_class_in_a_wrapper_folder_is_named_by_etl_and_refused_by_train(tmp_path, ray_session, capsys):
+    """An archive unpacked into <input>/dataset/<class>/: ETL reads one class, says which folder to
+    read instead, and training refuses it (exit 2) instead of publishing a model of one answer."""
+    src, ds, smoke = tmp_path / "src", tmp_path / "ds", str(REPO / "configs/smoke.yaml")
+    make_tree(src / "dataset", per_class=3, bad=False)
+    assert main(["etl", "--input", str(src), "--output", str(ds), "--set", "etl.image_size=16"]) == 0
+    assert f"point the input (--input, or run.source) at '{src}/dataset'" in capsys.readouterr().err
+    assert main(["train", "--data", str(ds), "--output", str(tmp_path / "m"), "--config", smoke]) == 2
+    assert "train rows of one class only (dataset)" in capsys.readouterr().err
+    assert not (tmp_path / "m" / "model.pt").exists()
+
+
 def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):
     from stages.etl import stage as etl
 

@@ -96,3 +96,14 @@ def test_a_split_tree_on_s3(tmp_path, s3_bucket):
     listing = etl.discover(f"s3://{bucket}/raw", S3Config(endpoint_url=endpoint))
     assert listing.classes == ["cat", "dog"] and listing.layout.splits == {"train": "train", "val": "val"}
     assert sorted(rel.split("/")[0] for rel, _ in listing.files) == ["train"] * 4 + ["val"] * 2
+
+
+def test_one_wrapper_folder_around_the_classes_is_named_with_the_fix():
+    from stages.etl.layout import Layout, wrapper_hint
+
+    rels = ["dataset/cat/a.jpg", "dataset/dog/b.jpg", "dataset/dog/c.jpg"]
+    assert "point the input (--input, or run.source) at 's3://b/raw/dataset'" in wrapper_hint("s3://b/raw/", rels, Layout())
+    assert wrapper_hint("/d", ["train/" + r for r in rels], Layout({"train": "train"})) is None
+    assert wrapper_hint("/d", rels + ["dataset/loose.jpg"], Layout()) is None  # images in the class folder too
+    assert wrapper_hint("/d", rels + ["other/x.jpg"], Layout()) is None  # two classes
+    assert wrapper_hint("/d", ["dataset/2024/a.jpg"], Layout()) is None  # one folder below: no classes to name

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from stages.common.config import ConfigError
 
-__all__ = ["Layout", "SPLIT_FOLDERS", "detect"]
+__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "wrapper_hint"]
 
 # Folder names (any case) that name a split, and the split they name.
 SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
@@ -88,3 +88,18 @@ def detect(rels: Iterable[str], top_folders: Iterable[str], layout: str) -> Layo
         raise ConfigError(f"the input's folders {sorted(tops)} name one split twice; merge them, or set "
                           "etl.layout=classes to read them as classes")
     return Layout({t: named[t] for t in holding})  # an empty split folder gives its split nothing
+
+
+def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:
+    """For a `<class>/` tree of one class folder whose every image lies in folders below it (an
+    archive unpacked into `<input>/dataset/<class>/`): the fix, naming the folder to read instead."""
+    if layout.splits or not rels:
+        return None
+    folders = {r.split("/")[0] for r in rels}
+    below = {r.split("/")[1] for r in rels if r.count("/") > 1}
+    if len(folders) != 1 or len(below) < 2 or any(r.count("/") <= 1 for r in rels):
+        return None
+    shown = ", ".join(sorted(below)[:4]) + (", ..." if len(below) > 4 else "")
+    return (f"the one class folder holds every image in folders below it ({shown}): if those are the "
+            f"classes (or train/, val/), point the input (--input, or run.source) at "
+            f"'{source.rstrip('/')}/{folders.pop()}'")

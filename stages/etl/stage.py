@@ -170,6 +170,8 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
     if listing.layout.splits:
         log.info("etl: %s", listing.layout.describe())
+    if hint := layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout):
+        log.warning("etl: %s", hint)
     out_fs, out_root = storage.filesystem(out, s3)
     previous = _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
