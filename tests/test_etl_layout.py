@@ -48,6 +48,23 @@ def test_a_split_tree_keeps_its_splits_and_takes_classes_from_the_folder_below(t
             assert written[row["path"]] == folder and shard["split"] == split_of_folder[folder]
             assert m["classes"][row["label"]] == name
     assert verify(art.path) == []
+    assert m["layout"] == {"kind": "splits", "folders": {"Validation": "val", "test": "test", "train": "train"},
+                           "unlabelled_folders": [], "unlabelled_files": 0}
+
+
+def test_a_test_folder_of_unlabelled_images_is_left_out_and_test_is_carved_from_train(tmp_path, ray_session):
+    """A Kaggle-style tree: `train/<class>/` and `test/` of unlabelled images. Those cannot be
+    scored, and quarantined they would count as bad files (past etl.max_bad_fraction here)."""
+    _split_tree(tmp_path / "src", {"train": 12})
+    (tmp_path / "src" / "test").mkdir()
+    for i in range(30):
+        (tmp_path / "src" / "test" / f"{i:04d}.jpg").write_bytes(image_bytes(500 + i, size=(40, 30)))
+    art = etl.run(CFG, str(tmp_path / "src"), str(tmp_path / "ds"))
+    m = art.manifest
+    assert m["classes"] == ["cat", "dog"] and m["totals"]["files_in"] == 24 and m["totals"]["quarantined"] == 0
+    assert m["layout"] == {"kind": "splits", "folders": {"train": "train"}, "unlabelled_folders": ["test"],
+                           "unlabelled_files": 30}
+    assert sum(m["counts"]["test"].values()) > 0 and sum(map(sum, (c.values() for c in m["counts"].values()))) == 24
 
 
 def test_a_split_tree_without_val_carves_val_from_train_alone(tmp_path):

@@ -26,8 +26,11 @@ SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "
 
 @dataclass(frozen=True)
 class Layout:
-    """`splits`: {top folder as listed: the split it names}; empty for a `<class>/<image>` tree."""
+    """`splits`: {top folder as listed: the split it names}; empty for a `<class>/<image>` tree.
+    `unlabelled`: split folders holding images but no class folder (a Kaggle `test/` of unlabelled
+    images): left out, as no label can be read, and their split is carved from `train/`."""
     splits: dict[str, str] = field(default_factory=dict)
+    unlabelled: tuple[str, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -39,15 +42,30 @@ class Layout:
         parts = rel.split("/")
         return parts[self.depth] if len(parts) > self.depth + 1 else None
 
+    def left_out(self, rel: str) -> bool:
+        """Whether `rel` lies in an unlabelled split folder."""
+        return rel.split("/", 1)[0] in self.unlabelled
+
+    def record(self, unlabelled_files: int = 0) -> dict[str, Any]:
+        """The manifest's account of how the tree was read."""
+        if not self.splits:
+            return {"kind": "classes"}
+        return {"kind": "splits", "folders": dict(sorted(self.splits.items())),
+                "unlabelled_folders": list(self.unlabelled), "unlabelled_files": unlabelled_files}
+
     def where(self) -> str:
         """Where a file must lie, for messages."""
         return "<split>/<class_name>/" if self.splits else "<class_name>/"
 
-    def describe(self) -> str:
+    def describe(self, unlabelled_files: int = 0) -> str:
         """One line for the log: how the tree was read, and how to read it otherwise."""
         tops = sorted(self.splits)
-        return (f"the input is split by its folders ({', '.join(f'{t}/' for t in tops)}): each image keeps its "
+        line = (f"the input is split by its folders ({', '.join(f'{t}/' for t in tops)}): each image keeps its "
                 f"split, and its class is the folder below (etl.layout=classes reads {' and '.join(tops)} as classes)")
+        if self.unlabelled:
+            line += (f"; {unlabelled_files} file(s) in {', '.join(f'{t}/' for t in self.unlabelled)} lie in no "
+                     "class folder: unlabelled, left out")
+        return line
 
     def split_of(self, rel: str, fractions: Any, hashed_split) -> str:
         """The split of the file at `rel`: its split folder's, or, for a file in `train/`, the hashed
@@ -77,17 +95,19 @@ def detect(rels: Iterable[str], top_folders: Iterable[str], layout: str) -> Layo
     if layout == "classes":
         return Layout()
     named = {t: SPLIT_FOLDERS.get(t.lower()) for t in tops}
-    split_like = bool(tops) and all(named.values()) and "train" in named.values()
+    labelled = {r.split("/", 1)[0] for r in rels if r.count("/") >= 2}  # with images in folders below
+    split_like = bool(tops) and all(named.values()) and "train" in {named[t] for t in labelled}
     if layout == "splits" and not split_like:
         raise ConfigError(f"etl.layout=splits, but the input's top folders {sorted(tops)} are not all split "
-                          f"names ({', '.join(sorted(set(SPLIT_FOLDERS)))}) with a train folder among "
-                          "them; rename them, or set etl.layout=auto")
-    if not (split_like and (layout == "splits" or any(r.count("/") >= 2 for r in rels))):
+                          f"names ({', '.join(sorted(set(SPLIT_FOLDERS)))}) with class folders in a train "
+                          "folder; rename them, or set etl.layout=auto")
+    if not split_like:
         return Layout()
     if len(set(named.values())) != len(named):
         raise ConfigError(f"the input's folders {sorted(tops)} name one split twice; merge them, or set "
                           "etl.layout=classes to read them as classes")
-    return Layout({t: named[t] for t in holding})  # an empty split folder gives its split nothing
+    # an empty split folder, or one of unlabelled images, gives its split nothing: it is carved
+    return Layout({t: named[t] for t in labelled & holding}, tuple(sorted(holding - labelled)))
 
 
 def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:

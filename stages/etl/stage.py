@@ -53,6 +53,7 @@ class Listing:
     hidden: int  # dotfiles such as .DS_Store, skipped and counted
     fingerprint: str = ""  # names, sizes and mtimes of everything listed: changes when the source does
     layout: layouts.Layout = layouts.Layout()  # <class>/<image>, or split by its folders
+    unlabelled: int = 0  # files in a split folder without class folders: left out
 
 
 def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source",
@@ -66,8 +67,11 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
                                  f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file>")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
-    files, rejected, classes, spellings = [], [], set(), {}
+    files, rejected, classes, spellings, left_out = [], [], set(), {}, 0
     for entry in entries:
+        if tree.left_out(entry.rel):
+            left_out += 1
+            continue
         if entry.problem:
             rejected.append(sources.entry_row(entry))
         elif (folder := tree.class_folder(entry.rel)) is None:
@@ -88,7 +92,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
         if tree.splits else sources.top_folders(fs, root)
     empty = sorted(set(folders) - classes)
     return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty),
-                   tree)
+                   tree, left_out)
 
 
 def sample_key(relpath: str) -> str:
@@ -169,7 +173,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     started = time.perf_counter()
     listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
     if listing.layout.splits:
-        log.info("etl: %s", listing.layout.describe())
+        log.info("etl: %s", listing.layout.describe(listing.unlabelled))
     if hint := layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout):
         log.warning("etl: %s", hint)
     out_fs, out_root = storage.filesystem(out, s3)
@@ -310,7 +314,7 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
     manifest = base_manifest("etl", section_dict(cfg), {"source": str(source),
                                                        "source_listing": listing.fingerprint})
     manifest.update({
-        "run_id": run_id, "classes": listing.classes,
+        "run_id": run_id, "classes": listing.classes, "layout": listing.layout.record(listing.unlabelled),
         "image_shape": [cfg.image_size, cfg.image_size, 3],
         "counts": {split: dict(sorted(c.items())) for split, c in counts.items()},
         "shards": shard_list,
