@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import fmt, loadavg, md_table, targets_table
+from benchmarks.common import REPO, fmt, loadavg, md_table, targets_table
 
 __all__ = ["add_arguments", "run", "render"]
 
@@ -64,7 +64,7 @@ def _config(args: argparse.Namespace, overrides: list[str]):
 
     base = [f"etl.image_size={args.image_size}", "train.model=small_cnn", f"train.width={args.width}",
             "train.batch_size=16", "tracking.enabled=false"]
-    return load_config(Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml", base + overrides)
+    return load_config(REPO / "configs" / "smoke.yaml", base + overrides)
 
 
 def _train(cfg, data, out: Path, seed: int) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import tune_rank, tune_replay
-from benchmarks.common import fmt, loadavg, md_table, ratio, targets_table
+from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table
 
 __all__ = ["add_arguments", "run", "render"]
 
@@ -102,7 +102,7 @@ class _TrialClock:
 def _config(scheduler: str, args, seed: int = 0) -> Any:
     from stages.common.config import load_config
 
-    return load_config(Path(__file__).resolve().parents[1] / "configs/smoke.yaml", [
+    return load_config(REPO / "configs/smoke.yaml", [
         f"tune.scheduler={scheduler}", f"tune.num_samples={args.samples}", f"tune.max_epochs={args.max_epochs}",
         f"tune.grace_period={args.grace}", f"tune.reduction_factor={args.reduction}", f"tune.seed={seed}",
         "train.width=16", "train.batch_size=32", "train.optimizer=sgd",

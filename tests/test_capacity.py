@@ -178,3 +178,21 @@ def test_free_node_resources_count_what_placement_groups_and_actors_hold(ray_ses
     finally:
         ray.kill(holder)
         remove_placement_group(group)
+
+
+def test_a_containers_cpu_quota_caps_the_cores_counted_without_ray(tmp_path):
+    """cgroup v2 `cpu.max` and v1's CFS files, as a container runtime writes them (`--cpus=2.5`)."""
+    from stages.common.cluster import _cgroup_cpu_quota
+
+    (tmp_path / "v2").mkdir()
+    (tmp_path / "v2" / "cpu.max").write_text("250000 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "v2")) == 2.5
+    (tmp_path / "v2" / "cpu.max").write_text("max 100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "v2")) is None
+    (tmp_path / "v1" / "cpu").mkdir(parents=True)
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "v1")) == 1.5
+    (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert _cgroup_cpu_quota(str(tmp_path / "v1")) is None and _cgroup_cpu_quota(str(tmp_path / "none")) is None
+    assert 1 <= session.local_cpus() <= (os.cpu_count() or 1)

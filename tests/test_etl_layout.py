@@ -95,10 +95,10 @@ def test_other_trees_are_read_as_class_folders(tmp_path):
 
 def test_a_layout_that_cannot_be_read_is_refused_naming_the_fix(tmp_path):
     _split_tree(tmp_path / "cls", {"cat": 1, "dog": 1}, classes=("x",))
-    with pytest.raises(ConfigError, match="etl.layout=splits, but the input's top folders"):
+    with pytest.raises(ConfigError, match="etl.layout=splits, but the input has no train folder of class folders"):
         etl.discover(str(tmp_path / "cls"), layout="splits")
     _split_tree(tmp_path / "twice", {"train": 1, "val": 1, "valid": 1})
-    with pytest.raises(ConfigError, match="name one split twice.*etl.layout=classes"):
+    with pytest.raises(ConfigError, match="name one split twice; merge them, or rename one"):
         etl.discover(str(tmp_path / "twice"))
 
 
@@ -124,3 +124,36 @@ def test_one_wrapper_folder_around_the_classes_is_named_with_the_fix():
     assert wrapper_hint("/d", rels + ["dataset/loose.jpg"], Layout()) is None  # images in the class folder too
     assert wrapper_hint("/d", rels + ["other/x.jpg"], Layout()) is None  # two classes
     assert wrapper_hint("/d", ["dataset/2024/a.jpg"], Layout()) is None  # one folder below: no classes to name
+
+
+def test_stray_folders_beside_train_are_named_and_macos_zip_folders_are_hidden(tmp_path):
+    _split_tree(tmp_path / "src", {"train": 1, "val": 1})
+    (tmp_path / "src" / "__MACOSX" / "train" / "cat").mkdir(parents=True)  # macOS zip's resource forks
+    (tmp_path / "src" / "__MACOSX" / "train" / "cat" / "._cat_000.jpg").write_bytes(b"\0\5\26\7")
+    (tmp_path / "src" / "models").mkdir()  # empty: holds nothing to read
+    listing = etl.discover(str(tmp_path / "src"))
+    assert listing.layout.splits == {"train": "train", "val": "val"} and listing.classes == ["cat", "dog"]
+    (tmp_path / "src" / "notes").mkdir()
+    (tmp_path / "src" / "notes" / "n.jpg").write_bytes(image_bytes(9))
+    listing = etl.discover(str(tmp_path / "src"))  # a folder of files that names no split: classes, said
+    assert listing.classes == ["models", "notes", "train", "val"] and listing.layout.strays == ("notes",)
+    assert "top folder(s) notes that name no split" in listing.layout.describe()
+    with pytest.raises(ConfigError, match="etl.layout=splits, but top folder.s. notes name no split"):
+        etl.discover(str(tmp_path / "src"), layout="splits")
+
+
+def test_shares_a_split_tree_supplies_are_not_needed_and_zero_shares_carve_nothing(tmp_path):
+    from types import SimpleNamespace
+
+    from stages.common.config import load_config
+    from stages.etl.layout import Layout
+    from tests.conftest import REPO
+    from workflow import preflight
+
+    cfg = load_config(REPO / "configs/smoke.yaml", ["etl.split.train=1", "etl.split.val=0", "etl.split.test=0"])
+    with pytest.raises(ConfigError, match="etl.split.val=0"):
+        preflight.needed_splits(cfg)
+    preflight.needed_splits(cfg, given={"train", "val", "test"})  # the tree's own val/ and test/
+    shares = SimpleNamespace(train=0.0, val=0.0, test=1.0)
+    tree = Layout({"train": "train", "test": "test"})
+    assert {tree.split_of(f"train/c/{i}.jpg", shares, etl.split_of) for i in range(50)} == {"train"}

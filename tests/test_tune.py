@@ -310,6 +310,7 @@ def test_a_second_search_into_a_held_output_is_refused_before_anything_runs(data
             tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
         assert sorted(p.name for p in out.iterdir()) == [locks.LOCK_NAME]
 
+
 def test_config_errors_name_the_key(dataset, tmp_path):
     with pytest.raises(ConfigError, match=r"tune\.search_space\.lr\.type"):
         load_config(REPO / "configs/smoke.yaml", ["tune.search_space.lr.type=gaussian"])

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("etl", help="images (folder or s3://) -> parquet/tar shards + manifest")
-    p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>")
+    p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>, or <input>/<split>/<class>/<image>")
     p.add_argument("--output", required=True, type=_location, help="output folder or s3:// prefix")
     p.add_argument("--format", choices=["parquet", "tar", "both"], default=None,
                    help="shard format(s) (default: etl.formats from config)")
@@ -246,7 +246,7 @@ def cmd_infer(args) -> int:
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
-                             start_ray=lambda: session.start(cfg.ray))
+                             start_ray=lambda: session.start(cfg.ray), cpus=cfg.ray.num_cpus)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
     return 0

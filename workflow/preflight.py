@@ -44,9 +44,10 @@ def start(cfg: Config) -> dict[str, Any]:
     with torch imported beside it. Returns ETL's inputs: the source and its listing fingerprint."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
     check_image_size(cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model], cfg.etl.image_size)
-    needed_splits(cfg)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
-    sources = etl_inputs(cfg)  # a missing or unreadable run.source fails here, before anything is written
+    listing = _listing(cfg)  # a missing or unreadable run.source fails here, before anything is written
+    needed_splits(cfg, given=set(listing.layout.splits.values()))
+    sources = {"source": cfg.run.source, "source_listing": listing.fingerprint}
     _check_run_dir(cfg)
     _write_config(cfg)
     beside_ray(cfg, cfg.run.dir)
@@ -87,15 +88,16 @@ def _import_into(names: tuple[str, ...], failed: list[BaseException]) -> None:
             log.debug("preflight: %s not imported ahead (%s); the train stage imports it", name, e)
 
 
-def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) -> None:
+def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None, given: set[str] = frozenset()) -> None:
     """ConfigError unless training, validation and infer.split each get rows: by etl.split before
-    ETL, by the rows ETL wrote after it (a small tree can leave a split empty). A pipeline whose
-    test split was empty had trained for minutes and then failed in infer."""
+    ETL (except the `given` splits, which a tree split by its folders supplies), by the rows ETL
+    wrote after it (a small tree can leave a split empty). A pipeline whose test split was empty
+    had trained for minutes and then failed in infer."""
     needs = {"train": "the model learns from it", "val": "the published checkpoint is the best by val_acc",
              cfg.infer.split: f"infer.split={cfg.infer.split} reads it"}
     for split, why in needs.items():
         share = getattr(cfg.etl.split, split)
-        if counts is None and share <= 0:
+        if counts is None and share <= 0 and split not in given:
             raise ConfigError(f"etl.split.{split}=0 but the pipeline needs {split} rows ({why}); give "
                               f"etl.split.{split} a share")
         if counts is not None and sum(counts.get(split, {}).values()) == 0:
@@ -106,8 +108,11 @@ def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None) 
 def etl_inputs(cfg: Config) -> dict[str, Any]:
     """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
     changed images are noticed without hashing every file."""
-    listing = etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)
-    return {"source": cfg.run.source, "source_listing": listing.fingerprint}
+    return {"source": cfg.run.source, "source_listing": _listing(cfg).fingerprint}
+
+
+def _listing(cfg: Config):
+    return etl.discover(cfg.run.source, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)
 
 
 def _check_run_dir(cfg: Config) -> None:

@@ -10,13 +10,37 @@ Tune's workers). Tasks come and go in seconds, so they are not counted.
 from __future__ import annotations
 
 import logging
+import math
+import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Iterator
 
-__all__ = ["node_resources", "free_node_resources", "units_that_fit", "cluster_resources"]
+__all__ = ["node_resources", "free_node_resources", "units_that_fit", "cluster_resources", "local_cpus"]
 
 log = logging.getLogger(__name__)
 _COUNTED = ("CPU", "GPU", "memory")  # what the plans need; custom resources are left as totals
+
+
+def local_cpus() -> int:
+    """This process's cores when no Ray counts them: its CPU affinity, within the cgroup's CPU quota
+    (a container's --cpus; a 2-CPU container on a 64-core host has 2), as Ray counts a node's."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, math.floor(quota))) if quota else cores
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs the cgroup may use (v2 `cpu.max`, or v1's CFS quota and period); None: no quota."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            text = Path(root, quota_file).read_text().split()
+            quota, period = text[0], text[1] if period_file is None else Path(root, period_file).read_text().strip()
+            if quota not in ("max", "-1") and float(period) > 0:
+                return float(quota) / float(period)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def node_resources() -> list[dict[str, float]]:

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any, Iterable
 
 from stages.common.config import ConfigError
+from stages.etl.sources import shown
 
 __all__ = ["Layout", "SPLIT_FOLDERS", "detect", "wrapper_hint"]
 
@@ -31,6 +32,8 @@ class Layout:
     images): left out, as no label can be read, and their split is carved from `train/`."""
     splits: dict[str, str] = field(default_factory=dict)
     unlabelled: tuple[str, ...] = ()
+    # Top folders that name no split beside a train/ of class folders (read as classes: say so)
+    strays: tuple[str, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -59,11 +62,15 @@ class Layout:
 
     def describe(self, unlabelled_files: int = 0) -> str:
         """One line for the log: how the tree was read, and how to read it otherwise."""
-        tops = sorted(self.splits)
+        if self.strays:
+            return (f"the input has a train/ folder of class folders, but also top folder(s) "
+                    f"{', '.join(map(shown, self.strays))} that name no split, so every top folder is read as a "
+                    "class; if train/ (val/, test/) hold the splits, move the others out of the input")
+        tops = sorted(map(shown, self.splits))
         line = (f"the input is split by its folders ({', '.join(f'{t}/' for t in tops)}): each image keeps its "
                 f"split, and its class is the folder below (etl.layout=classes reads {' and '.join(tops)} as classes)")
         if self.unlabelled:
-            line += (f"; {unlabelled_files} file(s) in {', '.join(f'{t}/' for t in self.unlabelled)} lie in no "
+            line += (f"; {unlabelled_files} file(s) in {', '.join(f'{shown(t)}/' for t in self.unlabelled)} lie in no "
                      "class folder: unlabelled, left out")
         return line
 
@@ -91,23 +98,29 @@ def detect(rels: Iterable[str], top_folders: Iterable[str], layout: str) -> Layo
     as `etl.layout` (auto|classes|splits) asks."""
     rels = list(rels)
     holding = {r.split("/", 1)[0] for r in rels if "/" in r}  # as the OS names them: the files' paths
-    tops = holding | set(top_folders)  # and the empty ones
     if layout == "classes":
         return Layout()
-    named = {t: SPLIT_FOLDERS.get(t.lower()) for t in tops}
+    named = {t: SPLIT_FOLDERS.get(t.lower()) for t in holding | set(top_folders)}
     labelled = {r.split("/", 1)[0] for r in rels if r.count("/") >= 2}  # with images in folders below
-    split_like = bool(tops) and all(named.values()) and "train" in {named[t] for t in labelled}
-    if layout == "splits" and not split_like:
-        raise ConfigError(f"etl.layout=splits, but the input's top folders {sorted(tops)} are not all split "
-                          f"names ({', '.join(sorted(set(SPLIT_FOLDERS)))}) with class folders in a train "
-                          "folder; rename them, or set etl.layout=auto")
-    if not split_like:
+    has_train = any(named[t] == "train" for t in labelled)
+    strays = tuple(sorted(t for t in holding if not named[t]))  # an empty folder holds nothing to read
+    if layout == "splits" and not has_train:
+        raise ConfigError(f"etl.layout=splits, but the input has no train folder of class folders (split folder "
+                          f"names: {', '.join(sorted(SPLIT_FOLDERS))}); lay it out as <split>/<class_name>/<image>, "
+                          "or set etl.layout=auto")
+    if layout == "splits" and strays:
+        raise ConfigError(f"etl.layout=splits, but top folder(s) {', '.join(map(shown, strays))} name no split "
+                          f"(split folder names: {', '.join(sorted(SPLIT_FOLDERS))}); move them out of the input, "
+                          "or set etl.layout=auto")
+    if not has_train:
         return Layout()
-    if len(set(named.values())) != len(named):
-        raise ConfigError(f"the input's folders {sorted(tops)} name one split twice; merge them, or set "
-                          "etl.layout=classes to read them as classes")
+    if strays:  # read as classes, as before; the stage says why
+        return Layout(strays=strays)
+    if len({named[t] for t in holding}) != len(holding):
+        raise ConfigError(f"the input's folders {', '.join(sorted(map(shown, holding)))} name one split twice; "
+                          "merge them, or rename one")
     # an empty split folder, or one of unlabelled images, gives its split nothing: it is carved
-    return Layout({t: named[t] for t in labelled & holding}, tuple(sorted(holding - labelled)))
+    return Layout({t: named[t] for t in labelled}, tuple(sorted(holding - labelled)))
 
 
 def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:
@@ -119,7 +132,7 @@ def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:
     below = {r.split("/")[1] for r in rels if r.count("/") > 1}
     if len(folders) != 1 or len(below) < 2 or any(r.count("/") <= 1 for r in rels):
         return None
-    shown = ", ".join(sorted(below)[:4]) + (", ..." if len(below) > 4 else "")
-    return (f"the one class folder holds every image in folders below it ({shown}): if those are the "
+    names = ", ".join(map(shown, sorted(below)[:4])) + (", ..." if len(below) > 4 else "")
+    return (f"the one class folder holds every image in folders below it ({names}): if those are the "
             f"classes (or train/, val/), point the input (--input, or run.source) at "
-            f"'{source.rstrip('/')}/{folders.pop()}'")
+            f"'{source.rstrip('/')}/{shown(folders.pop())}'")

@@ -24,7 +24,7 @@ from stages.common import storage
 from stages.common.config import ConfigError
 from stages.etl.images import BadImage
 
-__all__ = ["READ_KEYS", "Entry", "list_tree", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
+__all__ = ["READ_KEYS", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
            "top_folders", "class_name", "class_of", "entry_row"]
 
 log = logging.getLogger(__name__)
@@ -92,11 +92,18 @@ def top_folders(fs, root: str) -> list[str]:
     if not _is_local(fs):
         return []
     with os.scandir(root) as found:
-        return [class_name(c.name) for c in found if not c.name.startswith(".") and c.is_dir(follow_symlinks=False)]
+        return [class_name(c.name) for c in found if not hidden_name(c.name) and c.is_dir(follow_symlinks=False)]
+
+
+def hidden_name(name: str) -> bool:
+    """A dotfile or dot-folder, or the `__MACOSX/` folder of resource forks that macOS's zip adds
+    beside the real tree (read as a class, it became an empty one)."""
+    return name.startswith(".") or name == "__MACOSX"
 
 
 def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:
-    """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/) are skipped and counted."""
+    """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/, __MACOSX/) are skipped
+    and counted."""
     entries, hidden = _list_local(root, policy) if _is_local(fs) else _list_object_store(fs, root)
     return sorted(entries, key=lambda e: name_bytes(e.rel)), hidden
 
@@ -112,7 +119,7 @@ def _list_object_store(fs, root: str) -> tuple[list[Entry], int]:
         rel = path[len(root):].lstrip("/")
         if info.get("type") == "directory" or not rel:
             continue
-        if any(part.startswith(".") for part in rel.split("/")):
+        if any(hidden_name(part) for part in rel.split("/")):
             hidden += 1
             continue
         modified = info.get("LastModified") or info.get("mtime") or 0
@@ -143,7 +150,7 @@ def _list_local(root: str, policy: str) -> tuple[list[Entry], int]:
         folder = pending.pop()
         for child in _children(root, folder, entries):
             rel = f"{folder}/{child.name}" if folder else child.name
-            if child.name.startswith("."):
+            if hidden_name(child.name):
                 hidden += 1
                 continue
             try:

@@ -53,7 +53,7 @@ class Listing:
     hidden: int  # dotfiles such as .DS_Store, skipped and counted
     fingerprint: str = ""  # names, sizes and mtimes of everything listed: changes when the source does
     layout: layouts.Layout = layouts.Layout()  # <class>/<image>, or split by its folders
-    unlabelled: int = 0  # files in a split folder without class folders: left out
+    unlabelled_files: int = 0  # files in a split folder without class folders: left out
 
 
 def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source",
@@ -64,7 +64,8 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     if not fs.exists(root) or not fs.isdir(root):
         what = "is a file, not a folder" if fs.exists(root) else "does not exist"
         raise InputNotFoundError(f"input '{source}' {what}; pass --input (run.source for `raymill run`) "
-                                 f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file>")
+                                 f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file> (or "
+                                 f"<input>/<split>/<class_name>/<image file>)")
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
     files, rejected, classes, spellings, left_out = [], [], set(), {}, 0
@@ -173,7 +174,9 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     started = time.perf_counter()
     listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
     if listing.layout.splits:
-        log.info("etl: %s", listing.layout.describe(listing.unlabelled))
+        log.info("etl: %s", listing.layout.describe(listing.unlabelled_files))
+    elif listing.layout.strays:
+        log.warning("etl: %s", listing.layout.describe())
     if hint := layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout):
         log.warning("etl: %s", hint)
     out_fs, out_root = storage.filesystem(out, s3)
@@ -314,7 +317,7 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
     manifest = base_manifest("etl", section_dict(cfg), {"source": str(source),
                                                        "source_listing": listing.fingerprint})
     manifest.update({
-        "run_id": run_id, "classes": listing.classes, "layout": listing.layout.record(listing.unlabelled),
+        "run_id": run_id, "classes": listing.classes, "layout": listing.layout.record(listing.unlabelled_files),
         "image_shape": [cfg.image_size, cfg.image_size, 3],
         "counts": {split: dict(sorted(c.items())) for split, c in counts.items()},
         "shards": shard_list,

@@ -19,7 +19,6 @@ import io
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections import Counter
@@ -39,8 +38,7 @@ from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
 from stages.infer.predictors import BUSY, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict
-from stages.etl import layout as layouts
-from stages.etl import sources
+from stages.etl import layout as layouts, sources
 from stages.feed import streaming
 from stages.etl.stage import InputNotFoundError, check_apart, root_cause
 
@@ -65,20 +63,21 @@ class Plan:
 
 
 def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None,
-        start_ray: Callable[[], Any] | None = None) -> Artifact:
+        start_ray: Callable[[], Any] | None = None, cpus: float | None = None) -> Artifact:
     """Predict every image of `source` with the model in `model_path`; publish into `out`.
 
     `out` is locked for the run, and refused when it holds another stage's output (exit 2).
     `start_ray` is called once the job is known to need Ray: a job small enough for this process
-    (`_in_process`) never starts it (`raymill infer`: 158 images took 11 s, 0.6 s of them work).
+    (`_in_process`) never starts it (`raymill infer` of 158 images: 3.3 s, against 9.3 s when Ray
+    started first). `cpus` (ray.num_cpus) caps the threads of a job run in this process.
     """
     check_apart(source, out)  # predictions written among the images would be read as images next time
     with output_lock(out, "infer", s3):
-        return _run_locked(cfg, model_path, source, out, s3, start_ray)
+        return _run_locked(cfg, model_path, source, out, s3, start_ray, cpus)
 
 
 def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: Any | None,
-                start_ray: Callable[[], Any] | None) -> Artifact:
+                start_ray: Callable[[], Any] | None, cpus: float | None) -> Artifact:
     started = time.perf_counter()
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
@@ -101,7 +100,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
                                                                    if decode["decode_tasks"] else ""))
     unpublish(out, s3)
     if here:
-        table, busy_s, wall_s = _execute_here(cfg, model_path, plan, s3)
+        table, busy_s, wall_s = _execute_here(cfg, model_path, plan, s3, cpus)
     else:
         table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
     table = table.sort_by([("path", "ascending"), ("key", "ascending")])
@@ -254,7 +253,8 @@ def _in_process(cfg: InferConfig, plan: Plan) -> bool:
             and (not cfg.use_gpu or torch.cuda.is_available()))
 
 
-def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None) -> tuple[pa.Table, float, float]:
+def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None,
+                  cpus: float | None) -> tuple[pa.Table, float, float]:
     """The plan's items through the actor class Ray Data would start, called in this process:
     the same reads, decode and predictions, row for row. torch's thread count is put back after."""
     threads = torch.get_num_threads()
@@ -262,7 +262,7 @@ def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None)
     try:
         predictor = Predictor(model_path=model_path, s3=storage.s3_options(s3), top_k=cfg.top_k,
                               use_gpu=cfg.use_gpu, batch_size=cfg.batch_size, **plan.reader,
-                              threads=_local_threads())
+                              threads=_local_threads(cpus))
         table = predictor(pa.Table.from_pylist(plan.items)) if plan.items else SCHEMA.append(BUSY).empty_table()
     except Exception as e:  # as from the actors: the cause, and nothing published
         raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
@@ -273,10 +273,11 @@ def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None)
     return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
 
 
-def _local_threads() -> int:
-    """torch threads for a job in this process: this process's cores, within Ray's CPUs when this
-    process already runs a Ray driver (`raymill run`: a user's ray.num_cpus caps it)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def _local_threads(cpus: float | None) -> int:
+    """torch threads for a job in this process: this machine's cores (its cgroup quota too), at
+    most `cpus` (ray.num_cpus) and, where this process already runs a Ray driver (`raymill run`),
+    at most Ray's CPUs."""
+    cores = session.local_cpus() if cpus is None else min(session.local_cpus(), max(1, int(cpus)))
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         cores = min(cores, int(session.cluster_resources().get("CPU", 1)))
