@@ -1,13 +1,13 @@
 """How an ImageFolder tree is laid out: `<class>/<image>`, or already split, `<split>/<class>/<image>`.
 
-Many datasets come split by their makers (ImageNet's `train/` and `val/`, most Kaggle and Hugging
-Face image-folder exports). Read as `<class>/<image>`, such a tree trains a classifier of the
-folders `train`, `val` and `test`: it reports a fine accuracy and is worthless. So a tree whose top
-folders are all split names, one of them `train`, with images inside class folders under them, is
-read as split (`etl.layout=auto`): the class is the second folder, and each image keeps the split
-its makers gave it. A split the tree lacks is carved from `train/` by the same hash as an unsplit
-tree's (`etl.split` shares), so a `train/` + `test/` tree still gets a val split to pick
-checkpoints by. `etl.layout=classes` reads such folders as classes after all.
+Many datasets come split by their makers (most Kaggle and Hugging Face image-folder exports;
+ImageNet's once its val/ is sorted into class folders). Read as `<class>/<image>`, such a tree
+trains a classifier of the folders `train`, `val` and `test`: it reports a plausible accuracy and
+is worthless. So a tree with a `train/` of class folders, whose other top folders holding files
+all name splits too, is read as split (`etl.layout=auto`): the class is the second folder, and
+each image keeps the split its makers gave it. A split the tree lacks is carved from `train/` by
+the same hash as an unsplit tree's (`etl.split` shares), so a `train/` + `test/` tree still gets a
+val split to pick checkpoints by. `etl.layout=classes` reads such folders as classes after all.
 """
 from __future__ import annotations
 
