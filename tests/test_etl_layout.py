@@ -12,6 +12,7 @@ import pytest
 from stages.common.config import ConfigError, EtlConfig, S3Config
 from stages.etl import stage as etl
 from stages.etl.integrity import verify
+from stages.etl.layout import split_named_classes
 from tests.conftest import image_bytes
 
 CFG = EtlConfig(image_size=16, shard_max_rows=10)
@@ -83,14 +84,17 @@ def test_other_trees_are_read_as_class_folders(tmp_path):
     for name in ("train", "test"):
         (tmp_path / "flat" / name).mkdir(parents=True)
         (tmp_path / "flat" / name / "a.jpg").write_bytes(image_bytes(1))
-    assert etl.discover(str(tmp_path / "flat")).classes == ["test", "train"]
+    flat = etl.discover(str(tmp_path / "flat"))
+    assert flat.classes == ["test", "train"]  # and ETL says what that trains:
+    assert "the classes test, train are named like splits" in split_named_classes(flat.classes, flat.layout)
     _split_tree(tmp_path / "split", {"train": 1, "val": 1})
     # etl.layout=classes reads split folders as classes, as before
     assert etl.discover(str(tmp_path / "split"), layout="classes").classes == ["train", "val"]
     # a top folder that is not a split's name: every top folder is a class
     (tmp_path / "split" / "extra" / "x").mkdir(parents=True)
     (tmp_path / "split" / "extra" / "x" / "b.jpg").write_bytes(image_bytes(2))
-    assert etl.discover(str(tmp_path / "split")).classes == ["extra", "train", "val"]
+    mixed = etl.discover(str(tmp_path / "split"))
+    assert mixed.classes == ["extra", "train", "val"] and split_named_classes(mixed.classes, mixed.layout) is None
 
 
 def test_a_layout_that_cannot_be_read_is_refused_naming_the_fix(tmp_path):

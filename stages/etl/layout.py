@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from stages.common.config import ConfigError
 from stages.etl.sources import shown
 
-__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "wrapper_hint"]
+__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "wrapper_hint", "split_named_classes"]
 
 # Folder names (any case) that name a split, and the split they name.
 SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
@@ -136,3 +136,14 @@ def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:
     return (f"the one class folder holds every image in folders below it ({names}): if those are the "
             f"classes (or train/, val/), point the input (--input, or run.source) at "
             f"'{source.rstrip('/')}/{shown(folders.pop())}'")
+
+
+def split_named_classes(classes: list[str], layout: Layout) -> str | None:
+    """For a `<class>/` tree whose classes include `train` and another split's name, with the images
+    right inside them (labels in file names, as Kaggle's cats-vs-dogs, or unlabelled images): the
+    warning that it trains a classifier of those folders."""
+    named = [c for c in classes if SPLIT_FOLDERS.get(c.lower())]
+    if layout.splits or layout.strays or len(named) < 2 or "train" not in {SPLIT_FOLDERS[c.lower()] for c in named}:
+        return None
+    return (f"the classes {', '.join(named)} are named like splits: a model trained on this data tells those "
+            "folders apart. If they are splits, lay the images out as <split>/<class_name>/<image>")

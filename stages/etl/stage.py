@@ -177,8 +177,10 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
         log.info("etl: %s", listing.layout.describe(listing.unlabelled_files))
     elif listing.layout.strays:
         log.warning("etl: %s", listing.layout.describe())
-    if hint := layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout):
-        log.warning("etl: %s", hint)
+    for hint in (layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout),
+                 layouts.split_named_classes(listing.classes, listing.layout)):
+        if hint:
+            log.warning("etl: %s", hint)
     out_fs, out_root = storage.filesystem(out, s3)
     previous = _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
