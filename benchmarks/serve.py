@@ -79,16 +79,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_model(out: Path) -> None:
+def _make_model(out: Path, arch: str = "small_cnn") -> None:
     import torch
 
     from stages.model.publish import save_model
     from stages.model.zoo import build_model
 
     torch.manual_seed(0)
-    info = {"architecture": "small_cnn", "width": 32, "dropout": 0.0, "classes": [f"c{i}" for i in range(10)],
+    info = {"architecture": arch, "width": 32, "dropout": 0.0, "classes": [f"c{i}" for i in range(10)],
             "image_size": 64, "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "bench"}
-    save_model(str(out), build_model("small_cnn", 10, width=32).state_dict(), info)
+    save_model(str(out), build_model(arch, 10, width=32).state_dict(), info)  # resnets take no width
 
 
 def _jpegs(n: int, size: str) -> list[bytes]:

@@ -10,12 +10,17 @@ so that idle variants fit). #39's held-out probe ran the product's own command i
   floor  a process that starts Ray as raymill does (session.start), then serve.start with the
          same HTTP options and serve.run(benchmarks.serve_apps.floor_app(cfg.serve)): the same two
          hops, limits and CPUs, answering a constant;
-  model  the model's own time for one image in this process: decode + preprocess + forward pass,
-         torch with 1 thread (as in a 0.5-CPU replica) and with every core.
+  every core  ours with serve.torch_threads = the cores (ours runs on Ray's 1 thread for a
+         0.5-CPU replica);
+  model  the model's own time for one image in a plain process: decode + preprocess + forward
+         pass, on 1 torch thread (as the replica) and on torch's default (every core, as a user
+         measures it in a notebook); back to back, and as lone calls 10 ms apart (what a
+         sequential client's requests are to the replica: a forward after an idle gap runs slower).
 
-The model is benchmarks.serve's (small_cnn width 32, 64 px, untrained); the body one 500x375 JPEG.
-Each round starts each server, sends --requests sequential requests over one keep-alive
-connection after 30 untimed ones, and stops it with SIGTERM. The spread over rounds is reported.
+Two models (untrained, 64 px): benchmarks.serve's small_cnn width 32, whose forward pass hardly
+gains from threads, and resnet18, which does. The body is one 500x375 JPEG. Each round starts
+each server, sends --requests sequential requests over one keep-alive connection after 30
+untimed ones, and stops it with SIGTERM. The spread over rounds is reported.
 """
 from __future__ import annotations
 
@@ -37,6 +42,9 @@ from benchmarks.serve import _free_port, _jpegs, _make_model, _wait_healthy
 __all__ = ["add_arguments", "run", "render"]
 
 TARGET = 1.2  # c=1 p50 ours / (floor + the model's own time), #39
+ARCHS = ("small_cnn", "resnet18")
+SERVERS = {"ours": [], "ours, every core": ["--set", f"serve.torch_threads={os.cpu_count() or 1}"], "floor": None}
+GAP_S = 0.01  # between lone calls of the model's own time
 FLOOR = ("import signal, sys; from ray import serve; from stages.common import session; "
          "from stages.common.config import load_config; from stages.serve import app; "
          "from benchmarks.serve_apps import floor_app; cfg = load_config(None, [f'serve.port={sys.argv[1]}']); "
@@ -49,7 +57,8 @@ FLOOR = ("import signal, sys; from ray import serve; from stages.common import s
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="timed requests per server and round (default 300)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds, each starting both servers (default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each starting every server (default 3)")
+    p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS), help="models (default: both)")
 
 
 def _probe(url: str, body: bytes, n: int) -> float:
@@ -70,15 +79,15 @@ def _probe(url: str, body: bytes, n: int) -> float:
 
 def _serve_one(kind: str, model: Path, body: bytes, n: int) -> dict[str, Any]:
     port = _free_port()
-    command = ([sys.executable, "-m", "workflow", "serve", "--model", str(model), "--port", str(port)]
-               if kind == "ours" else [sys.executable, "-c", FLOOR, str(port)])
+    command = ([sys.executable, "-c", FLOOR, str(port)] if SERVERS[kind] is None else
+               [sys.executable, "-m", "workflow", "serve", "--model", str(model), "--port", str(port), *SERVERS[kind]])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     load = loadavg()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=180,
-                      what="raymill serve" if kind == "ours" else "the floor app")
+                      what="the floor app" if SERVERS[kind] is None else "raymill serve")
         time.sleep(2)  # the replicas' own start-up work settles
         return {"kind": kind, "p50_ms": _probe(f"http://127.0.0.1:{port}", body, n), "loadavg_before": load}
     finally:
@@ -90,53 +99,65 @@ def _serve_one(kind: str, model: Path, body: bytes, n: int) -> dict[str, Any]:
             proc.wait()
 
 
-def _model_ms(model: Path, body: bytes) -> dict[str, float]:
+def _model_ms(model: Path, body: bytes) -> dict[str, Any]:
+    """{threads_N: ms back to back, lone_threads_N: ms for calls GAP_S apart, default_threads}."""
     import torch
 
     from stages.model.predict import load_model, predict_arrays, preprocess
 
     net, info = load_model(str(model))
-    out = {}
-    for threads in (1, os.cpu_count() or 1):
+    default, out = torch.get_num_threads(), {}  # torch's own choice: every core
+    for threads in sorted({1, default}):
         torch.set_num_threads(threads)
-        times = []
-        for _ in range(300):
-            started = time.perf_counter()
-            predict_arrays(net, info, [preprocess(body, info)], 3)
-            times.append((time.perf_counter() - started) * 1e3)
-        out[f"threads_{threads}"] = round(statistics.median(times[50:]), 3)
-    return out
+        for key, gap in ((f"threads_{threads}", 0.0), (f"lone_threads_{threads}", GAP_S)):
+            times = []
+            for _ in range(250):
+                started = time.perf_counter()
+                predict_arrays(net, info, [preprocess(body, info)], 3)
+                times.append((time.perf_counter() - started) * 1e3)
+                time.sleep(gap)
+            out[key] = round(statistics.median(times[50:]), 3)
+    torch.set_num_threads(default)
+    return {**out, "default_threads": default}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"args": vars(args), "cores": os.cpu_count(), "rounds": []}
+    out: dict[str, Any] = {"args": vars(args), "cores": os.cpu_count(), "models": {}}
     with tempfile.TemporaryDirectory(prefix="raymill-serve-user-") as tmp:
-        model, body = Path(tmp) / "model", _jpegs(1, "500x375")[0]
-        _make_model(model)
-        out["model_ms"] = _model_ms(model, body)
-        for i in range(args.rounds):
-            pair = [_serve_one(kind, model, body, args.requests) for kind in ("ours", "floor")]
-            out["rounds"].append(pair)
-            print(f"serve_user round {i + 1}: {json.dumps(pair)}", flush=True)
+        body = _jpegs(1, "500x375")[0]
+        for arch in args.archs:
+            model = Path(tmp) / arch
+            _make_model(model, arch)
+            result = out["models"][arch] = {"model_ms": _model_ms(model, body), "rounds": []}
+            for i in range(args.rounds):
+                row = {kind: _serve_one(kind, model, body, args.requests) for kind in SERVERS}
+                result["rounds"].append(row)
+                print(f"serve_user {arch} round {i + 1}: {json.dumps(row)}", flush=True)
     return out
 
 
 def render(result: dict[str, Any]) -> str:
-    own, cores = result["model_ms"]["threads_1"], result["cores"]
-    every = result["model_ms"].get(f"threads_{cores}")
-    rows, ratios = [], []
-    for i, (ours, floor) in enumerate(result["rounds"], 1):
-        r = ratio(ours["p50_ms"], floor["p50_ms"] + own)
-        ratios.append(r)
-        rows.append([i, ours["p50_ms"], floor["p50_ms"], r, fmt((ours["loadavg_before"] or [None])[0], 2),
-                     fmt((floor["loadavg_before"] or [None])[0], 2)])
     lines = [f"c=1: {result['args']['requests']} sequential requests over one keep-alive connection (httpx), one "
-             "500x375 JPEG, each server in its own process with its own Ray, started as a user starts it. "
-             f"The model's own time for one image in one process (decode, preprocess, forward): {own} ms with "
-             f"1 torch thread (as a 0.5-CPU replica runs it), {every} ms with {cores}.", ""]
-    lines += md_table(["round", "ours p50 ms", "floor p50 ms", "ours / (floor + model's own)", "load (ours)",
-                       "load (floor)"], rows)
-    worst = max(r for r in ratios if r is not None) if any(r is not None for r in ratios) else None
-    lines += ["", *targets_table([{"target": f"c=1 p50 ours / (floor + model's own), worst round <= {TARGET}",
-                                   "measured": worst, "pass": worst is not None and worst <= TARGET}])]
-    return "\n".join(lines)
+             "500x375 JPEG, each server in its own process with its own Ray, started as a user starts it. The "
+             "model's own time is one image's decode, preprocess and forward pass in a plain process: back to back "
+             f"on every core (b2b, all: how #39's probe measured it), back to back on 1 thread (b2b, 1: as the "
+             f"replica runs it), and as lone calls {GAP_S * 1e3:.0f} ms apart on 1 thread (lone, 1).", ""]
+    targets = []
+    for arch, model in result["models"].items():
+        own, cores = model["model_ms"], model["model_ms"]["default_threads"]
+        owns = {"b2b, all": own[f"threads_{cores}"], "b2b, 1": own["threads_1"], "lone, 1": own["lone_threads_1"]}
+        rows, worst = [], dict.fromkeys(owns, 0.0)
+        for i, row in enumerate(model["rounds"], 1):
+            floor, ours = row["floor"]["p50_ms"], row["ours"]["p50_ms"]
+            ratios = {k: ratio(ours, floor + v) for k, v in owns.items()}
+            worst = {k: max(worst[k], ratios[k] or 0) for k in owns}
+            rows.append([i, ours, row["ours, every core"]["p50_ms"], floor, *ratios.values(),
+                         fmt((row["ours"]["loadavg_before"] or [None])[0], 2)])
+        lines += [f"**{arch}**, 64 px. The model's own ms: b2b on {cores} threads {owns['b2b, all']}, b2b on 1 "
+                  f"{owns['b2b, 1']}, lone on 1 {owns['lone, 1']} (lone on {cores}: {own[f'lone_threads_{cores}']}).",
+                  ""]
+        lines += md_table(["round", "ours p50 ms", f"ours, {cores} threads p50 ms", "floor p50 ms",
+                           *[f"ours / (floor + own {k})" for k in owns], "load (ours)"], rows) + [""]
+        targets += [{"target": f"{arch}: c=1 p50 ours / (floor + own {k}), worst round <= {TARGET}",
+                     "measured": worst[k], "pass": worst[k] <= TARGET} for k in owns]
+    return "\n".join(lines + targets_table(targets))

@@ -267,6 +267,9 @@ class ServeConfig(Section):
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(2, ge=1)
     cpus_per_replica: float = Field(0.5, gt=0)
+    # torch's intra-op threads in a model replica; unset: Ray's (the replica's CPUs, at least 1).
+    # 2 threads made a lone request slower on 2 cores (resnet18, RESULTS.md serve_user)
+    torch_threads: int | None = Field(None, ge=1)
     use_gpu: bool = False
     # GPUs each model replica holds with use_gpu. A fraction lets replicas share one device, and
     # lets a rollout's new replica start beside the old one on a one-GPU node (session.plan_serve).

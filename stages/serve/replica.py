@@ -61,6 +61,8 @@ class Classifier:
         import torch
 
         self.cfg = cfg
+        if cfg.torch_threads:  # else Ray's OMP_NUM_THREADS: the replica's CPUs, at least 1
+            torch.set_num_threads(cfg.torch_threads)
         self.device = torch.device("cuda" if cfg.use_gpu and torch.cuda.is_available() else "cpu")
         if cfg.use_gpu and self.device.type == "cpu":  # Ray declared a GPU that torch cannot see
             log.warning("serve.use_gpu: this replica holds %g GPU but torch sees no CUDA device "
