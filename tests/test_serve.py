@@ -184,6 +184,12 @@ def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_di
     gpu_asked = serve_replica.Classifier(ServeConfig(use_gpu=True), model_dir)
     assert cpu.device.type == "cpu" and not cpu._decode_apart
     assert gpu_asked._decode_apart == torch.cuda.is_available() == (gpu_asked.device.type == "cuda")
+    threads = torch.get_num_threads()  # serve.torch_threads: the replica's process, here this one
+    try:
+        serve_replica.Classifier(ServeConfig(torch_threads=threads + 1), model_dir)
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monkeypatch):
