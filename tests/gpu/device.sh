@@ -17,7 +17,7 @@
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
 # timeout, so one that hangs leaves the others their time and its log still comes back.
 set -uo pipefail
-case "${1:-}" in bench|check|one|serve|feed|user|rd|why|all|whyrd) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user|rd|why|all|whyrd" >&2; exit 2 ;; esac
+case "${1:-}" in bench|check|one|serve|feed|user|rd|why|all|whyrd|lone) ;; *) echo "usage: bash tests/gpu/device.sh bench|check|one|serve|feed|user|rd|why|all|whyrd|lone" >&2; exit 2 ;; esac
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ ! -d /tmp/s/site ]; then
   mkdir -p /tmp/s && tar -xJf .gpusite/site.tar.xz -C /tmp/s
@@ -70,6 +70,9 @@ case "${1:-}" in
   user)
     step gpu_user 540 python3 -m benchmarks gpu_user --wait-for-quiet 10
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -25 ;;
+  lone)  # a CPU replica's lone request on 16 cores: does serve.torch_threads pay there? (2 cores: no)
+    step serve_user 280 python3 -m benchmarks serve_user --archs resnet18 --rounds 2 --requests 200
+    cp benchmarks/out/serve_user.json "$OUT/" 2>/dev/null; grep "serve_user resnet18" "$OUT/serve_user.log" ;;
   rd)
     step gpu_user 255 python3 -m benchmarks gpu_user --wait-for-quiet 10 --paths ray_data
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -12
