@@ -89,7 +89,8 @@ def test_other_trees_are_read_as_class_folders(tmp_path):
     assert "the classes test, train are named like splits" in split_named_classes(flat.classes, flat.layout)
     _split_tree(tmp_path / "split", {"train": 1, "val": 1})
     # etl.layout=classes reads split folders as classes, as before
-    assert etl.discover(str(tmp_path / "split"), layout="classes").classes == ["train", "val"]
+    asked = etl.discover(str(tmp_path / "split"), layout="classes")
+    assert asked.classes == ["train", "val"] and split_named_classes(asked.classes, asked.layout, "classes") is None
     # a top folder that is not a split's name: every top folder is a class
     (tmp_path / "split" / "extra" / "x").mkdir(parents=True)
     (tmp_path / "split" / "extra" / "x" / "b.jpg").write_bytes(image_bytes(2))

@@ -268,7 +268,7 @@ class ServeConfig(Section):
     max_replicas: int = Field(2, ge=1)
     cpus_per_replica: float = Field(0.5, gt=0)
     # torch's intra-op threads in a model replica; unset: Ray's (the replica's CPUs, at least 1).
-    # 2 threads made a lone request slower on 2 cores (resnet18, RESULTS.md serve_user)
+    # 2 threads did not make a lone request faster on 2 cores (resnet18, RESULTS.md serve_user)
     torch_threads: int | None = Field(None, ge=1)
     use_gpu: bool = False
     # GPUs each model replica holds with use_gpu. A fraction lets replicas share one device, and

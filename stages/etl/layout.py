@@ -138,12 +138,14 @@ def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:
             f"'{source.rstrip('/')}/{shown(folders.pop())}'")
 
 
-def split_named_classes(classes: list[str], layout: Layout) -> str | None:
-    """For a `<class>/` tree whose classes include `train` and another split's name, with the images
-    right inside them (labels in file names, as Kaggle's cats-vs-dogs, or unlabelled images): the
-    warning that it trains a classifier of those folders."""
+def split_named_classes(classes: list[str], layout: Layout, asked: str = "auto") -> str | None:
+    """For a `<class>/` tree whose classes include `train` and another split's name: the warning
+    that it trains a classifier of those folders. Under `etl.layout=auto` such a tree was not read
+    as split, so its `train/` holds its images right inside (labels in file names, as Kaggle's
+    cats-vs-dogs, or unlabelled images); `etl.layout=classes` asked for it, and is not warned."""
     named = [c for c in classes if SPLIT_FOLDERS.get(c.lower())]
-    if layout.splits or layout.strays or len(named) < 2 or "train" not in {SPLIT_FOLDERS[c.lower()] for c in named}:
+    if asked == "classes" or layout.splits or layout.strays or len(named) < 2 or \
+            "train" not in {SPLIT_FOLDERS[c.lower()] for c in named}:
         return None
     return (f"the classes {', '.join(named)} are named like splits: a model trained on this data tells those "
             "folders apart. If they are splits, lay the images out as <split>/<class_name>/<image>")

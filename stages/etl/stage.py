@@ -178,7 +178,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     elif listing.layout.strays:
         log.warning("etl: %s", listing.layout.describe())
     for hint in (layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout),
-                 layouts.split_named_classes(listing.classes, listing.layout)):
+                 layouts.split_named_classes(listing.classes, listing.layout, cfg.layout)):
         if hint:
             log.warning("etl: %s", hint)
     out_fs, out_root = storage.filesystem(out, s3)

@@ -12,6 +12,7 @@
 #   bash tests/gpu/device.sh rd      # the demo run and gpu_user's ray_data row, then the infer CLI test (~330 s)
 #   bash tests/gpu/device.sh all     # where one call must do it: why, gpu_user's ray_data row (no demo), tests/gpu (~480 s)
 #   bash tests/gpu/device.sh whyrd   # why, then gpu_user's ray_data row (no demo) (~300 s)
+#   bash tests/gpu/device.sh lone    # benchmarks serve_user, resnet18: a CPU replica's lone request on 16 cores (~240 s)
 #   bash tests/gpu/device.sh why     # the demo run on the GPU with -v, every line timestamped from the start,
 #                                    # and Ray Train's own JSON logs: where the GPU run's fixed cost goes (~120 s)
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
