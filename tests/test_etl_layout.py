@@ -143,6 +143,12 @@ def test_stray_folders_beside_train_are_named_and_macos_zip_folders_are_hidden(t
     listing = etl.discover(str(tmp_path / "src"))  # a folder of files that names no split: classes, said
     assert listing.classes == ["models", "notes", "train", "val"] and listing.layout.strays == ("notes",)
     assert "top folder(s) notes that name no split" in listing.layout.describe()
+    import logging
+
+    from stages.etl.layout import advice
+
+    said = advice(listing.layout, "/src", [rel for rel, _ in listing.files], listing.classes, "auto", 0)
+    assert [(level, "notes" in line) for level, line in said] == [(logging.WARNING, True)]
     with pytest.raises(ConfigError, match="etl.layout=splits, but top folder.s. notes name no split"):
         etl.discover(str(tmp_path / "src"), layout="splits")
 

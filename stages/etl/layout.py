@@ -11,6 +11,7 @@ val split to pick checkpoints by. `etl.layout=classes` reads such folders as cla
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Iterable
@@ -18,7 +19,7 @@ from typing import Any, Iterable
 from stages.common.config import ConfigError
 from stages.etl.sources import shown
 
-__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "wrapper_hint", "split_named_classes"]
+__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "advice", "wrapper_hint", "split_named_classes"]
 
 # Folder names (any case) that name a split, and the split they name.
 SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
@@ -121,6 +122,20 @@ def detect(rels: Iterable[str], top_folders: Iterable[str], layout: str) -> Layo
                           "merge them, or rename one")
     # an empty split folder, or one of unlabelled images, gives its split nothing: it is carved
     return Layout({t: named[t] for t in labelled}, tuple(sorted(holding - labelled)))
+
+
+def advice(layout: Layout, source: str, rels: list[str], classes: list[str], asked: str,
+           unlabelled_files: int) -> list[tuple[int, str]]:
+    """(log level, line) for how the tree was read: a split tree's account (info), and a warning
+    for each reading that is likely not what the user meant (stray folders beside train/, one
+    wrapper folder around the classes, classes named like splits)."""
+    lines = [(logging.INFO, layout.describe(unlabelled_files))] if layout.splits else []
+    if layout.strays:
+        lines.append((logging.WARNING, layout.describe()))
+    for hint in (wrapper_hint(source, rels, layout), split_named_classes(classes, layout, asked)):
+        if hint:
+            lines.append((logging.WARNING, hint))
+    return lines
 
 
 def wrapper_hint(source: str, rels: list[str], layout: Layout) -> str | None:

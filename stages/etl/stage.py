@@ -173,14 +173,9 @@ def _check_task_fits(cfg: EtlConfig) -> None:
 def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:
     started = time.perf_counter()
     listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
-    if listing.layout.splits:
-        log.info("etl: %s", listing.layout.describe(listing.unlabelled_files))
-    elif listing.layout.strays:
-        log.warning("etl: %s", listing.layout.describe())
-    for hint in (layouts.wrapper_hint(source, [rel for rel, _ in listing.files], listing.layout),
-                 layouts.split_named_classes(listing.classes, listing.layout, cfg.layout)):
-        if hint:
-            log.warning("etl: %s", hint)
+    for level, line in layouts.advice(listing.layout, source, [rel for rel, _ in listing.files], listing.classes,
+                                      cfg.layout, listing.unlabelled_files):
+        log.log(level, "etl: %s", line)
     out_fs, out_root = storage.filesystem(out, s3)
     previous = _check_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
