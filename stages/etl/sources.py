@@ -72,9 +72,11 @@ def check_spellings(spellings: dict[str, set[str]]) -> None:
                         ", ".join(map(ascii, sorted(folders))), name)
 
 
-def class_of(rel: str) -> str | None:
-    """The class of a file at `rel` (its first folder), or None for a file outside any folder."""
-    return class_name(rel.split("/", 1)[0]) if "/" in rel else None
+def class_of(rel: str, depth: int = 0) -> str | None:
+    """The class of a file at `rel`: its first folder, or with `depth` 1 the folder below its split's
+    (stages.etl.layout); None for a file outside any class folder."""
+    parts = rel.split("/")
+    return class_name(parts[depth]) if len(parts) > depth + 1 else None
 
 
 def tree_fingerprint(entries: list[Entry], empty_folders: list[str] = ()) -> str:

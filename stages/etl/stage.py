@@ -120,7 +120,7 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
     label_of = {name: i for i, name in enumerate(listing.classes)}
     by_split: dict[str, list[tuple[str, str, int, int]]] = {"train": [], "val": [], "test": []}
     for rel, size in listing.files:
-        label = label_of[sources.class_name(listing.layout.class_folder(rel))]
+        label = label_of[sources.class_of(rel, listing.layout.depth)]
         by_split[listing.layout.split_of(rel, cfg.split, split_of)].append((sample_key(rel), rel, label, size))
     rows_per_task = max(1, min(cfg.shard_max_rows, math.ceil(len(listing.files) / parallelism)))
     tasks = []

@@ -56,17 +56,13 @@ class Reader:
                 else item["path"]
             return [{"key": sample_key(rel), "path": item["path"], "rel": rel, "size": item["size"],
                      "reason": item["reason"], "detail": item["detail"],
-                     "true_class": self.known.get(self._class_of(item["path"]))}]
+                     "true_class": self.known.get(sources.class_of(item["path"], self.class_depth))}]
         ref = streaming.ShardRef(**item)
         # ETL's class names through the model's, as for a raw folder: a class the model lacks is no label
         return [{"key": key, "path": path, "image": image,
                  "true_class": self.known.get(unicodedata.normalize("NFC", self.etl_classes[label]))}
                 for key, path, label, image in streaming.read_shard(self.cache.local_path(ref), ref.format,
                                                                     with_path=True)]
-
-    def _class_of(self, path: str) -> str | None:
-        """The class folder's name as ETL names it: the first folder, or the one below a split's."""
-        return sources.class_of(path.split("/", self.class_depth)[-1]) if path.count("/") > self.class_depth else None
 
     def decode(self, sample: dict[str, Any]) -> tuple[np.ndarray | None, str | None, str | None]:
         """(pixels, None, None), or (None, reason, detail) for an unusable image."""
