@@ -45,6 +45,7 @@ BENCHMARKS: dict[str, str] = {
     "chaos": "benchmarks.chaos",
     "coldstart": "benchmarks.coldstart",
     "serve_user": "benchmarks.serve_user",
+    "engines": "benchmarks.engines",
 }
 
 HERE = Path(__file__).resolve().parent

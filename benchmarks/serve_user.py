@@ -6,16 +6,19 @@ way a user starts it, in its own process with its own Ray.
 `benchmarks serve` measures its variants inside one process and one Ray (with extra logical CPUs
 so that idle variants fit). #39's held-out probe ran the product's own command instead. Here:
 
-  ours   `python -m workflow serve --model M --port P` (ServeConfig defaults);
+  ours   `python -m workflow serve --model M --port P` (ServeConfig defaults: on a CPU the replica runs
+         the model in onnxruntime, serve.engine=auto);
+  ours, torch  the same with serve.engine=torch (the product before onnxruntime);
   floor  a process that starts Ray as raymill does (session.start), then serve.start with the
          same HTTP options and serve.run(benchmarks.serve_apps.floor_app(cfg.serve)): the same two
          hops, limits and CPUs, answering a constant;
-  every core  ours with serve.torch_threads = the cores (ours runs on Ray's 1 thread for a
-         0.5-CPU replica);
+  every core  (--every-core) ours with serve.torch_threads = the cores (the replica runs on Ray's
+         1 thread for a 0.5-CPU replica);
   model  the model's own time for one image in a plain process: decode + preprocess + forward
-         pass, on 1 torch thread (as the replica) and on torch's default (every core, as a user
-         measures it in a notebook); back to back, and as lone calls 10 ms apart (what a
-         sequential client's requests are to the replica: a forward after an idle gap runs slower).
+         pass, in torch and in onnxruntime, on 1 thread (as the replica) and on every core (torch's
+         default, as a user measures it in a notebook); back to back, and as lone calls 10 ms apart
+         (what a sequential client's requests are to the replica: a forward after an idle gap runs
+         slower).
 
 Two models (untrained, 64 px): benchmarks.serve's small_cnn width 32, whose forward pass hardly
 gains from threads, and resnet18, which does. The body is one 500x375 JPEG. Each round starts
@@ -44,7 +47,8 @@ __all__ = ["add_arguments", "run", "render"]
 TARGET = 1.2  # c=1 p50 ours / (floor + the model's own time), #39
 ARCHS = ("small_cnn", "resnet18")
 CORES = os.cpu_count() or 1  # "every core": the server's serve.torch_threads and the model's own threads
-SERVERS = {"ours": [], "ours, every core": ["--set", f"serve.torch_threads={CORES}"], "floor": None}
+SERVERS = {"ours": [], "ours, torch": ["--set", "serve.engine=torch"], "floor": None}
+EVERY_CORE = {"ours, every core": ["--set", f"serve.torch_threads={CORES}"]}
 GAP_S = 0.01  # between lone calls of the model's own time
 FLOOR = ("import signal, sys; from ray import serve; from stages.common import session; "
          "from stages.common.config import load_config; from stages.serve import app; "
@@ -60,6 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="timed requests per server and round (default 300)")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each starting every server (default 3)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS), help="models (default: both)")
+    p.add_argument("--every-core", action="store_true", help="also ours with serve.torch_threads = every core")
 
 
 def _probe(url: str, body: bytes, n: int) -> float:
@@ -78,17 +83,17 @@ def _probe(url: str, body: bytes, n: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def _serve_one(kind: str, model: Path, body: bytes, n: int) -> dict[str, Any]:
+def _serve_one(kind: str, extra: list[str] | None, model: Path, body: bytes, n: int) -> dict[str, Any]:
     port = _free_port()
-    command = ([sys.executable, "-c", FLOOR, str(port)] if SERVERS[kind] is None else
-               [sys.executable, "-m", "workflow", "serve", "--model", str(model), "--port", str(port), *SERVERS[kind]])
+    command = ([sys.executable, "-c", FLOOR, str(port)] if extra is None else
+               [sys.executable, "-m", "workflow", "serve", "--model", str(model), "--port", str(port), *extra])
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
     load = loadavg()
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=180,
-                      what="the floor app" if SERVERS[kind] is None else "raymill serve")
+                      what="the floor app" if extra is None else "raymill serve")
         time.sleep(2)  # the replicas' own start-up work settles
         return {"kind": kind, "p50_ms": _probe(f"http://127.0.0.1:{port}", body, n), "loadavg_before": load}
     finally:
@@ -101,24 +106,27 @@ def _serve_one(kind: str, model: Path, body: bytes, n: int) -> dict[str, Any]:
 
 
 def _model_ms(model: Path, body: bytes) -> dict[str, Any]:
-    """{threads_N: ms back to back, lone_threads_N: ms for calls GAP_S apart, default_threads: the
-    N of every core}, for N = 1 and every core."""
+    """{<engine>_threads_N: ms back to back, <engine>_lone_threads_N: ms for calls GAP_S apart,
+    default_threads: the N of every core}, for torch and onnxruntime and N = 1 and every core."""
     import torch
 
+    from stages.model import runtime
     from stages.model.predict import load_model, predict_arrays, preprocess
 
     net, info = load_model(str(model))
     default, out = torch.get_num_threads(), {}
-    for threads in sorted({1, CORES}):
-        torch.set_num_threads(threads)
-        for key, gap in ((f"threads_{threads}", 0.0), (f"lone_threads_{threads}", GAP_S)):
-            times = []
-            for _ in range(250):
-                started = time.perf_counter()
-                predict_arrays(net, info, [preprocess(body, info)], 3)
-                times.append((time.perf_counter() - started) * 1e3)
-                time.sleep(gap)
-            out[key] = round(statistics.median(times[50:]), 3)
+    for engine in ("torch", "onnxruntime"):
+        for threads in sorted({1, CORES}):
+            torch.set_num_threads(threads)
+            forward = runtime.for_device(net, info, engine, torch.device("cpu"), threads)
+            for key, gap in ((f"{engine}_threads_{threads}", 0.0), (f"{engine}_lone_threads_{threads}", GAP_S)):
+                times = []
+                for _ in range(250):
+                    started = time.perf_counter()
+                    predict_arrays(forward, info, [preprocess(body, info)], 3)
+                    times.append((time.perf_counter() - started) * 1e3)
+                    time.sleep(gap)
+                out[key] = round(statistics.median(times[50:]), 3)
     torch.set_num_threads(default)
     return {**out, "default_threads": CORES}
 
@@ -131,8 +139,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model = Path(tmp) / arch
             _make_model(model, arch)
             result = out["models"][arch] = {"model_ms": _model_ms(model, body), "rounds": []}
+            servers = {**SERVERS, **(EVERY_CORE if args.every_core else {})}
             for i in range(args.rounds):
-                row = {kind: _serve_one(kind, model, body, args.requests) for kind in SERVERS}
+                row = {kind: _serve_one(kind, extra, model, body, args.requests) for kind, extra in servers.items()}
                 result["rounds"].append(row)
                 print(f"serve_user {arch} round {i + 1}: {json.dumps(row)}", flush=True)
     return out
@@ -140,30 +149,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     lines = [f"c=1: {result['args']['requests']} sequential requests over one keep-alive connection (httpx), one "
-             "500x375 JPEG, each server in its own process with its own Ray, started as a user starts it. The "
-             "model's own time is one image's decode, preprocess and forward pass in a plain process: back to back "
-             f"on every core (b2b, all: how #39's probe measured it), back to back on 1 thread (b2b, 1: as the "
-             f"replica runs it), and as lone calls {GAP_S * 1e3:.0f} ms apart on 1 thread (lone, 1).", ""]
+             "500x375 JPEG, each server in its own process with its own Ray, started as a user starts it. ours: "
+             "the defaults (on a CPU, onnxruntime); ours, torch: serve.engine=torch. The model's own time is one "
+             "image's decode, preprocess and forward pass in a plain process: in torch back to back on every core "
+             "(torch b2b all: how #39's probe measured it) and as lone calls "
+             f"{GAP_S * 1e3:.0f} ms apart on 1 thread (as the replica runs it), and the same in onnxruntime.", ""]
     targets = []
     for arch, model in result["models"].items():
         own, cores = model["model_ms"], model["model_ms"]["default_threads"]
-        owns = {"b2b, all": own[f"threads_{cores}"], "b2b, 1": own["threads_1"], "lone, 1": own["lone_threads_1"]}
-        rows, measured = [], {k: [] for k in owns}
+        owns = {"torch b2b all": own[f"torch_threads_{cores}"], "torch lone 1": own["torch_lone_threads_1"],
+                "onnxruntime lone 1": own["onnxruntime_lone_threads_1"]}
+        pairs = [("ours", "torch b2b all"), ("ours", "onnxruntime lone 1"), ("ours, torch", "torch b2b all"),
+                 ("ours, torch", "torch lone 1")]
+        rows, measured = [], {pair: [] for pair in pairs}
         for i, row in enumerate(model["rounds"], 1):
-            floor, ours = row["floor"]["p50_ms"], row["ours"]["p50_ms"]
-            ratios = {k: ratio(ours, floor + v) for k, v in owns.items()}
-            for k, r in ratios.items():
+            floor = row["floor"]["p50_ms"]
+            ratios = {(kind, k): ratio(row[kind]["p50_ms"], floor + owns[k]) for kind, k in pairs if kind in row}
+            for pair, r in ratios.items():
                 if r is not None:
-                    measured[k].append(r)
-            every = row.get("ours, every core", {}).get("p50_ms")
-            rows.append([i, ours, fmt(every, 2), floor, *(fmt(r, 2) for r in ratios.values()),
+                    measured[pair].append(r)
+            rows.append([i, *(fmt(row.get(kind, {}).get("p50_ms"), 2) for kind in ("ours", "ours, torch", "floor")),
+                         *(fmt(ratios.get(pair), 2) for pair in pairs),
                          *(fmt((row[kind]["loadavg_before"] or [None])[0], 2) for kind in ("ours", "floor"))])
-        worst = {k: max(v) if v else None for k, v in measured.items()}
-        lines += [f"**{arch}**, 64 px. The model's own ms: b2b on {cores} threads {owns['b2b, all']}, b2b on 1 "
-                  f"{owns['b2b, 1']}, lone on 1 {owns['lone, 1']} (lone on {cores}: {own[f'lone_threads_{cores}']}).",
-                  ""]
-        lines += md_table(["round", "ours p50 ms", f"ours, {cores} threads p50 ms", "floor p50 ms",
-                           *[f"ours / (floor + own {k})" for k in owns], "load (ours)", "load (floor)"], rows) + [""]
-        targets += [{"target": f"{arch}: c=1 p50 ours / (floor + own {k}), worst round <= {TARGET}",
-                     "measured": worst[k], "pass": worst[k] is not None and worst[k] <= TARGET} for k in owns]
+        lines += [f"**{arch}**, 64 px. The model's own ms, back to back / lone, on 1 thread and on {cores}: " + "; ".join(
+            f"{e} {own[f'{e}_threads_1']} / {own[f'{e}_lone_threads_1']} and {own[f'{e}_threads_{cores}']} / "
+            f"{own[f'{e}_lone_threads_{cores}']}" for e in ("torch", "onnxruntime")) + ".", ""]
+        lines += md_table(["round", "ours p50 ms", "ours, torch p50 ms", "floor p50 ms",
+                           *[f"{kind} / (floor + {k})" for kind, k in pairs], "load (ours)", "load (floor)"], rows) + [""]
+        targets += [{"target": f"{arch}: c=1 p50 {kind} / (floor + own {k}), worst round <= {TARGET}",
+                     "measured": max(v) if v else None, "pass": bool(v) and max(v) <= TARGET}
+                    for (kind, k), v in measured.items() if kind == "ours"]
     return "\n".join(lines + targets_table(targets))

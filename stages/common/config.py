@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
-from stages.common.config_parts import Distribution, ImageFormats, Section, default_search_space
+from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, default_search_space
 from stages.common.overrides import ConfigError, merge, parse_overrides
 from stages.common.storage import check_location
 
@@ -243,12 +243,11 @@ class TuneConfig(Section):
         return list(d.values) if d is not None and d.type == "choice" else [train_model]
 
 
-class InferConfig(Section):
+class InferConfig(RunsModel):  # use_gpu, engine
     split: Literal["train", "val", "test"] = "test"
     batch_size: int = Field(128, ge=1)
     num_actors: int | None = Field(None, ge=1)  # unset: one per GPU with use_gpu, else 1 (session.plan_infer)
     cpus_per_actor: float = Field(1.0, gt=0)
-    use_gpu: bool = False
     top_k: int = Field(3, ge=1)
     # Where images are decoded: `tasks` (Ray Data CPU tasks, then an actor pool that only predicts),
     # `actor` (each actor decodes its own items), `auto` (tasks with use_gpu, actor on a CPU).
@@ -259,7 +258,7 @@ class InferConfig(Section):
     local_max_rows: int = Field(1000, ge=0)
 
 
-class ServeConfig(Section):
+class ServeConfig(RunsModel):  # use_gpu, engine
     host: str = "127.0.0.1"  # other interfaces only when asked explicitly
     port: int = Field(8000, ge=1, le=65535)
     num_replicas: int = Field(1, ge=1)
@@ -267,10 +266,9 @@ class ServeConfig(Section):
     min_replicas: int = Field(1, ge=1)
     max_replicas: int = Field(2, ge=1)
     cpus_per_replica: float = Field(0.5, gt=0)
-    # torch's intra-op threads in a model replica; unset: Ray's (the replica's CPUs, at least 1).
-    # 2 threads did not make a lone request faster on 2 cores (resnet18, RESULTS.md serve_user)
+    # The forward pass's threads in a model replica (torch's or onnxruntime's); unset: Ray's (the
+    # replica's CPUs, at least 1). 2 did not make a lone request faster on 2 cores (RESULTS.md serve_user)
     torch_threads: int | None = Field(None, ge=1)
-    use_gpu: bool = False
     # GPUs each model replica holds with use_gpu. A fraction lets replicas share one device, and
     # lets a rollout's new replica start beside the old one on a one-GPU node (session.plan_serve).
     gpus_per_replica: float = Field(1.0, gt=0, le=1)

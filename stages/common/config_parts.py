@@ -6,12 +6,26 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-__all__ = ["Section", "ImageFormats", "Distribution", "default_search_space"]
+__all__ = ["Section", "RunsModel", "ImageFormats", "Distribution", "default_search_space"]
 
 
 class Section(BaseModel):
     # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly.
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunsModel(Section):
+    """A section that runs a published model's forward pass (infer, serve): torch on a GPU; on a CPU
+    onnxruntime or torch (stages/model/runtime.py; auto: onnxruntime on a CPU, torch on a GPU)."""
+    use_gpu: bool = False
+    engine: Literal["auto", "torch", "onnxruntime"] = "auto"
+
+    @model_validator(mode="after")
+    def _engine_on_its_device(self) -> "RunsModel":
+        if self.use_gpu and self.engine == "onnxruntime":
+            raise ValueError("engine=onnxruntime runs the model on the CPU, but use_gpu is true; set engine "
+                             "to auto (torch on the GPU) or torch")
+        return self
 
 
 def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:

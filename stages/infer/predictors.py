@@ -14,7 +14,7 @@ import torch
 
 from stages.feed import meters
 from stages.infer import decode as infer_decode
-from stages.model import predict
+from stages.model import predict, runtime
 
 __all__ = ["SCHEMA", "BUSY", "BatchPredictor", "Predictor"]
 
@@ -30,16 +30,16 @@ BUSY = pa.field("busy_s", pa.float64())
 class BatchPredictor:
     """Ray Data actor (infer.decode=tasks): loads the model once, then predicts decoded images."""
 
-    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int):
+    def __init__(self, *, model_path: str, s3: dict, top_k: int, use_gpu: bool, threads: int, engine: str = "torch"):
         torch.set_num_threads(threads)  # the actor's CPU share, not every core of the node
         if use_gpu and not torch.cuda.is_available():  # Ray declared a GPU that torch cannot use
             raise RuntimeError(f"infer.use_gpu: this actor holds a GPU in Ray, but torch {torch.__version__} sees no "
                                f"CUDA device (CUDA build: {torch.version.cuda or 'none'}, CUDA_VISIBLE_DEVICES="
                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); set infer.use_gpu=false, or give the "
                                "GPU nodes a CUDA build of torch and working drivers")
-        self.model, self.info = predict.load_model(model_path, s3)
+        model, self.info = predict.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.model.to(self.device)
+        self.model = runtime.for_device(model, self.info, engine, self.device, threads)  # infer.engine
         self.top_k, self.meter = top_k, meters.StepMeter(self.device)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -65,8 +65,8 @@ class Predictor(BatchPredictor):
 
     def __init__(self, *, model_path: str, s3: dict, mode: str, top_k: int, batch_size: int, use_gpu: bool,
                  threads: int, source: str | None = None, raw: bool = False, etl_classes: list | None = None,
-                 class_depth: int = 0):
-        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads)
+                 class_depth: int = 0, engine: str = "torch"):
+        super().__init__(model_path=model_path, s3=s3, top_k=top_k, use_gpu=use_gpu, threads=threads, engine=engine)
         self.batch_size = batch_size
         self.reader = infer_decode.Reader(self.info, s3, mode=mode, source=source, raw=raw, etl_classes=etl_classes,
                                           class_depth=class_depth)

@@ -18,7 +18,6 @@ import shutil
 import tempfile
 import time
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,12 +30,12 @@ from stages.common.config import ConfigError, ExportConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.feed import streaming
 from stages.model import predict, triton
+from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onnx
 
 __all__ = ["run", "Pixels", "ExportError", "ExportRefusedError", "check_images", "compare"]
 
 log = logging.getLogger(__name__)
 
-EXAMPLE_BATCH = 2  # torch.export specialises a dimension traced at size 0 or 1: trace the batch at 2
 PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
 
 
@@ -46,26 +45,6 @@ class ExportError(ConfigError):
 
 class ExportRefusedError(ConfigError):
     """The export does not reproduce the model within export.tolerance; nothing was published."""
-
-
-class Pixels(torch.nn.Module):
-    """uint8 RGB [N, H, W, 3] -> the model's logits (and softmax probabilities, when asked).
-
-    The same arithmetic as predict.to_batch: (x / 255 - mean) / std as one multiply-add."""
-
-    def __init__(self, model: torch.nn.Module, mean: list[float], std: list[float], probabilities: bool):
-        super().__init__()
-        self.model, self.probabilities = model, probabilities
-        std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
-        self.register_buffer("scale", (1.0 / (255.0 * std_t)).view(1, 3, 1, 1))
-        self.register_buffer("bias", (-mean_t / std_t).view(1, 3, 1, 1))
-
-    def forward(self, pixels: torch.Tensor):
-        x = torch.addcmul(self.bias, pixels.permute(0, 3, 1, 2).float(), self.scale)
-        logits = self.model(x.contiguous())
-        if self.probabilities:
-            return logits, torch.softmax(logits, dim=1)
-        return logits
 
 
 def run(cfg: ExportConfig, model_path: str, out: str, *, name: str, s3: Any | None = None,
@@ -172,35 +151,14 @@ def check_images(info: dict, count: int, s3: Any | None = None) -> tuple[np.ndar
 
 
 def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: Path) -> None:
-    example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
-    with _quiet_exporter():
-        if fmt == "onnx":
-            batch = torch.export.Dim("batch", min=1)
-            program = torch.onnx.export(wrapper, (example,), input_names=[lay.input_name],
-                                        output_names=list(lay.output_names), dynamic_shapes={"pixels": {0: batch}},
-                                        verbose=False)
-            program.save(str(path), external_data=False)  # one file: Triton loads model.onnx alone
-        else:
-            # Triton's libtorch backend loads TorchScript only. Tracing records the forward pass
-            # (the probabilities switch included); the zoo's models have no data-dependent control flow.
-            traced = torch.jit.trace(wrapper, example)
-            torch.jit.save(traced, str(path))
-
-
-@contextlib.contextmanager
-def _quiet_exporter() -> Iterator[None]:
-    """torch's exporter warns of things that do not apply here: torchvision ops it skips (raymill has
-    no torchvision) and torch.jit's deprecation (Triton's libtorch backend loads TorchScript only)."""
-    registry = logging.getLogger("torch.onnx")  # its exporter's loggers are children of this one
-    level = registry.level
-    registry.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
-            warnings.filterwarnings("ignore", category=FutureWarning)
-            yield
-    finally:
-        registry.setLevel(level)
+    if fmt == "onnx":
+        save_onnx(wrapper, image_size, lay.input_name, list(lay.output_names), path)
+        return
+    with quiet_exporter():
+        # Triton's libtorch backend loads TorchScript only. Tracing records the forward pass
+        # (the probabilities switch included); the zoo's models have no data-dependent control flow.
+        example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
+        torch.jit.save(torch.jit.trace(wrapper, example), str(path))
 
 
 def _runner(fmt: str, path: Path):
@@ -211,7 +169,7 @@ def _runner(fmt: str, path: Path):
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         name = session.get_inputs()[0].name
         return lambda pixels: session.run(None, {name: pixels})
-    with _quiet_exporter():
+    with quiet_exporter():
         loaded = torch.jit.load(str(path), map_location="cpu").eval()
 
     def run_torchscript(pixels: np.ndarray) -> list[np.ndarray]:

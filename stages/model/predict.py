@@ -73,21 +73,26 @@ def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]
 
 
 @torch.no_grad()
-def predict_arrays(model: torch.nn.Module, info: dict, arrays: list[np.ndarray] | np.ndarray, top_k: int = 3,
+def predict_arrays(model, info: dict, arrays: list[np.ndarray] | np.ndarray, top_k: int = 3,
                    device: torch.device | None = None, meter: Any = None) -> list[dict[str, Any]]:
     """Class predictions for uint8 RGB arrays of the model's input size (one dict per array).
 
+    `model`: a torch module, or what stages.model.runtime.for_device returned for it.
     `meter` (a stages.feed.meters.StepMeter) times the forward pass alone, when given.
     """
     if len(arrays) == 0:
         return []
     device = device or torch.device("cpu")
-    x = to_batch(arrays, info["mean"], info["std"], device, False, False)
+    if isinstance(model, torch.nn.Module):
+        x = to_batch(arrays, info["mean"], info["std"], device, False, False)
+    else:  # stages.model.runtime.OnnxForward: uint8 pixels in, the normalisation inside its graph
+        x = arrays if isinstance(arrays, np.ndarray) else np.stack(arrays)
     if meter is not None:
         meter.start()
     logits = model(x)
     if meter is not None:
         meter.stop()
+    logits = logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits)
     probs = torch.softmax(logits.float(), dim=1).cpu()
     k = min(top_k, probs.shape[1])
     values, indices = probs.topk(k, dim=1)

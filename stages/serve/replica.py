@@ -16,6 +16,7 @@ from ray import serve
 
 from stages.common.config import ServeConfig
 from stages.etl.images import BadImage
+from stages.model import runtime
 from stages.model.predict import load_model, predict_arrays, preprocess
 from stages.serve.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
 
@@ -69,7 +70,9 @@ class Classifier:
                         "(CUDA_VISIBLE_DEVICES=%s); it runs on the CPU", cfg.gpus_per_replica,
                         os.environ.get("CUDA_VISIBLE_DEVICES"))
         model, self.info = load_model(model_path, s3)
-        self.model = model.to(self.device)
+        # On a CPU, onnxruntime: a lone resnet18 request's forward pass 3.6 ms against torch's 9.0
+        # (1 thread, 2-core box). Threads: serve.torch_threads, else Ray's OMP_NUM_THREADS.
+        self.model = runtime.for_device(model, self.info, cfg.engine, self.device, torch.get_num_threads())
         self.formats = cfg.allowed_formats  # upper-case Pillow names (config.ImageFormats)
         self._slot = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL  # one worst-case decode
         self.decodes = DecodeBudget(decode_slots(cfg) * self._slot)
@@ -129,7 +132,7 @@ class Classifier:
                 "allowed_formats": list(self.formats), "max_body_bytes": cfg.max_body_bytes,
                 "max_image_pixels": cfg.max_image_pixels, "decode_slots": decode_slots(cfg),
                 "top_k": min(cfg.top_k, len(info["classes"])), "max_images": cfg.max_images_per_request,
-                "device": self.device.type}
+                "device": self.device.type, "engine": runtime.engine_name(self.model)}
 
     async def _decode(self, data: bytes, cost: int | None = None) -> tuple[np.ndarray | None, dict[str, Any] | None]:
         """Decode off the event loop, within the replica's decode memory (stages.serve.decode_budget);

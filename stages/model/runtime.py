@@ -1,0 +1,213 @@
+"""Where a published model's forward pass runs: torch, or onnxruntime on a CPU.
+
+On a CPU, onnxruntime ran the zoo's models 1.1-5x faster than torch's eager mode at every batch size
+on the 2-core box (small_cnn 5x, resnet18 2.5x at one image, resnet50 2x; RESULTS.md "CPU engines"),
+with outputs equal to 1e-6. So a CPU serve replica or batch-inference actor runs the model's ONNX
+graph unless `engine=torch` is asked for; a GPU keeps torch.
+
+The graph is `raymill export`'s (`Pixels`: uint8 NHWC pixels in, logits out, the eval normalisation
+inside). Exporting takes seconds (2.7 s resnet18, 5.4 s resnet50 on 2 cores), so each node exports a
+model once into a local cache keyed by the weights and the versions, and every load checks the graph
+against torch on a few images: a graph that disagrees past CHECK_TOLERANCE is never used.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from stages.common.config import ConfigError
+
+__all__ = ["ENGINES", "CACHE_DIR", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
+           "engine_name", "save_onnx", "quiet_exporter"]
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("auto", "torch", "onnxruntime")
+CACHE_DIR = "~/.cache/raymill/onnx"  # beside train.cache_dir's shards
+CHECK_TOLERANCE = 1e-3  # max |logits diff| against torch, as export.tolerance's default
+CHECK_IMAGES = 3  # a batch size the export did not trace at (it traces at 2)
+EXAMPLE_BATCH = 2  # torch.export specialises a dimension traced at size 0 or 1: trace the batch at 2
+CACHE_FORMAT = 1  # bump when the graph's inputs or outputs change
+
+
+class EngineError(ConfigError):
+    """engine=onnxruntime was asked for and cannot run this model (exit 2: ask for torch)."""
+
+
+class Pixels(torch.nn.Module):
+    """uint8 RGB [N, H, W, 3] -> the model's logits (and softmax probabilities, when asked).
+
+    The same arithmetic as predict.to_batch: (x / 255 - mean) / std as one multiply-add."""
+
+    def __init__(self, model: torch.nn.Module, mean: list[float], std: list[float], probabilities: bool):
+        super().__init__()
+        self.model, self.probabilities = model, probabilities
+        std_t, mean_t = torch.tensor(std, dtype=torch.float32), torch.tensor(mean, dtype=torch.float32)
+        self.register_buffer("scale", (1.0 / (255.0 * std_t)).view(1, 3, 1, 1))
+        self.register_buffer("bias", (-mean_t / std_t).view(1, 3, 1, 1))
+
+    def forward(self, pixels: torch.Tensor):
+        x = torch.addcmul(self.bias, pixels.permute(0, 3, 1, 2).float(), self.scale)
+        logits = self.model(x.contiguous())
+        if self.probabilities:
+            return logits, torch.softmax(logits, dim=1)
+        return logits
+
+
+class OnnxForward:
+    """The forward pass in onnxruntime: uint8 NHWC pixels (numpy) -> float32 logits (numpy)."""
+
+    engine = "onnxruntime"
+
+    def __init__(self, session: Any, source: str):
+        self.session, self.source = session, source
+        self.input = session.get_inputs()[0].name
+
+    def __call__(self, pixels: np.ndarray) -> np.ndarray:
+        return self.session.run(None, {self.input: np.ascontiguousarray(pixels, dtype=np.uint8)})[0]
+
+
+def engine_name(model: Any) -> str:
+    return getattr(model, "engine", "torch")
+
+
+def for_device(model: torch.nn.Module, info: dict, engine: str, device: torch.device, threads: int,
+               cache_dir: str = CACHE_DIR) -> torch.nn.Module | OnnxForward:
+    """What runs `model`'s forward pass: `model` on `device` for torch, or an OnnxForward.
+
+    auto: onnxruntime on a CPU, torch on a GPU; where onnxruntime cannot run the model (not installed,
+    an op it lacks, a check past the tolerance) a warning names why and torch runs it. onnxruntime,
+    asked for: those cases raise EngineError instead. torch: always torch.
+    """
+    if engine not in ENGINES:
+        raise ConfigError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
+    if engine == "torch" or (engine == "auto" and device.type != "cpu"):
+        return model.to(device)
+    if device.type != "cpu":
+        raise EngineError("engine=onnxruntime runs the model on the CPU, but this process was given a GPU; "
+                          "set the engine to auto or torch")
+    try:
+        return _onnx_forward(model, info, threads, cache_dir)
+    except Exception as e:
+        if engine == "onnxruntime":
+            raise EngineError(f"engine=onnxruntime cannot run this model: {e}; set the engine to torch") from e
+        log.warning("onnxruntime cannot run this model (%s); torch runs it", e)
+        return model.to(device)
+
+
+def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: str) -> OnnxForward:
+    import onnxruntime  # optional at import time: engine=torch never needs it
+
+    path = Path(os.path.expanduser(cache_dir)) / f"{_cache_key(info, onnxruntime.__version__)}.onnx"
+    if path.is_file():
+        try:
+            return _checked(model, info, onnxruntime, path.read_bytes(), threads, f"cached {path}")
+        except Exception as e:  # a damaged or foreign file: export again, and replace it
+            log.warning("the cached ONNX graph %s is unusable (%s); exporting it again", path, e)
+    graph, source = _export(model, info, path)
+    return _checked(model, info, onnxruntime, graph, threads, source)
+
+
+def _checked(model: torch.nn.Module, info: dict, onnxruntime: Any, graph: bytes, threads: int,
+             source: str) -> OnnxForward:
+    forward = OnnxForward(_session(onnxruntime, graph, threads), source)
+    diff = _check(model, info, forward)
+    if not diff <= CHECK_TOLERANCE:
+        raise ValueError(f"its ONNX graph's logits differ from torch's by {diff:.2e} (tolerance {CHECK_TOLERANCE})")
+    log.info("onnxruntime %s runs the forward pass on %d thread(s) (graph %s; logits max |diff| against "
+             "torch %.1e)", onnxruntime.__version__, threads, source, diff)
+    return forward
+
+
+def _cache_key(info: dict, ort_version: str) -> str:
+    fields = {"format": CACHE_FORMAT, "weights": info["weights_sha256"], "architecture": info["architecture"],
+              "width": info.get("width"), "classes": len(info["classes"]), "image_size": info["image_size"],
+              "mean": info["mean"], "std": info["std"], "torch": torch.__version__, "onnxruntime": ort_version}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _cached(path: Path) -> tuple[bytes | None, str]:
+    try:
+        return path.read_bytes(), f"cached {path}"
+    except OSError:
+        return None, ""
+
+
+def _export(model: torch.nn.Module, info: dict, path: Path) -> tuple[bytes, str]:
+    """Export the graph, and keep it at `path` for the next load where the disk allows (atomically:
+    a concurrent replica reads a whole file or none)."""
+    started = time.perf_counter()
+    wrapper = Pixels(model.cpu(), info["mean"], info["std"], probabilities=False).eval()
+    with tempfile.TemporaryDirectory(prefix="raymill-onnx-") as scratch:
+        graph_file = Path(scratch) / "model.onnx"
+        save_onnx(wrapper, info["image_size"], "pixels", ["logits"], graph_file)
+        graph = graph_file.read_bytes()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        partial.write_bytes(graph)
+        os.replace(partial, path)
+    except OSError as e:  # a read-only home still serves; the next start exports again
+        log.warning("could not keep the ONNX graph in %s (%s); each start will export it again", path.parent, e)
+    return graph, f"exported in {time.perf_counter() - started:.1f} s"
+
+
+def _session(onnxruntime: Any, graph: bytes, threads: int) -> Any:
+    options = onnxruntime.SessionOptions()
+    # The process's CPU share, as torch's threads are: onnxruntime's default is every core of the node.
+    options.intra_op_num_threads = max(1, threads)
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3  # errors only: its warnings name graph rewrites, not problems
+    return onnxruntime.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+
+
+@torch.no_grad()
+def _check(model: torch.nn.Module, info: dict, forward: OnnxForward) -> float:
+    """Max |logits diff| between the graph and torch on CHECK_IMAGES seeded random images."""
+    size = info["image_size"]
+    pixels = np.random.default_rng(0).integers(0, 256, (CHECK_IMAGES, size, size, 3), dtype=np.uint8)
+    wrapper = Pixels(model.cpu(), info["mean"], info["std"], probabilities=False).eval()
+    expected = wrapper(torch.from_numpy(pixels)).numpy()
+    got = forward(pixels)
+    if got.shape != expected.shape or not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - expected).max())
+
+
+def save_onnx(wrapper: torch.nn.Module, image_size: int, input_name: str, output_names: list[str],
+              path: Path) -> None:
+    """Export `wrapper` (uint8 [N, size, size, 3] in) to one ONNX file with a dynamic batch."""
+    example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
+    with quiet_exporter():
+        batch = torch.export.Dim("batch", min=1)
+        program = torch.onnx.export(wrapper, (example,), input_names=[input_name], output_names=output_names,
+                                    dynamic_shapes={"pixels": {0: batch}}, verbose=False)
+        program.save(str(path), external_data=False)  # one file: Triton loads model.onnx alone
+
+
+@contextlib.contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """torch's exporter warns of things that do not apply here: torchvision ops it skips (raymill has
+    no torchvision) and torch.jit's deprecation (Triton's libtorch backend loads TorchScript only)."""
+    registry = logging.getLogger("torch.onnx")  # its exporter's loggers are children of this one
+    level = registry.level
+    registry.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.jit")
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            yield
+    finally:
+        registry.setLevel(level)

@@ -1,0 +1,72 @@
+"""The CPU forward pass in onnxruntime (stages/model/runtime.py): the answers torch gives, a graph
+exported once and then read from the cache, a damaged cache file replaced, a cache that cannot be
+written, and the refusals. The model is the session's smoke run's (tests/conftest.py `smoke_run`)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from stages.common.config import ConfigError, load_config
+from stages.model import predict, runtime
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def trained(smoke_run):
+    assert smoke_run.returncode == 0, smoke_run.stderr[-3000:]
+    return predict.load_model(str(smoke_run.run_dir / "train"))
+
+
+def _images(info: dict, count: int) -> list[np.ndarray]:
+    size = info["image_size"]
+    rng = np.random.default_rng(7)
+    return list(rng.integers(0, 256, (count, size, size, 3), dtype=np.uint8))
+
+
+def test_onnxruntime_answers_as_torch_and_its_graph_is_exported_once(trained, tmp_path, caplog):
+    model, info = trained
+    cache = tmp_path / "cache"
+    caplog.set_level(logging.INFO, logger="stages.model.runtime")
+    forward = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache))
+    assert runtime.engine_name(forward) == "onnxruntime" and forward.source.startswith("exported")
+    (kept,) = cache.glob("*.onnx")  # one file, no partial ones beside it
+    images = _images(info, 5)
+    ours, torchs = (predict.predict_arrays(m, info, images, top_k=3) for m in (forward, model))
+    assert [p["class_index"] for p in ours] == [p["class_index"] for p in torchs]
+    for a, b in zip(ours, torchs):
+        assert np.allclose([t["probability"] for t in a["top_k"]], [t["probability"] for t in b["top_k"]], atol=1e-5)
+    assert predict.predict_arrays(forward, info, np.stack(images[:1]))[0]["class_index"] == ours[0]["class_index"]
+
+    again = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache))
+    assert again.source == f"cached {kept}"
+
+    kept.write_bytes(b"not an onnx graph")  # a damaged file is exported again, and replaced
+    mended = runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(cache))
+    assert mended.source.startswith("exported") and "is unusable" in caplog.text
+    assert kept.read_bytes().startswith(b"\x08")  # a protobuf ModelProto again (field 1, varint)
+    assert runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache)).source.startswith("cached")
+
+
+def test_a_cache_that_cannot_be_written_still_serves_and_says_so(trained, tmp_path, caplog):
+    model, info = trained
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    forward = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(blocker / "onnx"))
+    assert runtime.engine_name(forward) == "onnxruntime"
+    assert "could not keep the ONNX graph" in caplog.text
+
+
+def test_torch_when_asked_or_on_a_gpu_and_the_refusals(trained):
+    model, info = trained
+    assert runtime.for_device(model, info, "torch", torch.device("cpu"), 1) is model
+    with pytest.raises(runtime.EngineError, match="set the engine to auto or torch"):
+        runtime.for_device(model, info, "onnxruntime", torch.device("cuda"), 1)
+    with pytest.raises(ConfigError, match="engine 'tensorrt'"):
+        runtime.for_device(model, info, "tensorrt", torch.device("cpu"), 1)
+    for section in ("serve", "infer"):
+        with pytest.raises(ConfigError, match=f"'{section}'.*engine=onnxruntime runs the model on the CPU"):
+            load_config(str(REPO / "configs/default.yaml"), [f"{section}.use_gpu=true", f"{section}.engine=onnxruntime"])
+    assert load_config(str(REPO / "configs/default.yaml"), ["serve.use_gpu=true"]).serve.engine == "auto"
