@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table
+from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table, wait_for_quiet
 from benchmarks.serve import _free_port, _jpegs, _make_model, _wait_healthy
 
 __all__ = ["add_arguments", "run", "render"]
@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds, each starting every server (default 3)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=list(ARCHS), help="models (default: both)")
     p.add_argument("--every-core", action="store_true", help="also ours with serve.torch_threads = every core")
+    p.add_argument("--quiet-s", type=float, default=45, help="longest wait before each server's start for the "
+                   "load average to fall below 1.5 (the last server's processes exiting; default 45)")
+    p.add_argument("--settle-s", type=float, default=5, help="wait between a server's first healthy answer and "
+                   "its probe, for its start-up work to settle (default 5)")
 
 
 def _probe(url: str, body: bytes, n: int) -> float:
@@ -83,7 +87,9 @@ def _probe(url: str, body: bytes, n: int) -> float:
     return round(statistics.median(times), 2)
 
 
-def _serve_one(kind: str, extra: list[str] | None, model: Path, body: bytes, n: int) -> dict[str, Any]:
+def _serve_one(kind: str, extra: list[str] | None, model: Path, body: bytes,
+               args: argparse.Namespace) -> dict[str, Any]:
+    wait_for_quiet(args.quiet_s, CORES)
     port = _free_port()
     command = ([sys.executable, "-c", FLOOR, str(port)] if extra is None else
                [sys.executable, "-m", "workflow", "serve", "--model", str(model), "--port", str(port), *extra])
@@ -94,8 +100,10 @@ def _serve_one(kind: str, extra: list[str] | None, model: Path, body: bytes, n: 
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", proc, timeout_s=180,
                       what="the floor app" if extra is None else "raymill serve")
-        time.sleep(2)  # the replicas' own start-up work settles
-        return {"kind": kind, "p50_ms": _probe(f"http://127.0.0.1:{port}", body, n), "loadavg_before": load}
+        time.sleep(args.settle_s)  # the replicas' own start-up work settles
+        probe_load = loadavg()
+        return {"kind": kind, "p50_ms": _probe(f"http://127.0.0.1:{port}", body, args.requests),
+                "loadavg_before": load, "loadavg_at_probe": probe_load}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -141,10 +149,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result = out["models"][arch] = {"model_ms": _model_ms(model, body), "rounds": []}
             servers = {**SERVERS, **(EVERY_CORE if args.every_core else {})}
             for i in range(args.rounds):
-                row = {kind: _serve_one(kind, extra, model, body, args.requests) for kind, extra in servers.items()}
+                row = {kind: _serve_one(kind, extra, model, body, args) for kind, extra in servers.items()}
                 result["rounds"].append(row)
                 print(f"serve_user {arch} round {i + 1}: {json.dumps(row)}", flush=True)
     return out
+
+
+def _probe_load(server: dict[str, Any]) -> float | None:
+    """The 1-minute load average as the probe began (older results: at the server's start)."""
+    return (server.get("loadavg_at_probe") or server.get("loadavg_before") or [None])[0]
 
 
 def render(result: dict[str, Any]) -> str:
@@ -170,12 +183,13 @@ def render(result: dict[str, Any]) -> str:
                     measured[pair].append(r)
             rows.append([i, *(fmt(row.get(kind, {}).get("p50_ms"), 2) for kind in ("ours", "ours, torch", "floor")),
                          *(fmt(ratios.get(pair), 2) for pair in pairs),
-                         *(fmt((row[kind]["loadavg_before"] or [None])[0], 2) for kind in ("ours", "floor"))])
+                         *(fmt(_probe_load(row[kind]), 2) for kind in ("ours", "floor"))])
         lines += [f"**{arch}**, 64 px. The model's own ms, back to back / lone, on 1 thread and on {cores}: " + "; ".join(
             f"{e} {own[f'{e}_threads_1']} / {own[f'{e}_lone_threads_1']} and {own[f'{e}_threads_{cores}']} / "
             f"{own[f'{e}_lone_threads_{cores}']}" for e in ("torch", "onnxruntime")) + ".", ""]
         lines += md_table(["round", "ours p50 ms", "ours, torch p50 ms", "floor p50 ms",
-                           *[f"{kind} / (floor + {k})" for kind, k in pairs], "load (ours)", "load (floor)"], rows) + [""]
+                           *[f"{kind} / (floor + {k})" for kind, k in pairs], "load (ours)",
+                           "load (floor)"], rows) + [""]
         targets += [{"target": f"{arch}: c=1 p50 {kind} / (floor + own {k}), worst round <= {TARGET}",
                      "measured": max(v) if v else None, "pass": bool(v) and max(v) <= TARGET}
                     for (kind, k), v in measured.items() if kind == "ours"]

@@ -4,6 +4,7 @@ written, and the refusals. The model is the session's smoke run's (tests/conftes
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -70,3 +71,12 @@ def test_torch_when_asked_or_on_a_gpu_and_the_refusals(trained):
         with pytest.raises(ConfigError, match=f"'{section}'.*engine=onnxruntime runs the model on the CPU"):
             load_config(str(REPO / "configs/default.yaml"), [f"{section}.use_gpu=true", f"{section}.engine=onnxruntime"])
     assert load_config(str(REPO / "configs/default.yaml"), ["serve.use_gpu=true"]).serve.engine == "auto"
+
+
+def test_the_cache_keeps_the_graphs_used_last(tmp_path):
+    for age in range(runtime.CACHE_KEEP + 2):
+        graph = tmp_path / f"{age:02d}.onnx"
+        graph.write_bytes(b"g")
+        os.utime(graph, (1e9 - age, 1e9 - age))  # 00 is the newest
+    runtime._evict(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.onnx")) == [f"{age:02d}.onnx" for age in range(runtime.CACHE_KEEP)]

@@ -40,6 +40,7 @@ CHECK_TOLERANCE = 1e-3  # max |logits diff| against torch, as export.tolerance's
 CHECK_IMAGES = 3  # a batch size the export did not trace at (it traces at 2)
 EXAMPLE_BATCH = 2  # torch.export specialises a dimension traced at size 0 or 1: trace the batch at 2
 CACHE_FORMAT = 1  # bump when the graph's inputs or outputs change
+CACHE_KEEP = 16  # graphs a node keeps, the ones used last
 
 
 class EngineError(ConfigError):
@@ -113,7 +114,10 @@ def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: s
     path = Path(os.path.expanduser(cache_dir)) / f"{_cache_key(info, onnxruntime.__version__)}.onnx"
     if path.is_file():
         try:
-            return _checked(model, info, onnxruntime, path.read_bytes(), threads, f"cached {path}")
+            forward = _checked(model, info, onnxruntime, path.read_bytes(), threads, f"cached {path}")
+            with contextlib.suppress(OSError):
+                os.utime(path)  # the eviction below keeps the graphs used last
+            return forward
         except Exception as e:  # a damaged or foreign file: export again, and replace it
             log.warning("the cached ONNX graph %s is unusable (%s); exporting it again", path, e)
     graph, source = _export(model, info, path)
@@ -159,9 +163,25 @@ def _export(model: torch.nn.Module, info: dict, path: Path) -> tuple[bytes, str]
         partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         partial.write_bytes(graph)
         os.replace(partial, path)
+        _evict(path.parent)
     except OSError as e:  # a read-only home still serves; the next start exports again
         log.warning("could not keep the ONNX graph in %s (%s); each start will export it again", path.parent, e)
     return graph, f"exported in {time.perf_counter() - started:.1f} s"
+
+
+def _evict(folder: Path) -> None:
+    """Keep the CACHE_KEEP graphs used last: each is as large as its model's weights (resnet50: 98 MB)."""
+    graphs = sorted(folder.glob("*.onnx"), key=_mtime, reverse=True)
+    for old in graphs[CACHE_KEEP:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # another replica evicted it meanwhile
+        return 0.0
 
 
 def _session(onnxruntime: Any, graph: bytes, threads: int) -> Any:

@@ -12,7 +12,7 @@
 #   bash tests/gpu/device.sh rd      # the demo run and gpu_user's ray_data row, then the infer CLI test (~330 s)
 #   bash tests/gpu/device.sh all     # where one call must do it: why, gpu_user's ray_data row (no demo), tests/gpu (~480 s)
 #   bash tests/gpu/device.sh whyrd   # why, then gpu_user's ray_data row (no demo) (~300 s)
-#   bash tests/gpu/device.sh lone    # benchmarks serve_user, resnet18: a CPU replica's lone request on 16 cores (~240 s)
+#   bash tests/gpu/device.sh lone    # benchmarks serve_user, resnet18: a CPU replica's lone request on 16 cores (~300 s)
 #   bash tests/gpu/device.sh why     # the demo run on the GPU with -v, every line timestamped from the start,
 #                                    # and Ray Train's own JSON logs: where the GPU run's fixed cost goes (~120 s)
 # Carry `.gpusite` (the xz Ray site folder that README.md says how to build). Each step has its own
@@ -71,8 +71,8 @@ case "${1:-}" in
   user)
     step gpu_user 540 python3 -m benchmarks gpu_user --wait-for-quiet 10
     cp benchmarks/out/gpu_user.json "$OUT/" 2>/dev/null; grep -v "^\s*$" "$OUT/gpu_user.log" | tail -25 ;;
-  lone)  # a CPU replica's lone request on 16 cores: does serve.torch_threads pay there? (2 cores: no)
-    step serve_user 280 python3 -m benchmarks serve_user --archs resnet18 --rounds 2 --requests 200
+  lone)  # a CPU replica's lone request on 16 cores, onnxruntime and torch: does serve.torch_threads pay there? (2 cores: no)
+    step serve_user 330 python3 -m benchmarks serve_user --archs resnet18 --rounds 2 --requests 200 --every-core --quiet-s 10 --settle-s 2
     cp benchmarks/out/serve_user.json "$OUT/" 2>/dev/null; grep "serve_user resnet18" "$OUT/serve_user.log" ;;
   rd)
     step gpu_user 255 python3 -m benchmarks gpu_user --wait-for-quiet 10 --paths ray_data
