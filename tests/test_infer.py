@@ -305,7 +305,8 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
 def test_decode_in_tasks_and_in_process_predict_as_the_actors_do_with_the_same_error_rows(setup, tmp_path):
     """infer.decode=tasks on the CPU: Ray Data tasks decode (half a CPU each, so Ray does not fuse
     them into the actor), the pool predicts; a small job left to the defaults runs in this process
-    (infer.local_max_rows). Rows, predictions and error rows equal the actor plan's."""
+    (infer.local_max_rows). Rows, predictions and error rows equal the actor plan's, in torch as in
+    the actors' onnxruntime (infer.engine=auto)."""
     _, model_path = setup
     src = tmp_path / "raw"
     written = make_tree(src, per_class=2, classes=("circle", "square", "triangle"))
@@ -317,6 +318,7 @@ def test_decode_in_tasks_and_in_process_predict_as_the_actors_do_with_the_same_e
         got[decode] = _outputs(art)
         m = art.manifest["metrics"]
         assert m["decode"] == decode and m["device"] == "cpu" and m["device_busy_s"] > 0
+        assert m["engine"] == ("torch" if decode == "in-process" else "onnxruntime")  # infer.engine=auto
         assert 0 < m["device_utilisation"] <= 1 and m["predict_wall_s"] > 0
     assert ray_starts == ["actor", "tasks"]  # the small job never asked for Ray
     actor_rows, actor_m = got["actor"]

@@ -343,8 +343,12 @@ def _device_metrics(cfg: InferConfig, plan: dict, predicted: int, busy_s: float,
     """The device's share of the run, as training reports it (stages.feed.meters): busy seconds summed
     over the actors (CUDA events around each forward pass; on a CPU, the forward pass's wall time)
     against the actors' wall (`predict_wall_s` x `actors`, the planned pool, from the plan's start
-    to its last row: model loads and waits for decoded images count as idle)."""
-    return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "actors": plan["num_actors"],
+    to its last row: model loads and waits for decoded images count as idle). `engine`: as planned; an
+    actor where onnxruntime cannot run the model under auto runs torch and logs why."""
+    asked = _local_engine(cfg) if plan["decode"] == "in-process" else cfg.engine
+    engine = asked if asked != "auto" else ("torch" if cfg.use_gpu else "onnxruntime")  # runtime.for_device's rule
+    return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "engine": engine,
+            "actors": plan["num_actors"],
             "predict_wall_s": round(wall_s, 3), "device_busy_s": round(busy_s, 4),
             "device_utilisation": round(min(1.0, busy_s / max(wall_s * plan["num_actors"], 1e-9)), 4),
             "device_images_per_s": round(predicted / max(busy_s, 1e-9), 1)}
