@@ -80,3 +80,17 @@ def test_the_cache_keeps_the_graphs_used_last(tmp_path):
         os.utime(graph, (1e9 - age, 1e9 - age))  # 00 is the newest
     runtime._evict(tmp_path)
     assert sorted(p.name for p in tmp_path.glob("*.onnx")) == [f"{age:02d}.onnx" for age in range(runtime.CACHE_KEEP)]
+
+
+def test_a_model_the_export_cannot_build_runs_in_torch_under_auto_and_stops_when_asked_by_name(tmp_path, caplog):
+    """The export runs in a child process that rebuilds the model from model.json's architecture: one
+    this raymill does not know (a newer version's) fails there, with the child's reason."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 2)).eval()
+    info = {"weights_sha256": "0" * 64, "architecture": "from_a_newer_raymill", "width": 0, "classes": ["a", "b"],
+            "image_size": 8, "mean": [0.5] * 3, "std": [0.25] * 3, "dropout": 0.0}
+    assert runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(tmp_path)) is model
+    assert "onnxruntime cannot run this model (the ONNX export failed: " in caplog.text
+    assert "from_a_newer_raymill" in caplog.text and "torch runs it" in caplog.text
+    with pytest.raises(runtime.EngineError, match="engine=onnxruntime cannot run this model: .*set the engine to torch"):
+        runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(tmp_path))
+    assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob(".*"))
