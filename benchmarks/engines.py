@@ -113,7 +113,7 @@ def render(result: dict[str, Any]) -> str:
                          fmt(per_image, 3)])
     lines += md_table(["model", "px", "threads", "batch", "torch ms", "onnxruntime ms", "torch ÷ onnxruntime",
                        "onnxruntime ms / image"], rows) + [""]
-    lines.append("The one-off export (torch.onnx, then the check against torch) with an empty cache, seconds: "
+    lines.append("The one-off export (torch.onnx in a child process, then the check against torch) with an empty cache, seconds: "
                  + ", ".join(f"{arch} {model['export_s']}" for arch, model in result["models"].items())
                  + ". A node pays it once per model: the graph is kept in ~/.cache/raymill/onnx.")
     return "\n".join(lines)

@@ -275,7 +275,7 @@ def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None,
 
 def _local_engine(cfg: InferConfig) -> str:
     """A job this small runs in torch unless infer.engine names another: onnxruntime's first export
-    of a model (2.7 s resnet18, 2-core box) outweighs what it saves on at most local_max_rows images."""
+    of a model (5.5-10 s on the 2-core box) outweighs what it saves on at most local_max_rows images."""
     return "torch" if cfg.engine == "auto" else cfg.engine
 
 

@@ -1,14 +1,15 @@
 """Where a published model's forward pass runs: torch, or onnxruntime on a CPU.
 
 On a CPU, onnxruntime ran the zoo's models 1.1-5x faster than torch's eager mode at every batch size
-on the 2-core box (small_cnn 5x, resnet18 2.5x at one image, resnet50 2x; RESULTS.md "CPU engines"),
-with outputs equal to 1e-6. So a CPU serve replica or batch-inference actor runs the model's ONNX
-graph unless `engine=torch` is asked for; a GPU keeps torch.
+on the 2-core box (small_cnn 5x, resnet18 2.3x at one image, resnet50 1.7-2.3x; RESULTS.md
+"engines"), with outputs equal to 1e-6. So a CPU serve replica or batch-inference actor runs the
+model's ONNX graph unless `engine=torch` is asked for; a GPU keeps torch.
 
 The graph is `raymill export`'s (`Pixels`: uint8 NHWC pixels in, logits out, the eval normalisation
-inside). Exporting takes seconds (2.7 s resnet18, 5.4 s resnet50 on 2 cores), so each node exports a
-model once into a local cache keyed by the weights and the versions, and every load checks the graph
-against torch on a few images: a graph that disagrees past CHECK_TOLERANCE is never used.
+inside). Exporting takes seconds (in a child process: 5.5 s small_cnn, 7.1 s resnet18, 10.1 s
+resnet50 on 2 cores), so each node exports a model once into a local cache keyed by the weights and
+the versions, and every load checks the graph against torch on a few images: a graph that disagrees
+past CHECK_TOLERANCE is never used.
 """
 from __future__ import annotations
 
