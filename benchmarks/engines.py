@@ -14,6 +14,7 @@ same box. Also: the one-off export of the graph (runtime.for_device with an empt
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
 import tempfile
@@ -41,7 +42,7 @@ def _info(arch: str, size: int, model) -> dict[str, Any]:
 
     from stages.common import storage
 
-    buf = __import__("io").BytesIO()
+    buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
     return {"architecture": arch, "width": 32, "classes": [f"c{i}" for i in range(10)], "image_size": size,
             "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
@@ -79,9 +80,10 @@ def _one_model(arch: str, repeat: int, cache: str) -> dict[str, Any]:
             pixels = np.random.default_rng(0).integers(0, 256, (batch, size, size, 3), dtype=np.uint8)
             with torch.inference_mode():
                 torch_ms = _median_ms(lambda p: wrapper(torch.from_numpy(p)), pixels, repeat)
+                diff = float(np.abs(wrapper(torch.from_numpy(pixels)).numpy() - forward(pixels)).max())
             onnx_ms = _median_ms(forward, pixels, repeat)
             cells.append({"threads": threads, "batch": batch, "torch_ms": round(torch_ms, 3),
-                          "onnxruntime_ms": round(onnx_ms, 3)})
+                          "onnxruntime_ms": round(onnx_ms, 3), "logits_max_abs_diff": diff})
             print(f"engines {arch} {cells[-1]}", flush=True)
     return {"image_size": size, "export_s": round(export_s, 2), "cells": cells}
 
@@ -110,9 +112,9 @@ def render(result: dict[str, Any]) -> str:
             per_image = cell["onnxruntime_ms"] / cell["batch"]
             rows.append([arch, model["image_size"], cell["threads"], cell["batch"], fmt(cell["torch_ms"], 2),
                          fmt(cell["onnxruntime_ms"], 2), fmt(ratio(cell["torch_ms"], cell["onnxruntime_ms"]), 2),
-                         fmt(per_image, 3)])
+                         fmt(per_image, 3), f"{cell['logits_max_abs_diff']:.1e}" if "logits_max_abs_diff" in cell else "-"])
     lines += md_table(["model", "px", "threads", "batch", "torch ms", "onnxruntime ms", "torch ÷ onnxruntime",
-                       "onnxruntime ms / image"], rows) + [""]
+                       "onnxruntime ms / image", "max \\|logits diff\\|"], rows) + [""]
     lines.append("The one-off export (torch.onnx in a child process, then the check against torch) with an empty cache, seconds: "
                  + ", ".join(f"{arch} {model['export_s']}" for arch, model in result["models"].items())
                  + ". A node pays it once per model: the graph is kept in ~/.cache/raymill/onnx.")

@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -20,6 +21,9 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+# The session's own onnxruntime graph cache (stages/model/runtime.py), inherited by Ray's workers and
+# the CLI's subprocesses: results never depend on what this machine's ~/.cache already holds.
+os.environ.setdefault("RAYMILL_ONNX_CACHE", tempfile.mkdtemp(prefix="raymill-test-onnx-"))
 
 
 def _import_ray_on_loopback() -> None:

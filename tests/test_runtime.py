@@ -3,6 +3,7 @@ exported once and then read from the cache, a damaged cache file replaced, a cac
 written, and the refusals. The model is the session's smoke run's (tests/conftest.py `smoke_run`)."""
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -33,7 +34,8 @@ def test_onnxruntime_answers_as_torch_and_its_graph_is_exported_once(trained, tm
     caplog.set_level(logging.INFO, logger="stages.model.runtime")
     forward = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache))
     assert runtime.engine_name(forward) == "onnxruntime" and forward.source.startswith("exported")
-    (kept,) = cache.glob("*.onnx")  # one file, no partial ones beside it
+    (kept,) = cache.glob("*.onnx")
+    assert sorted(p.name for p in cache.iterdir()) == sorted([kept.name, kept.with_suffix(".lock").name])  # no partial
     images = _images(info, 5)
     ours, torchs = (predict.predict_arrays(m, info, images, top_k=3) for m in (forward, model))
     assert [p["class_index"] for p in ours] == [p["class_index"] for p in torchs]
@@ -44,11 +46,17 @@ def test_onnxruntime_answers_as_torch_and_its_graph_is_exported_once(trained, tm
     again = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache))
     assert again.source == f"cached {kept}"
 
-    kept.write_bytes(b"not an onnx graph")  # a damaged file is exported again, and replaced
-    mended = runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(cache))
-    assert mended.source.startswith("exported") and "is unusable" in caplog.text
-    assert kept.read_bytes().startswith(b"\x08")  # a protobuf ModelProto again (field 1, varint)
-    assert runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache)).source.startswith("cached")
+    # A cached graph that is not these weights' (here: the same model.json, weights changed after)
+    # is never used: exported again from the model given, and replaced.
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(0.5)
+    before = kept.read_bytes()
+    mended = runtime.for_device(other, info, "onnxruntime", torch.device("cpu"), 1, str(cache))
+    assert mended.source.startswith("exported") and "is unusable" in caplog.text and "differ from torch" in caplog.text
+    assert kept.read_bytes() != before
+    assert predict.predict_arrays(mended, info, images)[0]["top_k"][0]["probability"] == pytest.approx(
+        predict.predict_arrays(other, info, images)[0]["top_k"][0]["probability"], abs=1e-5)
 
 
 def test_a_cache_that_cannot_be_written_still_serves_and_says_so(trained, tmp_path, caplog):
@@ -63,10 +71,10 @@ def test_a_cache_that_cannot_be_written_still_serves_and_says_so(trained, tmp_pa
 def test_torch_when_asked_or_on_a_gpu_and_the_refusals(trained):
     model, info = trained
     assert runtime.for_device(model, info, "torch", torch.device("cpu"), 1) is model
-    with pytest.raises(runtime.EngineError, match="set the engine to auto or torch"):
-        runtime.for_device(model, info, "onnxruntime", torch.device("cuda"), 1)
-    with pytest.raises(ConfigError, match="engine 'tensorrt'"):
-        runtime.for_device(model, info, "tensorrt", torch.device("cpu"), 1)
+    with pytest.raises(runtime.EngineError, match="set serve.engine to auto or torch"):
+        runtime.for_device(model, info, "onnxruntime", torch.device("cuda"), 1, key="serve.engine")
+    with pytest.raises(ConfigError, match="infer.engine 'tensorrt' is not one of auto, torch, onnxruntime"):
+        runtime.for_device(model, info, "tensorrt", torch.device("cpu"), 1, key="infer.engine")
     for section in ("serve", "infer"):
         with pytest.raises(ConfigError, match=f"'{section}'.*engine=onnxruntime runs the model on the CPU"):
             load_config(str(REPO / "configs/default.yaml"), [f"{section}.use_gpu=true", f"{section}.engine=onnxruntime"])
@@ -91,6 +99,6 @@ def test_a_model_the_export_cannot_build_runs_in_torch_under_auto_and_stops_when
     assert runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(tmp_path)) is model
     assert "onnxruntime cannot run this model (the ONNX export failed: " in caplog.text
     assert "from_a_newer_raymill" in caplog.text and "torch runs it" in caplog.text
-    with pytest.raises(runtime.EngineError, match="engine=onnxruntime cannot run this model: .*set the engine to torch"):
-        runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(tmp_path))
+    with pytest.raises(runtime.EngineError, match="serve.engine=onnxruntime cannot run this model: .*set serve.engine=torch"):
+        runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(tmp_path), key="serve.engine")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob(".*"))

@@ -253,6 +253,7 @@ def test_healthz_and_metadata(client, app):
     meta = client.get("/metadata").json()
     assert meta["classes"] == CLASSES and meta["image_size"] == 32
     assert meta["architecture"] == "small_cnn" and meta["version"] == "test-1"
+    assert meta["engine"] == "onnxruntime"  # serve.engine=auto on a CPU: not a silent fall back to torch
 
 
 def test_concurrent_requests_are_batched_correctly(app):

@@ -29,7 +29,10 @@ def proxy(ray_session):
     """(base config with the proxy's port). Serve is shut down afterwards."""
     from ray import serve
 
-    cfg = ServeConfig(port=free_port(), replica_memory_mb=768, request_timeout_s=60.0)
+    # engine=torch: these tests are about Serve's rollouts and replica loss, and each new model's
+    # first onnxruntime export (a child process, ~5 s) added 26 s to them; test_serve and
+    # test_runtime cover the onnxruntime replica.
+    cfg = ServeConfig(port=free_port(), replica_memory_mb=768, request_timeout_s=60.0, engine="torch")
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
     yield cfg
     serve.shutdown()

@@ -16,7 +16,7 @@ from stages.feed import meters
 from stages.infer import decode as infer_decode
 from stages.model import predict, runtime
 
-__all__ = ["SCHEMA", "BUSY", "BatchPredictor", "Predictor"]
+__all__ = ["SCHEMA", "BUSY", "ENGINE", "BatchPredictor", "Predictor"]
 
 SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", pa.string()),
                     ("class_name", pa.string()), ("class_index", pa.int32()),
@@ -25,6 +25,8 @@ SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("true_class", 
 # What the actors return: SCHEMA plus each row's share of its batch's device busy seconds, summed
 # by the driver (over every actor) and dropped before publishing.
 BUSY = pa.field("busy_s", pa.float64())
+# ...and the engine that made them (stages.model.runtime: an actor may fall back to torch), dropped alike.
+ENGINE = pa.field("engine", pa.string())
 
 
 class BatchPredictor:
@@ -39,7 +41,7 @@ class BatchPredictor:
                                "GPU nodes a CUDA build of torch and working drivers")
         model, self.info = predict.load_model(model_path, s3)
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.model = runtime.for_device(model, self.info, engine, self.device, threads)  # infer.engine
+        self.model = runtime.for_device(model, self.info, engine, self.device, threads, key="infer.engine")
         self.top_k, self.meter = top_k, meters.StepMeter(self.device)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
@@ -49,7 +51,7 @@ class BatchPredictor:
         images = infer_decode.pixels(batch["pixels"], good, self.info["image_size"])
         busy = self.meter.busy_s()
         rows = self._predict_rows(samples, good, images, errors, details)
-        return _with_busy(rows, self.meter.busy_s() - busy)
+        return _with_busy(rows, self.meter.busy_s() - busy, runtime.engine_name(self.model))
 
     def _predict_rows(self, samples: list[dict], good: list[int], images, errors: list, details: list) -> list[dict]:
         """One row per sample: a prediction for each of `good` (whose pixels are `images`, in order),
@@ -82,13 +84,15 @@ class Predictor(BatchPredictor):
             good = [i for i, d in enumerate(decoded) if d[0] is not None]
             rows += self._predict_rows(chunk, good, [decoded[i][0] for i in good], [d[1] for d in decoded],
                                        [d[2] for d in decoded])
-        return _with_busy(rows, self.meter.busy_s() - busy)
+        return _with_busy(rows, self.meter.busy_s() - busy, runtime.engine_name(self.model))
 
 
-def _with_busy(rows: list[dict[str, Any]], busy_s: float) -> pa.Table:
-    """Prediction rows, each with an equal share of the device busy seconds it took to make them."""
+def _with_busy(rows: list[dict[str, Any]], busy_s: float, engine: str) -> pa.Table:
+    """Prediction rows, each with an equal share of the device busy seconds it took to make them,
+    and the engine that made them."""
     table = pa.Table.from_pylist(rows, schema=SCHEMA)
-    return table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
+    table = table.append_column(BUSY, pa.array([busy_s / max(1, len(rows))] * len(rows), pa.float64()))
+    return table.append_column(ENGINE, pa.array([engine] * len(rows), pa.string()))
 
 
 def _row(sample: dict, pred: dict | None, error: str | None, detail: str | None) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from stages.common.artifacts import (Artifact, base_manifest, load_artifact, man
 from stages.common.config import ConfigError, InferConfig, section_dict
 from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
-from stages.infer.predictors import BUSY, SCHEMA, BatchPredictor, Predictor
+from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict
 from stages.etl import layout as layouts, sources
 from stages.feed import streaming
@@ -100,14 +100,16 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
                                                                    if decode["decode_tasks"] else ""))
     unpublish(out, s3)
     if here:
-        table, busy_s, wall_s = _execute_here(cfg, model_path, plan, s3, cpus)
+        table, wall_s = _execute_here(cfg, model_path, plan, s3, cpus)
     else:
-        table, busy_s, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
+        table, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
+    table, busy_s, engines = _extras(table)
     table = table.sort_by([("path", "ascending"), ("key", "ascending")])
     if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
         raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
     metrics = _metrics(table, info["classes"], time.perf_counter() - started)
     metrics.update(_device_metrics(cfg, decode, metrics["rows"] - metrics["errors"], busy_s, wall_s))
+    metrics["engine"] = "+".join(engines) or metrics["engine"]  # what ran; planned when nothing predicted
     inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
               "model_version": info.get("version"), **plan.inputs}
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
@@ -254,7 +256,7 @@ def _in_process(cfg: InferConfig, plan: Plan) -> bool:
 
 
 def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None,
-                  cpus: float | None) -> tuple[pa.Table, float, float]:
+                  cpus: float | None) -> tuple[pa.Table, float]:
     """The plan's items through the actor class Ray Data would start, called in this process:
     the same reads, decode and predictions, row for row. torch's thread count is put back after."""
     threads = torch.get_num_threads()
@@ -263,19 +265,33 @@ def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, s3: Any | None,
         predictor = Predictor(model_path=model_path, s3=storage.s3_options(s3), top_k=cfg.top_k,
                               use_gpu=cfg.use_gpu, batch_size=cfg.batch_size, **plan.reader,
                               threads=_local_threads(cpus), engine=_local_engine(cfg))
-        table = predictor(pa.Table.from_pylist(plan.items)) if plan.items else SCHEMA.append(BUSY).empty_table()
+        table = predictor(pa.Table.from_pylist(plan.items)) if plan.items else _empty()
+    except ConfigError:  # infer.engine=onnxruntime that cannot run this model: exit 2, the key named
+        raise
     except Exception as e:  # as from the actors: the cause, and nothing published
         raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
     finally:
         torch.set_num_threads(threads)
-    wall_s = time.perf_counter() - started
+    return table, time.perf_counter() - started
+
+
+def _empty() -> pa.Table:
+    return SCHEMA.append(BUSY).append(ENGINE).empty_table()
+
+
+def _extras(table: pa.Table) -> tuple[pa.Table, float, list[str]]:
+    """The prediction rows without the actors' extra columns: (rows, device busy seconds summed over
+    the actors, the engines that ran)."""
     busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
-    return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
+    engines = sorted(set(table["engine"].to_pylist()) - {None})
+    return table.drop_columns(["busy_s", "engine"]).cast(SCHEMA), busy_s, engines
 
 
 def _local_engine(cfg: InferConfig) -> str:
-    """A job this small runs in torch unless infer.engine names another: onnxruntime's first export
-    of a model (5.5-10 s on the 2-core box) outweighs what it saves on at most local_max_rows images."""
+    """A job this small runs in torch unless infer.engine names another: for small_cnn and resnet18 at
+    64 px, onnxruntime's first export of a model (5.5-7 s, 2-core box) outweighs what it saves on at
+    most local_max_rows images. Not for resnet50 at 224 px (36 ms an image saved, RESULTS.md engines):
+    infer.engine=onnxruntime there."""
     return "torch" if cfg.engine == "auto" else cfg.engine
 
 
@@ -291,8 +307,8 @@ def _local_threads(cpus: float | None) -> int:
 
 
 def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resources: dict[str, float],
-             s3: Any | None) -> tuple[pa.Table, float, float]:
-    """Run the plan: (prediction rows, device busy seconds summed over the actors, wall seconds)."""
+             s3: Any | None) -> tuple[pa.Table, float]:
+    """Run the plan: (the actors' rows, with their extra columns; wall seconds)."""
     import ray.data
 
     console.quiet_ray()
@@ -314,9 +330,7 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resource
     except Exception as e:
         raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
     wall_s = time.perf_counter() - started
-    table = pa.concat_tables(tables) if tables else SCHEMA.append(BUSY).empty_table()
-    busy_s = float(pc.sum(table["busy_s"]).as_py() or 0.0)
-    return table.drop_columns(["busy_s"]).cast(SCHEMA), busy_s, wall_s
+    return (pa.concat_tables(tables) if tables else _empty()), wall_s
 
 
 def _metrics(table: pa.Table, classes: list[str], seconds: float) -> dict[str, Any]:
@@ -343,8 +357,8 @@ def _device_metrics(cfg: InferConfig, plan: dict, predicted: int, busy_s: float,
     """The device's share of the run, as training reports it (stages.feed.meters): busy seconds summed
     over the actors (CUDA events around each forward pass; on a CPU, the forward pass's wall time)
     against the actors' wall (`predict_wall_s` x `actors`, the planned pool, from the plan's start
-    to its last row: model loads and waits for decoded images count as idle). `engine`: as planned; an
-    actor where onnxruntime cannot run the model under auto runs torch and logs why."""
+    to its last row: model loads and waits for decoded images count as idle). `engine`: as planned;
+    the caller puts in what the actors report they ran."""
     asked = _local_engine(cfg) if plan["decode"] == "in-process" else cfg.engine
     engine = asked if asked != "auto" else ("torch" if cfg.use_gpu else "onnxruntime")  # runtime.for_device's rule
     return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "engine": engine,

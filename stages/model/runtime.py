@@ -1,12 +1,12 @@
 """Where a published model's forward pass runs: torch, or onnxruntime on a CPU.
 
 On a CPU, onnxruntime ran the zoo's models 1.1-5x faster than torch's eager mode at every batch size
-on the 2-core box (small_cnn 5x, resnet18 2.3x at one image, resnet50 1.7-2.3x; RESULTS.md
-"engines"), with outputs equal to 1e-6. So a CPU serve replica or batch-inference actor runs the
-model's ONNX graph unless `engine=torch` is asked for; a GPU keeps torch.
+on the 2-core box (small_cnn 5x, resnet18 2.4x at one image, resnet50 1.7-2.4x; RESULTS.md
+"engines"), with logits within 2.4e-7 to 2.3e-5 of torch's. So a CPU serve replica or batch-inference
+actor runs the model's ONNX graph unless `engine=torch` is asked for; a GPU keeps torch.
 
 The graph is `raymill export`'s (`Pixels`: uint8 NHWC pixels in, logits out, the eval normalisation
-inside). Exporting takes seconds (in a child process: 5.5 s small_cnn, 7.1 s resnet18, 10.1 s
+inside). Exporting takes seconds (in a child process: 5.5 s small_cnn, 7.2 s resnet18, 9.8 s
 resnet50 on 2 cores), so each node exports a model once into a local cache keyed by the weights and
 the versions, and every load checks the graph against torch on a few images: a graph that disagrees
 past CHECK_TOLERANCE is never used.
@@ -14,6 +14,7 @@ past CHECK_TOLERANCE is never used.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -32,23 +33,25 @@ import torch
 
 from stages.common.config import ConfigError
 
-__all__ = ["ENGINES", "CACHE_DIR", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
+__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
            "engine_name", "save_onnx", "quiet_exporter"]
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("auto", "torch", "onnxruntime")
 CACHE_DIR = "~/.cache/raymill/onnx"  # beside train.cache_dir's shards
+CACHE_ENV = "RAYMILL_ONNX_CACHE"  # another folder for it (a read-only home; the tests' own)
 CHECK_TOLERANCE = 1e-3  # max |logits diff| against torch, as export.tolerance's default
 CHECK_IMAGES = 3  # a batch size the export did not trace at (it traces at 2)
 EXAMPLE_BATCH = 2  # torch.export specialises a dimension traced at size 0 or 1: trace the batch at 2
 CACHE_FORMAT = 1  # bump when the graph's inputs or outputs change
 CACHE_KEEP = 16  # graphs a node keeps, the ones used last
-EXPORT_TIMEOUT_S = 600  # resnet50 took 5.7 s on 2 cores
+EXPORT_TIMEOUT_S = 600  # resnet50 took 9.8 s on 2 cores (RESULTS.md engines)
 
 
 class EngineError(ConfigError):
-    """engine=onnxruntime was asked for and cannot run this model (exit 2: ask for torch)."""
+    """engine=onnxruntime was asked for and cannot run this model (a ConfigError: exit 2 where it reaches
+    the command line; in a serve replica or a Ray Data actor it stops the deploy or the job)."""
 
 
 class Pixels(torch.nn.Module):
@@ -88,27 +91,32 @@ def engine_name(model: Any) -> str:
     return getattr(model, "engine", "torch")
 
 
+def cache_folder() -> str:
+    return os.path.expanduser(os.environ.get(CACHE_ENV) or CACHE_DIR)
+
+
 def for_device(model: torch.nn.Module, info: dict, engine: str, device: torch.device, threads: int,
-               cache_dir: str = CACHE_DIR) -> torch.nn.Module | OnnxForward:
+               cache_dir: str | None = None, key: str = "engine") -> torch.nn.Module | OnnxForward:
     """What runs `model`'s forward pass: `model` on `device` for torch, or an OnnxForward.
 
     auto: onnxruntime on a CPU, torch on a GPU; where onnxruntime cannot run the model (not installed,
-    an op it lacks, a check past the tolerance) a warning names why and torch runs it. onnxruntime,
-    asked for: those cases raise EngineError instead. torch: always torch.
+    an architecture the export lacks, a check past the tolerance) a warning names why and torch runs
+    it. onnxruntime, asked for: those cases raise EngineError instead, naming `key` (serve.engine...).
+    torch: always torch. `cache_dir`: where graphs are kept; None: cache_folder().
     """
     if engine not in ENGINES:
-        raise ConfigError(f"engine '{engine}' is not one of {', '.join(ENGINES)}")
+        raise ConfigError(f"{key} '{engine}' is not one of {', '.join(ENGINES)}")
     if engine == "torch" or (engine == "auto" and device.type != "cpu"):
         return model.to(device)
     if device.type != "cpu":
-        raise EngineError("engine=onnxruntime runs the model on the CPU, but this process was given a GPU; "
-                          "set the engine to auto or torch")
+        raise EngineError(f"{key}=onnxruntime runs the model on the CPU, but this process was given a GPU; "
+                          f"set {key} to auto or torch")
     try:
-        return _onnx_forward(model, info, threads, cache_dir)
+        return _onnx_forward(model, info, threads, cache_dir or cache_folder())
     except Exception as e:
         if engine == "onnxruntime":
-            raise EngineError(f"engine=onnxruntime cannot run this model: {e}; set the engine to torch") from e
-        log.warning("onnxruntime cannot run this model (%s); torch runs it", e)
+            raise EngineError(f"{key}=onnxruntime cannot run this model: {e}; set {key}=torch") from e
+        log.warning("onnxruntime cannot run this model (%s); torch runs it (%s=torch says so)", e, key)
         return model.to(device)
 
 
@@ -116,16 +124,34 @@ def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: s
     import onnxruntime  # optional at import time: engine=torch never needs it
 
     path = Path(os.path.expanduser(cache_dir)) / f"{_cache_key(info, onnxruntime.__version__)}.onnx"
-    if path.is_file():
-        try:
-            forward = _checked(model, info, onnxruntime, path.read_bytes(), threads, f"cached {path}")
-            with contextlib.suppress(OSError):
-                os.utime(path)  # the eviction below keeps the graphs used last
-            return forward
-        except Exception as e:  # a damaged or foreign file: export again, and replace it
-            log.warning("the cached ONNX graph %s is unusable (%s); exporting it again", path, e)
-    graph, source = _export(model, info, path)
+    with _export_lock(path):  # one export per graph on a node; the others wait, then read its file
+        if path.is_file():
+            try:
+                forward = _checked(model, info, onnxruntime, path.read_bytes(), threads, f"cached {path}")
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # the eviction keeps the graphs used last
+                return forward
+            except Exception as e:  # a damaged or foreign file: export again, and replace it
+                log.warning("the cached ONNX graph %s is unusable (%s); exporting it again", path, e)
+        graph, source = _export(model, info, path)
     return _checked(model, info, onnxruntime, graph, threads, source)
+
+
+@contextlib.contextmanager
+def _export_lock(path: Path) -> Iterator[None]:
+    """An exclusive flock on <graph>.lock, released on close (the kernel releases it if this process
+    dies). Where the folder cannot be written there is nothing to share: no lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+    except OSError:
+        handle = None
+    if handle is None:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def _checked(model: torch.nn.Module, info: dict, onnxruntime: Any, graph: bytes, threads: int,
@@ -144,13 +170,6 @@ def _cache_key(info: dict, ort_version: str) -> str:
               "width": info.get("width"), "classes": len(info["classes"]), "image_size": info["image_size"],
               "mean": info["mean"], "std": info["std"], "torch": torch.__version__, "onnxruntime": ort_version}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
-
-
-def _cached(path: Path) -> tuple[bytes | None, str]:
-    try:
-        return path.read_bytes(), f"cached {path}"
-    except OSError:
-        return None, ""
 
 
 def _export(model: torch.nn.Module, info: dict, path: Path) -> tuple[bytes, str]:
@@ -173,14 +192,18 @@ def _export(model: torch.nn.Module, info: dict, path: Path) -> tuple[bytes, str]
             lines = (child.stderr or child.stdout).strip().splitlines() or [f"exit code {child.returncode}"]
             raise RuntimeError(f"the ONNX export failed: {lines[-1]}")
         graph = (Path(scratch) / "model.onnx").read_bytes()
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
         partial.write_bytes(graph)
         os.replace(partial, path)
         _evict(path.parent)
     except OSError as e:  # a read-only home still serves; the next start exports again
-        log.warning("could not keep the ONNX graph in %s (%s); each start will export it again", path.parent, e)
+        log.warning("could not keep the ONNX graph in %s (%s); each start will export it again: set %s to a "
+                    "writable folder", path.parent, e, CACHE_ENV)
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)  # a full disk's half-written file
     return graph, f"exported in {time.perf_counter() - started:.1f} s"
 
 
@@ -190,6 +213,7 @@ def _evict(folder: Path) -> None:
     for old in graphs[CACHE_KEEP:]:
         with contextlib.suppress(OSError):
             old.unlink()
+            old.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def _mtime(path: Path) -> float:

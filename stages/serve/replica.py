@@ -70,9 +70,10 @@ class Classifier:
                         "(CUDA_VISIBLE_DEVICES=%s); it runs on the CPU", cfg.gpus_per_replica,
                         os.environ.get("CUDA_VISIBLE_DEVICES"))
         model, self.info = load_model(model_path, s3)
-        # On a CPU, onnxruntime: a lone resnet18 request's forward pass 3.6 ms against torch's 9.0
-        # (1 thread, 2-core box). Threads: serve.torch_threads, else Ray's OMP_NUM_THREADS.
-        self.model = runtime.for_device(model, self.info, cfg.engine, self.device, torch.get_num_threads())
+        # On a CPU, onnxruntime: resnet18's forward pass of one image 3.27 ms against torch's 7.40 (1
+        # thread, RESULTS.md engines). Threads: serve.torch_threads, else Ray's OMP_NUM_THREADS.
+        self.model = runtime.for_device(model, self.info, cfg.engine, self.device, torch.get_num_threads(),
+                                        key="serve.engine")
         self.formats = cfg.allowed_formats  # upper-case Pillow names (config.ImageFormats)
         self._slot = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL  # one worst-case decode
         self.decodes = DecodeBudget(decode_slots(cfg) * self._slot)
