@@ -37,7 +37,7 @@ from stages.common.config import ConfigError, InferConfig, section_dict
 from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
 from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
-from stages.model import predict
+from stages.model import predict, runtime
 from stages.etl import layout as layouts, sources
 from stages.feed import streaming
 from stages.etl.stage import InputNotFoundError, check_apart, root_cause
@@ -360,7 +360,7 @@ def _device_metrics(cfg: InferConfig, plan: dict, predicted: int, busy_s: float,
     to its last row: model loads and waits for decoded images count as idle). `engine`: as planned;
     the caller puts in what the actors report they ran."""
     asked = _local_engine(cfg) if plan["decode"] == "in-process" else cfg.engine
-    engine = asked if asked != "auto" else ("torch" if cfg.use_gpu else "onnxruntime")  # runtime.for_device's rule
+    engine = runtime.resolve(asked, "cuda" if cfg.use_gpu else "cpu")
     return {"decode": plan["decode"], "device": "cuda" if cfg.use_gpu else "cpu", "engine": engine,
             "actors": plan["num_actors"],
             "predict_wall_s": round(wall_s, 3), "device_busy_s": round(busy_s, 4),

@@ -33,7 +33,7 @@ import torch
 
 from stages.common.config import ConfigError
 
-__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
+__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
            "engine_name", "save_onnx", "quiet_exporter"]
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,12 @@ def cache_folder() -> str:
     return os.path.expanduser(os.environ.get(CACHE_ENV) or CACHE_DIR)
 
 
+def resolve(engine: str, device_type: str) -> str:
+    """The engine `engine` means on a device of `device_type` ("cpu", "cuda"): auto is onnxruntime on
+    a CPU and torch elsewhere; the others mean themselves (for_device refuses onnxruntime on a GPU)."""
+    return ("onnxruntime" if device_type == "cpu" else "torch") if engine == "auto" else engine
+
+
 def for_device(model: torch.nn.Module, info: dict, engine: str, device: torch.device, threads: int,
                cache_dir: str | None = None, key: str = "engine") -> torch.nn.Module | OnnxForward:
     """What runs `model`'s forward pass: `model` on `device` for torch, or an OnnxForward.
@@ -106,7 +112,7 @@ def for_device(model: torch.nn.Module, info: dict, engine: str, device: torch.de
     """
     if engine not in ENGINES:
         raise ConfigError(f"{key} '{engine}' is not one of {', '.join(ENGINES)}")
-    if engine == "torch" or (engine == "auto" and device.type != "cpu"):
+    if resolve(engine, device.type) == "torch":
         return model.to(device)
     if device.type != "cpu":
         raise EngineError(f"{key}=onnxruntime runs the model on the CPU, but this process was given a GPU; "
