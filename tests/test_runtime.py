@@ -43,8 +43,9 @@ def test_onnxruntime_answers_as_torch_and_its_graph_is_exported_once(trained, tm
         assert np.allclose([t["probability"] for t in a["top_k"]], [t["probability"] for t in b["top_k"]], atol=1e-5)
     assert predict.predict_arrays(forward, info, np.stack(images[:1]))[0]["class_index"] == ours[0]["class_index"]
 
+    os.utime(kept, (1e9, 1e9))  # an old graph: a cached read makes it the newest, as the eviction counts
     again = runtime.for_device(model, info, "auto", torch.device("cpu"), 1, str(cache))
-    assert again.source == f"cached {kept}"
+    assert again.source == f"cached {kept}" and kept.stat().st_mtime > 1e9
 
     # A cached graph that is not these weights' (here: the same model.json, weights changed after)
     # is never used: exported again from the model given, and replaced.
@@ -102,3 +103,23 @@ def test_a_model_the_export_cannot_build_runs_in_torch_under_auto_and_stops_when
     with pytest.raises(runtime.EngineError, match="serve.engine=onnxruntime cannot run this model: .*set serve.engine=torch"):
         runtime.for_device(model, info, "onnxruntime", torch.device("cpu"), 1, str(tmp_path), key="serve.engine")
     assert not list(tmp_path.glob("*.onnx")) and not list(tmp_path.glob(".*"))
+
+
+def test_raymill_serve_with_onnxruntime_named_that_cannot_run_the_model_exits_2_before_serve_starts(
+        trained, ray_session, tmp_path, capsys):
+    """A model whose logits reach 1e7 (its last layer scaled): onnxruntime's float32 sums differ from
+    torch's past CHECK_TOLERANCE, so the graph is never used. Asked for by name, the driver says so
+    at once (exit 2, the key and the fix), before Serve retries a replica that could never start."""
+    from stages.model.publish import save_model
+    from tests.conftest import free_port
+    from workflow.__main__ import main
+
+    model, info = trained
+    state = {k: v * 1e7 if k.startswith("fc.") else v for k, v in model.state_dict().items()}  # zoo: fc last
+    save_model(str(tmp_path), state, {k: v for k, v in info.items() if k != "weights_sha256"})
+    rc = main(["serve", "--model", str(tmp_path), "--port", str(free_port()), "--set", "serve.engine=onnxruntime",
+               "--set", "serve.app_name=preflight"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "serve.engine=onnxruntime cannot run this model" in err and "set serve.engine=torch" in err, err[-2000:]
+    assert "differ from torch's" in err

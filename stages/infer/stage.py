@@ -94,6 +94,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
             started += time.perf_counter() - ray_started
         resources = session.cluster_resources()
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
+        runtime.preflight(model_path, s3, cfg.engine, "infer.engine")  # as named: runs here, or exit 2 now
         plan = _spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
         log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
                  plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"

@@ -15,7 +15,7 @@ import torch
 
 from stages.feed import streaming
 from stages.model.transform import preprocess  # re-exported: the eval transform, torch-free
-from stages.model.zoo import build_model
+from stages.model.zoo import from_info
 from stages.common import storage
 from stages.common.config import ConfigError
 
@@ -67,9 +67,7 @@ def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]
     data = fs.cat_file(storage.join(root, "model.pt"))
     if storage.sha256_bytes(data) != info["weights_sha256"]:
         raise ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
-    model = build_model(info["architecture"], len(info["classes"]), info["width"], info["dropout"])
-    model.load_state_dict(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-    return model.eval(), info
+    return from_info(info, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)), info
 
 
 @torch.no_grad()

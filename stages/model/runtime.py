@@ -33,7 +33,7 @@ import torch
 
 from stages.common.config import ConfigError
 
-__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device",
+__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device", "preflight",
            "engine_name", "save_onnx", "quiet_exporter"]
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,20 @@ def for_device(model: torch.nn.Module, info: dict, engine: str, device: torch.de
             raise EngineError(f"{key}=onnxruntime cannot run this model: {e}; set {key}=torch") from e
         log.warning("onnxruntime cannot run this model (%s); torch runs it (%s=torch says so)", e, key)
         return model.to(device)
+
+
+def preflight(model_path: str, s3: Any | None, engine: str, key: str) -> None:
+    """Where onnxruntime is asked for by name, check here, before any replica or actor starts, that it
+    runs this model: a model it cannot run is then exit 2 at once, with `key` and the fix named, not
+    a deploy that fails after Serve has retried the replica's constructor (and its export) several
+    times. It also leaves the graph in this node's cache for the workers that start on it. auto and
+    torch check nothing: auto falls back to torch in each worker, with a warning."""
+    if engine != "onnxruntime":
+        return
+    from stages.model.predict import load_model  # predict imports the feed; the export child needs neither
+
+    model, info = load_model(model_path, s3)
+    for_device(model, info, engine, torch.device("cpu"), 1, key=key)
 
 
 def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: str) -> OnnxForward:
@@ -284,12 +298,11 @@ def quiet_exporter() -> Iterator[None]:
 
 def _export_child(scratch: Path) -> None:
     """`python -m stages.model.runtime <scratch>`: weights.pt + info.json -> model.onnx, in <scratch>."""
-    from stages.model.zoo import build_model
+    from stages.model.zoo import from_info
 
     info = json.loads((scratch / "info.json").read_text())
-    model = build_model(info["architecture"], len(info["classes"]), info["width"], info.get("dropout", 0.0))
-    model.load_state_dict(torch.load(scratch / "weights.pt", map_location="cpu", weights_only=True))
-    wrapper = Pixels(model.eval(), info["mean"], info["std"], probabilities=False).eval()
+    model = from_info(info, torch.load(scratch / "weights.pt", map_location="cpu", weights_only=True))
+    wrapper = Pixels(model, info["mean"], info["std"], probabilities=False).eval()
     save_onnx(wrapper, info["image_size"], "pixels", ["logits"], scratch / "model.onnx")
 
 

@@ -247,6 +247,13 @@ def build_model(name: str, num_classes: int, width: int = 32, dropout: float = 0
     return builders[name]()
 
 
+def from_info(info: dict, state_dict: dict) -> nn.Module:
+    """The published model that model.json's `info` describes, with `state_dict` loaded, in eval mode."""
+    model = build_model(info["architecture"], len(info["classes"]), info["width"], info.get("dropout", 0.0))
+    model.load_state_dict(state_dict)
+    return model.eval()
+
+
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Number of parameters in ``model`` (all, or only those with requires_grad)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -22,6 +22,7 @@ from ray import serve
 
 from stages.common import cluster, session
 from stages.common.config import ConfigError, RayConfig, ServeConfig
+from stages.model import runtime
 from stages.serve.endpoint import base_url
 from stages.serve.http import Ingress
 from stages.serve.replica import Classifier
@@ -113,6 +114,8 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     """
     import ray
 
+    # serve.engine=onnxruntime that cannot run this model: exit 2 here, not a deploy failed by retries
+    runtime.preflight(model_path, s3, cfg.engine, "serve.engine")
     if not ray.is_initialized():
         apply_ingress_env(cfg)
         session.start(RayConfig())
