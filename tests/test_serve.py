@@ -10,6 +10,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import os
 import threading
 import time
@@ -168,19 +169,27 @@ def test_deployment_options_and_decode_slots():
     assert serve_replica.decode_slots(ServeConfig()) == 2
     assert serve_replica.decode_slots(ServeConfig(replica_memory_mb=256)) == 1
     assert serve_replica.decode_slots(ServeConfig(decode_slots=5)) == 5
+    # a replica whose model holds more (measured at its start): (2048 - 1200) MB over 640 MB -> 1
+    assert serve_replica.decode_slots(ServeConfig(), base_mb=1200) == 1
     assert serve_stage.ingress_env(ServeConfig()) == {}
     to = serve_stage.ingress_env(ServeConfig(ingress="throughput_optimized", max_body_bytes=10 * 2**20))
     assert to["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert int(to["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]) > 10 * 2**20
 
 
-def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_dir):
+def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_dir, caplog):
     """The GPU batching path (decode per request, batch the forward pass) is chosen by the
     replica's device: serve.use_gpu on a machine where torch sees no CUDA device stays on the
     CPU path. tests/gpu runs the other side on a GPU."""
     import torch
 
     cpu = serve_replica.Classifier(ServeConfig(), model_dir)
+    # its decode budget is what serve.replica_memory_mb leaves beside what it holds, measured (this
+    # test's process holds pytest, Ray and torch too: more than REPLICA_BASE_MB)
+    assert cpu.base_mb >= serve_replica.REPLICA_BASE_MB and cpu.slots == serve_replica.decode_slots(ServeConfig(), cpu.base_mb)
+    with caplog.at_level(logging.WARNING, logger="stages.serve.replica"):
+        tight = serve_replica.Classifier(ServeConfig(replica_memory_mb=cpu.base_mb + 100), model_dir)
+    assert tight.slots == 1 and "Raise serve.replica_memory_mb" in caplog.text
     gpu_asked = serve_replica.Classifier(ServeConfig(use_gpu=True), model_dir)
     assert cpu.device.type == "cpu" and not cpu._decode_apart
     assert gpu_asked._decode_apart == torch.cuda.is_available() == (gpu_asked.device.type == "cuda")

@@ -24,21 +24,39 @@ __all__ = ["Classifier", "decode_slots", "DECODE_BYTES_PER_PIXEL", "REPLICA_BASE
 
 log = logging.getLogger(__name__)
 
-# A model replica's resident memory before any decode (Python, torch, Ray worker, small model).
+# A model replica's resident memory before any decode (Python, torch, Ray worker, small model), at
+# least: each replica measures its own once its model is loaded and warm (a resnet50 at 224 px in
+# onnxruntime held ~860 MB in a plain process), and budgets its decodes on what is left.
 REPLICA_BASE_MB = 512
 # Placeholder batch settings; each replica sets the configured ones in __init__ (serve.batch
 # arguments are fixed at class definition, its setters are per process, i.e. per replica).
 _DEFAULT_BATCH_SIZE, _DEFAULT_BATCH_WAIT_S = 16, 0.005
 
 
-def decode_slots(cfg: ServeConfig) -> int:
+def decode_slots(cfg: ServeConfig, base_mb: int = REPLICA_BASE_MB) -> int:
     """How many worst-case images (serve.max_image_pixels) one replica decodes at once: its memory
-    budget over one such decode. Smaller images draw on that budget by their own size."""
+    budget (serve.replica_memory_mb less `base_mb`, what it holds before any decode) over one such
+    decode. Smaller images draw on that budget by their own size."""
     if cfg.decode_slots:
         return cfg.decode_slots
     per_decode = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL
-    free = (cfg.replica_memory_mb - REPLICA_BASE_MB) * 2**20
+    free = (cfg.replica_memory_mb - base_mb) * 2**20
     return max(1, min(cfg.max_ongoing_requests, free // per_decode))
+
+
+def _base_mb(cfg: ServeConfig) -> int:
+    """What this replica holds now, its model loaded and warm (at least REPLICA_BASE_MB), with a
+    warning when serve.replica_memory_mb leaves its decodes less than one worst-case image."""
+    import psutil
+
+    base = max(REPLICA_BASE_MB, psutil.Process().memory_info().rss >> 20)
+    room = cfg.replica_memory_mb - base
+    if not cfg.decode_slots and room * 2**20 < cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL:
+        log.warning("this replica holds %d MB with its model loaded; serve.replica_memory_mb=%d leaves %d MB, less "
+                    "than one image of serve.max_image_pixels=%d decodes in: it decodes one at a time. Raise "
+                    "serve.replica_memory_mb, or lower serve.max_image_pixels", base, cfg.replica_memory_mb,
+                    max(room, 0), cfg.max_image_pixels)
+    return base
 
 
 def _past_request_cap(costs: list[int], cfg: ServeConfig) -> dict[str, Any] | None:
@@ -74,9 +92,9 @@ class Classifier:
         # thread, RESULTS.md engines). Threads: serve.torch_threads, else Ray's OMP_NUM_THREADS.
         self.model = runtime.for_device(model, self.info, cfg.engine, self.device, torch.get_num_threads(),
                                         key="serve.engine")
+        del model  # onnxruntime's session holds its own weights: torch's copy goes before the memory is measured
         self.formats = cfg.allowed_formats  # upper-case Pillow names (config.ImageFormats)
         self._slot = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL  # one worst-case decode
-        self.decodes = DecodeBudget(decode_slots(cfg) * self._slot)
         self._in_flight = 0  # classify() calls in progress on this replica
         for batched in (self._classify_batch, self._predict_batch):
             batched.set_max_batch_size(cfg.max_batch_size)
@@ -89,6 +107,9 @@ class Classifier:
         # Warm-up: the first forward pass pays for lazy allocator/kernel set-up; not a user's request.
         size = self.info["image_size"]
         self._predict([np.zeros((size, size, 3), np.uint8)])
+        self.base_mb = _base_mb(cfg)
+        self.slots = decode_slots(cfg, self.base_mb)
+        self.decodes = DecodeBudget(self.slots * self._slot)
 
     async def classify(self, data: bytes) -> dict[str, Any]:
         """{class_name, class_index, top_k, model_version}, or {error, detail} for unusable bytes."""
@@ -131,7 +152,7 @@ class Classifier:
                 "architecture": info["architecture"], "version": info.get("version"),
                 "batching": cfg.batching, "max_batch_size": cfg.max_batch_size,
                 "allowed_formats": list(self.formats), "max_body_bytes": cfg.max_body_bytes,
-                "max_image_pixels": cfg.max_image_pixels, "decode_slots": decode_slots(cfg),
+                "max_image_pixels": cfg.max_image_pixels, "decode_slots": self.slots,
                 "top_k": min(cfg.top_k, len(info["classes"])), "max_images": cfg.max_images_per_request,
                 "device": self.device.type, "engine": runtime.engine_name(self.model)}
 
