@@ -18,6 +18,7 @@ import zlib
 from collections import Counter
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -54,7 +55,8 @@ def app(ray_session, model_dir):
     """The main app: (config, base URL, replica pid at start). Serve is shut down afterwards."""
     from ray import serve
 
-    # 5 MP at most, 768 MB per replica: (768 - 512) MB / (5 MP x 16 B) = 3 concurrent decodes.
+    # 5 MP at most, 768 MB per replica: (768 - 512) MB / (5 MP x 16 B) = 3 concurrent decodes (the
+    # replica's own memory, measured at its start, is less than 512 MB: small_cnn).
     cfg = ServeConfig(port=free_port(), app_name="test-serve", max_body_bytes=MAX_BODY,
                       max_image_pixels=5_000_000, max_request_pixels=12_000_000, replica_memory_mb=768,
                       request_timeout_s=30.0)
@@ -184,11 +186,16 @@ def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_di
     import torch
 
     cpu = serve_replica.Classifier(ServeConfig(), model_dir)
-    # its decode budget is what serve.replica_memory_mb leaves beside what it holds, measured (this
-    # test's process holds pytest, Ray and torch too: more than REPLICA_BASE_MB)
-    assert cpu.base_mb >= serve_replica.REPLICA_BASE_MB and cpu.slots == serve_replica.decode_slots(ServeConfig(), cpu.base_mb)
+    # The decode budget is what serve.replica_memory_mb leaves beside what the replica holds, measured
+    # at its start: here 800 MB more than REPLICA_BASE_MB (a big model's weights, as it were).
+    ballast = np.ones(800 * 2**20, np.uint8)
+    cfg = ServeConfig(replica_memory_mb=8192, max_image_pixels=16_000_000)  # 256 MB a worst-case decode
+    heavy = serve_replica.Classifier(cfg, model_dir)
+    assert heavy.base_mb > 800 > serve_replica.REPLICA_BASE_MB  # the process's own memory, the ballast in it
+    assert heavy.slots == serve_replica.decode_slots(cfg, heavy.base_mb) < serve_replica.decode_slots(cfg) < 32
     with caplog.at_level(logging.WARNING, logger="stages.serve.replica"):
-        tight = serve_replica.Classifier(ServeConfig(replica_memory_mb=cpu.base_mb + 100), model_dir)
+        tight = serve_replica.Classifier(ServeConfig(replica_memory_mb=heavy.base_mb + 100), model_dir)
+    del ballast
     assert tight.slots == 1 and "Raise serve.replica_memory_mb" in caplog.text
     gpu_asked = serve_replica.Classifier(ServeConfig(use_gpu=True), model_dir)
     assert cpu.device.type == "cpu" and not cpu._decode_apart

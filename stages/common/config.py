@@ -292,7 +292,8 @@ class ServeConfig(RunsModel):  # use_gpu, engine
     # Their pixels together (headers, before any decode; at least max_image_pixels): decode time is pixels.
     max_request_pixels: int = Field(100_000_000, ge=1)
     # Memory Ray reserves per model replica; concurrent decodes are capped to fit in it
-    # (stages.serve.replica.decode_slots: 2 at the defaults, each up to max_image_pixels x 16 B).
+    # (stages.serve.replica.decode_slots: 2 at the defaults for a replica holding up to 768 MB
+    # before any decode, each up to max_image_pixels x 16 B).
     replica_memory_mb: int = Field(2048, ge=256)
     decode_slots: int = Field(0, ge=0)  # 0: derived from replica_memory_mb and max_image_pixels
     # proxy: Serve's HTTP proxy. throughput_optimized: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 at Ray start.

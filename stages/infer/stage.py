@@ -81,24 +81,25 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     started = time.perf_counter()
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
-    _, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
+    model, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
     plan = _plan(cfg, source, info, s3)
     if here := _in_process(cfg, plan):
         decode = {"decode": "in-process", "num_actors": 1, "decode_tasks": 0}
         log.info("infer: %d %s item(s), %d image(s): in this process (at most infer.local_max_rows=%d; "
                  "Ray Data's start would outweigh them)", len(plan.items), plan.kind, plan.rows, cfg.local_max_rows)
-    else:
+    else:  # infer.engine=onnxruntime that cannot run this model: exit 2 here, before Ray or an actor starts
+        runtime.check_engine(model, info, cfg.engine, "infer.engine")
         if start_ray is not None:  # Ray's start is not the stage's work: metrics' seconds leave it out
             ray_started = time.perf_counter()
             start_ray()
             started += time.perf_counter() - ray_started
         resources = session.cluster_resources()
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
-        runtime.preflight(model_path, s3, cfg.engine, "infer.engine")  # as named: runs here, or exit 2 now
         plan = _spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
         log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
                  plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
                                                                    if decode["decode_tasks"] else ""))
+    del model  # the driver's copy: the job's workers load their own
     unpublish(out, s3)
     if here:
         table, wall_s = _execute_here(cfg, model_path, plan, s3, cpus)

@@ -33,7 +33,7 @@ import torch
 
 from stages.common.config import ConfigError
 
-__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device", "preflight",
+__all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device", "preflight", "check_engine",
            "engine_name", "save_onnx", "quiet_exporter"]
 
 log = logging.getLogger(__name__)
@@ -130,14 +130,19 @@ def preflight(model_path: str, s3: Any | None, engine: str, key: str) -> None:
     """Where onnxruntime is asked for by name, check here, before any replica or actor starts, that it
     runs this model: a model it cannot run is then exit 2 at once, with `key` and the fix named, not
     a deploy that fails after Serve has retried the replica's constructor (and its export) several
-    times. It also leaves the graph in this node's cache for the workers that start on it. auto and
-    torch check nothing: auto falls back to torch in each worker, with a warning."""
+    times. Where the driver shares the workers' node and cache folder, it also leaves the graph there
+    for them. auto and torch check nothing: auto falls back to torch in each worker, with a warning."""
     if engine != "onnxruntime":
         return
     from stages.model.predict import load_model  # predict imports the feed; the export child needs neither
 
-    model, info = load_model(model_path, s3)
-    for_device(model, info, engine, torch.device("cpu"), 1, key=key)
+    check_engine(*load_model(model_path, s3), engine, key)
+
+
+def check_engine(model: torch.nn.Module, info: dict, engine: str, key: str) -> None:
+    """preflight for a model already loaded: EngineError where `engine` is onnxruntime and cannot run it."""
+    if engine == "onnxruntime":
+        for_device(model, info, engine, torch.device("cpu"), 1, key=key)
 
 
 def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: str) -> OnnxForward:
@@ -154,7 +159,8 @@ def _onnx_forward(model: torch.nn.Module, info: dict, threads: int, cache_dir: s
             except Exception as e:  # a damaged or foreign file: export again, and replace it
                 log.warning("the cached ONNX graph %s is unusable (%s); exporting it again", path, e)
         graph, source = _export(model, info, path)
-    return _checked(model, info, onnxruntime, graph, threads, source)
+        # still under the lock: the kept file is read whole before any other process may replace it
+        return _checked(model, info, onnxruntime, graph, threads, source)
 
 
 @contextlib.contextmanager

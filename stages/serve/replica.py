@@ -46,10 +46,14 @@ def decode_slots(cfg: ServeConfig, base_mb: int = REPLICA_BASE_MB) -> int:
 
 def _base_mb(cfg: ServeConfig) -> int:
     """What this replica holds now, its model loaded and warm (at least REPLICA_BASE_MB), with a
-    warning when serve.replica_memory_mb leaves its decodes less than one worst-case image."""
+    warning when serve.replica_memory_mb leaves its decodes less than one worst-case image.
+
+    Its own memory, not the pages of files it maps (torch's and CUDA's libraries: shared with the
+    node's other processes, and not what a decode grows): RSS less psutil's `shared` on Linux."""
     import psutil
 
-    base = max(REPLICA_BASE_MB, psutil.Process().memory_info().rss >> 20)
+    memory = psutil.Process().memory_info()
+    base = max(REPLICA_BASE_MB, (memory.rss - getattr(memory, "shared", 0)) >> 20)
     room = cfg.replica_memory_mb - base
     if not cfg.decode_slots and room * 2**20 < cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL:
         log.warning("this replica holds %d MB with its model loaded; serve.replica_memory_mb=%d leaves %d MB, less "
