@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 # A model replica's resident memory before any decode (Python, torch, Ray worker, small model), at
 # least: each replica measures its own once its model is loaded and warm (a resnet50 at 224 px in
-# onnxruntime held ~860 MB in a plain process), and budgets its decodes on what is left.
+# onnxruntime: 521 MB of its own, 701 MB RSS, in a plain process), and budgets its decodes on the rest.
 REPLICA_BASE_MB = 512
 # Placeholder batch settings; each replica sets the configured ones in __init__ (serve.batch
 # arguments are fixed at class definition, its setters are per process, i.e. per replica).
