@@ -187,7 +187,7 @@ def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_di
 
     cpu = serve_replica.Classifier(ServeConfig(), model_dir)
     # The decode budget is what serve.replica_memory_mb leaves beside what the replica holds, measured
-    # at its start: here 800 MB more than REPLICA_BASE_MB (a big model's weights, as it were).
+    # at its start: here with an 800 MB ballast in it (a big model's weights, as it were), past REPLICA_BASE_MB.
     ballast = np.ones(800 * 2**20, np.uint8)
     cfg = ServeConfig(replica_memory_mb=8192, max_image_pixels=16_000_000)  # 256 MB a worst-case decode
     heavy = serve_replica.Classifier(cfg, model_dir)
