@@ -183,9 +183,12 @@ def test_a_rerun_after_the_last_epoch_takes_the_last_committed_row():
 def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts():
     cfg = _cfg()
     one = cfg.train.model_copy(update={"num_workers": 1})
-    # stream on a 2-core box: one worker takes both cores, decoding in 2 processes beside 1 torch thread
+    # stream on a 2-core box: one worker takes both cores, stepping on 2 torch threads beside 2
+    # decode processes (below its priority); two workers step on one thread each
     plan = session.plan_workers(one, {"CPU": 2.0, "GPU": 0.0}, 0.5)
-    assert (plan.cpus_per_worker, plan.decode_processes, plan.torch_threads, plan.data_reserved_cpus) == (2.0, 2, 1, 0)
+    assert (plan.cpus_per_worker, plan.decode_processes, plan.torch_threads, plan.data_reserved_cpus) == (2.0, 2, 2, 0)
+    two = session.plan_workers(cfg.train.model_copy(update={"num_workers": 2}), {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    assert (two.cpus_per_worker, two.decode_processes, two.torch_threads) == (1.0, 1, 1)
     # ray_data keeps the reserve, and the trainer only what its loop needs
     rd = session.plan_workers(cfg.train.model_copy(update={"ingest": "ray_data"}), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert rd.cpus_per_worker * rd.num_workers <= 1.5 and rd.decode_processes == 0
@@ -207,14 +210,16 @@ def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts()
         session.plan_workers(cfg.train.model_copy(update={"use_gpu": True}), {"CPU": 8.0, "GPU": 0.0}, 0.5)
 
 
-def test_unset_num_workers_plans_one_worker_per_gpu_and_two_on_cpus():
+def test_unset_num_workers_plans_one_worker_per_gpu_one_on_a_cpu_node_and_two_across_cpu_nodes():
     """The acceptance command `raymill run --set train.use_gpu=true ...` must run on a one-GPU node."""
     gpu = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
     assert session.plan_workers(TrainConfig(use_gpu=True), gpu, 0.5).num_workers == 1
     eight = {**gpu, "CPU": 128.0, "GPU": 8.0}
     assert session.plan_workers(TrainConfig(use_gpu=True), eight, 0.5).num_workers == 8
     assert session.plan_workers(TrainConfig(use_gpu=True, gpus_per_worker=0.5), gpu, 0.5).num_workers == 2
-    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 1.0}, 0.5).num_workers == 2  # no use_gpu
+    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 1.0}, 0.5).num_workers == 1  # no use_gpu: one node
+    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, 0.5).num_workers == 1
+    assert session.plan_workers(TrainConfig(), {"CPU": 4.0, "GPU": 0.0, "cpu_nodes": 2.0}, 0.5).num_workers == 2
     with pytest.raises(ConfigError, match="train.num_workers=2 x 1 needs 2 GPUs but the cluster has 1"):
         session.plan_workers(TrainConfig(use_gpu=True, num_workers=2), gpu, 0.5)  # set by hand: refused
     with pytest.raises(ConfigError, match="needs 1 GPUs but the cluster has 0"):

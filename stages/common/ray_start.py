@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 _FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                   "RAYMILL_VERBOSE",  # stages.common.console: --verbose reaches workers
                   "TORCH_CPP_LOG_LEVEL",  # console.quiet_torch_cpp
-                  "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")  # TRAIN_POLL_S: multi-worker Tune trials start trainers too
+                  "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",  # TRAIN_POLL_S: multi-worker Tune trials start trainers too
+                  "OMP_WAIT_POLICY")
 _DASHBOARD: dict[str, str] = {}
 # Ray Train 2.60's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
 # default), and a worker's `ray.train.report` waits in a queue of one for that poll: every report
@@ -29,6 +30,13 @@ _DASHBOARD: dict[str, str] = {}
 # it (Train's ENV_VARS_TO_PROPAGATE); it is not in Ray's docs (upstream note in the README). A
 # user's own value wins.
 TRAIN_POLL_S = "0.2"
+# torch's CPU build runs intra-op work on OpenMP threads that spin between parallel regions by
+# default. A CPU train worker steps on every core it holds beside its decode processes
+# (session.torch_threads), which run at a lower priority: spinning threads took their cycles (224 px,
+# 1 worker x 2 cores: 236 img/s spinning, 249-276 passive; a 2-thread step alone cost 5.78 CPU ms an
+# image spinning, 5.29 passive). OpenMP reads the variable when a process loads it, so it is set for
+# Ray's workers before they start. A user's own value wins.
+OMP_WAIT_POLICY = "PASSIVE"
 
 
 def start(cfg: RayConfig) -> dict[str, float]:
@@ -48,6 +56,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
 
     first = not ray.is_initialized()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)  # read by Train's driver
+    os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # inherited by local workers, forwarded to a cluster's
     if first:
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}

@@ -109,10 +109,17 @@ def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
 
 def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
     """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
-    one-GPU node trains on it rather than refusing a second worker), else 2 (DDP on a laptop)."""
+    one-GPU node trains on it rather than refusing a second worker). On CPUs: one worker on a
+    one-node cluster, else 2 (DDP across nodes). On one node a second DDP process adds a model
+    copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not
+    (2 cores, torch_threads: the demo trained at 637-680 img/s as 2 workers x 1 thread, 730-823 as
+    1 x 2, and its train stage's fixed cost fell from 27.2 s to 10.5 s; a decode-heavy shape, 224 px
+    small_cnn width 4, 298-300 img/s against 249-276, README "Resource planning")."""
     if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
         return train.num_workers or 1
-    return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9)) if train.use_gpu else 2
+    if train.use_gpu:
+        return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9))
+    return 1 if resources.get("cpu_nodes", 1) <= 1 else 2
 
 
 def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:
@@ -125,13 +132,14 @@ def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> 
 
 
 def torch_threads(train: TrainConfig, cpus: float) -> int:
-    """Intra-op threads of a worker. Beside decode processes, a CPU worker keeps half its CPUs (2-core
-    box, 1 worker: 0.53 of the cores' bound with 2 threads, 0.69 with 1; a 2-thread step cost 2.67
-    CPU ms an image, 1.84 on one), and a GPU worker one: its host work is launches and a uint8 copy,
-    and idle intra-op threads spin at normal priority, starving the SCHED_IDLE decoders (emulated GPU,
-    2 decode processes: 1,333-1,359 img/s fed with 2 torch threads, 1,653-1,681 with 1)."""
+    """Intra-op threads of a worker. A CPU worker steps on every core it holds: its decode processes
+    run below its priority and take what the step leaves, and its idle threads sleep instead of
+    spinning (ray_start.OMP_WAIT_POLICY; with spinning, a 2-thread step cost 2.67 CPU ms an image
+    against 1.84 on one, and starved the decoders: 224 px, 1 worker, 236 img/s with 2 threads, 276
+    passive). A GPU worker beside decoders steps on one: its host work is launches and a uint8 copy
+    (emulated GPU, 2 decode processes: 1,333-1,359 img/s fed with 2 torch threads, 1,653-1,681 with 1)."""
     cores = max(1, int(cpus + 0.5))
-    return cores if _decode_processes(train, cpus) == 0 else 1 if train.use_gpu else max(1, cores // 2)
+    return 1 if train.use_gpu and _decode_processes(train, cpus) else cores
 
 
 def _decode_processes(train: TrainConfig, cpus: float) -> int:
