@@ -317,7 +317,8 @@ def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
 def smoke_run(tmp_path_factory):
     """`raymill run` on the smoke config, as `make run` runs it (a subprocess, the user's env),
     with every listening socket of its process tree sampled every 0.3 s while it runs
-    (stages.common.exposure). Shared by the console test and the exposure test: one run, ~45 s."""
+    (stages.common.exposure). Two DDP workers (the exposure test checks their store). Shared by the
+    console test and the exposure test: one run, ~45 s."""
     import subprocess
     import sys
     import time
@@ -333,7 +334,8 @@ def smoke_run(tmp_path_factory):
         env.pop(name, None)  # the user's defaults, not the test suite's: the product decides
     out, err = open(root / "stdout", "w+"), open(root / "stderr", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "workflow", "run", "--config", "configs/smoke.yaml", "--set",
-                             f"run.source={root / 'src'}", "--set", f"run.dir={root / 'run'}"], cwd=REPO, env=env,
+                             f"run.source={root / 'src'}", "--set", f"run.dir={root / 'run'}",
+                             "--set", "train.num_workers=2"], cwd=REPO, env=env,  # DDP: its store's listener too
                             stdout=out, stderr=err, text=True)
     seen: dict[tuple, dict] = {}
     deadline = time.time() + 900

@@ -66,7 +66,7 @@ def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
 
 
 def test_serve_and_train_plan_leaves_ray_data_its_reserve():
-    cfg = _cfg()  # 1 replica x 0.5 CPU, 2 workers, 0.5 CPU Ray Data reserve
+    cfg = _cfg("train.num_workers=2")  # 1 replica x 0.5 CPU, 2 workers, 0.5 CPU Ray Data reserve
     plan = session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
     assert plan.serve_cpus == 0.5 and plan.workers.num_workers == 2
     held = plan.serve_cpus + plan.workers.cpus_per_worker * plan.workers.num_workers

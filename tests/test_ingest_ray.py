@@ -23,7 +23,7 @@ from stages.common.config import ConfigError, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",
-        "etl.shard_max_rows=40"]
+        "etl.shard_max_rows=40", "train.num_workers=2"]  # two ranks: Train's split of Ray Data
 
 
 def _cfg(*extra):

@@ -26,8 +26,9 @@ from stages.common.config import ConfigError, S3Config, load_config, section_dic
 from tests.conftest import REPO, demo_dataset
 
 SMOKE = REPO / "configs/smoke.yaml"
+# Ray Train's host and its checkpoint folders (ray/train/checkpoint-*): two workers
 BASE = ["train.epochs=2", "train.batch_size=8", "train.max_steps=2", "train.shuffle_buffer_rows=16",
-        "train.max_failures=0", "etl.shard_max_rows=40"]
+        "train.max_failures=0", "etl.shard_max_rows=40", "train.num_workers=2"]
 
 
 def _cfg(*extra: str):

@@ -24,8 +24,9 @@ from stages.common import session
 from stages.common.config import ConfigError, S3Config, TrainConfig, load_config
 from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
 
+# DDP: two workers (the planner gives a one-node CPU cluster one); tests of one worker set it
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
-        "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40"]
+        "train.shuffle_buffer_rows=32", "etl.shard_max_rows=40", "train.num_workers=2"]
 
 
 def _cfg(*extra):
@@ -328,8 +329,11 @@ def test_train_host_plans_the_trial_actor_only_where_train_adds_nothing():
     assert session.train_host(TrainConfig(), plan, nodes=2) == "ray_train"  # node loss: Train's capacity wait
     assert session.train_host(TrainConfig(host="ray_train"), plan, nodes=1) == "ray_train"
     assert session.train_host(TrainConfig(ingest="ray_data"), plan, nodes=1) == "ray_train"
-    two = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0}, 0.5)
+    two = session.plan_workers(TrainConfig(num_workers=2), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert session.train_host(TrainConfig(), two, nodes=1) == "ray_train"
+    # unset on one CPU node: one worker, in the trial actor
+    unset = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, 0.5)
+    assert session.train_host(TrainConfig(), unset, nodes=1) == "tune_trial"
     # asked for by name: one worker is planned; what it cannot run is refused when the config loads
     assert session.plan_workers(TrainConfig(host="tune_trial"), {"CPU": 2.0, "GPU": 0.0}, 0.5).num_workers == 1
     for bad in ("train.num_workers=2", "train.ingest=ray_data", "train.min_workers=1"):
