@@ -53,7 +53,7 @@ def test_capacity_timeout_is_recognised_through_rays_controller_error():
 
 
 def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
-    plan = session.plan_workers(_cfg().train, TWO_CPUS, 0.5, keep_reserve=True)  # 2 workers x 0.75 CPU
+    plan = session.plan_workers(_cfg("train.num_workers=2").train, TWO_CPUS, 0.5, keep_reserve=True)  # 2 x 0.75 CPU
     nodes = [{"Alive": True, "Resources": {"CPU": 1.0}}, {"Alive": False, "Resources": {"CPU": 1.0}}]
     assert capacity.workers_that_fit({"CPU": 0.75}, nodes) == 1
     message = str(capacity.capacity_error(plan, 40, "runs/x/train", nodes))
@@ -82,7 +82,7 @@ def test_serve_and_train_plan_rejects_what_cannot_fit_with_the_keys_to_change():
     with pytest.raises(ConfigError, match=r"serve.num_replicas=3 x serve.cpus_per_replica=0.5 CPU plus "
                                           r"ray.data_reserved_cpus=0.5 leave 0 of 2 CPUs"):
         session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
-    cfg = _cfg("train.cpus_per_worker=0.75")  # fits alone (1.5 CPUs), not beside a replica
+    cfg = _cfg("train.num_workers=2", "train.cpus_per_worker=0.75")  # fits alone (1.5 CPUs), not beside a replica
     with pytest.raises(ConfigError, match=r"lower serve.num_replicas or serve.cpus_per_replica"):
         session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
     cfg = _cfg("serve.use_gpu=true")
