@@ -216,5 +216,5 @@ def render(c: dict[str, Any]) -> list[str]:
                       f"torch thread (a 2-thread step costs more CPU per image than it saves: see "
                       f"`session.torch_threads`), so {workers} loop(s) ÷ their CPU time per image = "
                       f"{fmt(t['loop_ceiling_images_per_s'])} img/s is that run's ceiling, below the cores' bound; "
-                      f"it was fed at {fmt(t['vs_ceiling'], 2)} of it. More workers (the default 2) lift it."]
+                      f"it was fed at {fmt(t['vs_ceiling'], 2)} of it. More workers (train.num_workers=2) lift it."]
     return lines
