@@ -49,8 +49,11 @@ def test_ray_data_tasks_get_one_cpu_where_the_node_has_room_and_fit_a_small_one(
     ray_data = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1)
     assert session.plan_workers(ray_data, gpu_node, 0.5).data_cpus_per_task == 1.0
     laptop = {"CPU": 2.0, "GPU": 0.0, "max_node_cpus": 2.0}
+    two = TrainConfig(ingest="ray_data", num_workers=2)
+    assert session.plan_workers(two, laptop, 0.5).data_cpus_per_task == 0.25
+    assert session.plan_workers(two, laptop, 0.2).data_cpus_per_task == 0.2
+    # unset on one CPU node: one worker holds 1 CPU for its loop, and Ray Data gets 0.25 of the rest
     assert session.plan_workers(TrainConfig(ingest="ray_data"), laptop, 0.5).data_cpus_per_task == 0.25
-    assert session.plan_workers(TrainConfig(ingest="ray_data"), laptop, 0.2).data_cpus_per_task == 0.2
     set_by_user = TrainConfig(ingest="ray_data", use_gpu=True, num_workers=1, data_cpus_per_task=0.5)
     assert session.plan_workers(set_by_user, gpu_node, 0.5).data_cpus_per_task == 0.5
     assert session.plan_workers(TrainConfig(), laptop, 0.5).data_cpus_per_task == 0.0  # stream: no Ray Data
