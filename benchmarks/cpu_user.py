@@ -5,7 +5,8 @@ against what the cores can do, and `ray_data` with each choice of when the next 
 
 Data: synthetic 500x375 JPEGs (workflow.demo_data) through `raymill etl` at 224 px. Each row is
 one `raymill train` subprocess: small_cnn width 4, batch 64, the planner's defaults (on 2 cores:
-2 workers x 1 CPU, 1 decode process each), tracking off. Rates are images / Σ epoch wall
+1 worker x 2 CPUs on 2 torch threads beside 2 decode processes since 2026-11-28; the run in
+RESULTS.md of 2026-11-27 had 2 workers x 1 CPU, 1 decode process each), tracking off. Rates are images / Σ epoch wall
 (metrics.jsonl `wall_s`, whole epochs, first-batch waits included), over all epochs and epochs 2+.
 
 The bound: the cores ÷ (decode CPU ms + step CPU ms an image), each measured alone in this

@@ -161,7 +161,7 @@ def run(data, skip_train_run: bool = False) -> dict[str, Any]:
            "ours_vs_bound": ratio(ours, bound), "before_vs_bound": ratio(before, bound),
            "bare_vs_bound": ratio(bare["images_per_s"], bound), "bare_vs_loaded": ratio(bare["images_per_s"], loaded),
            "ours_vs_loaded": ratio(ours, loaded), "before_vs_loaded": ratio(before, loaded)}
-    if not skip_train_run:  # 2 workers: the default config's; 1: one worker with every core
+    if not skip_train_run:  # 2 workers x 1 CPU; 1: one worker with every core (the one-node default)
         out["train_runs"] = {n: train_run(data, n) for n in (2, 1)}
         for workers, run_ in out["train_runs"].items():
             run_["vs_bound"] = ratio(run_["epoch2_images_per_s"], bound)
