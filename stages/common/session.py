@@ -112,9 +112,10 @@ def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
     one-GPU node trains on it rather than refusing a second worker). On CPUs: one worker on a
     one-node cluster, else 2 (DDP across nodes). On one node a second DDP process adds a model
     copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not
-    (2 cores, torch_threads: the demo trained at 637-680 img/s as 2 workers x 1 thread, 730-823 as
-    1 x 2, and its train stage's fixed cost fell from 27.2 s to 10.5 s; a decode-heavy shape, 224 px
-    small_cnn width 4, 298-300 img/s against 249-276, README "Resource planning")."""
+    (2-core AMD box, the demo: 2 workers x 1 thread trained at 511-680 img/s with a train-stage fixed
+    cost of 27-35 s, 1 x 2 threads at 433-552 with 12-16 s; a decode-heavy shape, 224 px small_cnn
+    width 4: 298-300 img/s against 249-276, where `train.num_workers=2` wins long runs; README "On a
+    CPU-only node")."""
     if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
         return train.num_workers or 1
     if train.use_gpu:
@@ -135,7 +136,7 @@ def torch_threads(train: TrainConfig, cpus: float) -> int:
     """Intra-op threads of a worker. A CPU worker steps on every core it holds: its decode processes
     run below its priority and take what the step leaves, and its idle threads sleep instead of
     spinning (ray_start.OMP_WAIT_POLICY; with spinning, a 2-thread step cost 2.67 CPU ms an image
-    against 1.84 on one, and starved the decoders: 224 px, 1 worker, 236 img/s with 2 threads, 276
+    against 1.84 on one, and starved the decoders: 224 px, 1 worker, 236 img/s with 2 threads, 249-276
     passive). A GPU worker beside decoders steps on one: its host work is launches and a uint8 copy
     (emulated GPU, 2 decode processes: 1,333-1,359 img/s fed with 2 torch threads, 1,653-1,681 with 1)."""
     cores = max(1, int(cpus + 0.5))
