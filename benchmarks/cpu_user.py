@@ -1,13 +1,16 @@
 """On this CPU machine, as a user runs it: whole epochs of `raymill train` on #39's CPU feed shape,
 against what the cores can do, and `ray_data` with each choice of when the next epoch starts.
 
-    python -m benchmarks cpu_user [--images 6000] [--epochs 4]
+    python -m benchmarks cpu_user [--images 6000] [--epochs 7]
 
 Data: synthetic 500x375 JPEGs (workflow.demo_data) through `raymill etl` at 224 px. Each row is
-one `raymill train` subprocess: small_cnn width 4, batch 64, the planner's defaults (on 2 cores:
-1 worker x 2 CPUs on 2 torch threads beside 2 decode processes since 2026-11-28; the run in
-RESULTS.md of 2026-11-27 had 2 workers x 1 CPU, 1 decode process each), tracking off. Rates are images / Σ epoch wall
-(metrics.jsonl `wall_s`, whole epochs, first-batch waits included), over all epochs and epochs 2+.
+one `raymill train` subprocess: small_cnn width 4, batch 64, the planner's defaults, tracking off.
+On one 2-core node those depend on the run's length (session.planned_workers): 7 epochs of the
+4,800 train rows are 33,600 image-epochs, past LONG_CPU_RUN_IMAGES, so 2 workers x 1 CPU with one
+decode process each (also the plan of the 2026-11-27 run); `--epochs 4` (19,200) plans 1 worker x 2
+CPUs on 2 torch threads beside 2 decode processes, which starts ~14 s sooner and steps slower. Each
+row names its plan. Rates are images / Σ epoch wall (metrics.jsonl `wall_s`, whole epochs,
+first-batch waits included), over all epochs and epochs 2+.
 
 The bound: the cores ÷ (decode CPU ms + step CPU ms an image), each measured alone in this
 process: decode + augment of the ETL's rows (stages.feed.streaming), and the training step
@@ -19,6 +22,7 @@ process: decode + augment of the ETL's rows (stages.feed.streaming), and the tra
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -37,7 +41,7 @@ NEXT_EPOCH_AT = (1.0, 0.5, 0.0)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", type=int, default=6000, help="generated source JPEGs (default 6000)")
-    p.add_argument("--epochs", type=int, default=4, help="train.epochs of each run (default 4)")
+    p.add_argument("--epochs", type=int, default=7, help="train.epochs of each run (default 7: a long run)")
     p.add_argument("--skip-ray-data", action="store_true", help="only the stream row")
     p.add_argument("--wait-for-quiet", type=float, default=60, help="seconds to wait for load < 1 before each row")
 
@@ -92,6 +96,8 @@ def _row(name: str, root: Path, sets: list[str], quiet_s: float) -> dict[str, An
     try:
         wall = raymill("train", "--data", str(root / "etl"), "--output", str(out), *train_sets(sets))
         row = epochs_summary(out, wall)
+        plan = json.loads((out / "manifest.json").read_text())["resource_plan"]
+        row["plan"] = f"{plan['num_workers']} x {plan['cpus_per_worker']:g} CPU, {plan['torch_threads']} thread(s)"
     except Exception as e:  # one failed row leaves the others their measurement
         row = {"error": str(e)[-1500:]}
     print(f"[cpu_user] {name}: " + str({k: v for k, v in row.items() if k != "epochs"}), flush=True)
@@ -146,12 +152,12 @@ def render(r: dict[str, Any]) -> str:
     rows = []
     for name, p in r["rows"].items():
         if "error" in p:
-            rows.append([name, "failed: " + p["error"].strip().splitlines()[-1][:120], "", "", "", "", ""])
+            rows.append([name, "failed: " + p["error"].strip().splitlines()[-1][:120], "", "", "", "", "", ""])
             continue
         waits = ", ".join(fmt(e.get("ray_data_start_wait_s"), 1) for e in p["epochs"]) if "ray_data" in name else ""
         rows.append([name, fmt(p["images_per_s"]), fmt(p["of_bound"], 2), fmt(p["of_bound_after_first"], 2),
                      " / ".join(fmt(e["images_per_s"], 0) for e in p["epochs"]), waits,
-                     fmt((p.get("loadavg_at_start") or [None])[0], 2)])
+                     fmt((p.get("loadavg_at_start") or [None])[0], 2), p.get("plan", "")])
     lines += md_table(["run", "img/s (all epochs)", "÷ bound", "÷ bound, epochs 2+", "img/s by epoch",
-                       "wait before first batch, s", "load at start"], rows, "lrrrrrr")
+                       "wait before first batch, s", "load at start", "plan (workers)"], rows, "lrrrrrrl")
     return "\n".join(lines + [""] + targets_table(r["targets"]))
