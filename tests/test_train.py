@@ -211,7 +211,7 @@ def test_resource_plan_sizes_workers_to_the_node_and_rejects_impossible_counts()
         session.plan_workers(cfg.train.model_copy(update={"use_gpu": True}), {"CPU": 8.0, "GPU": 0.0}, 0.5)
 
 
-def test_unset_num_workers_plans_one_per_gpu_one_on_a_cpu_node_two_for_a_long_run_or_across_nodes():
+def test_unset_num_workers_plans_one_worker_per_gpu_one_on_a_cpu_node_and_two_across_cpu_nodes():
     """The acceptance command `raymill run --set train.use_gpu=true ...` must run on a one-GPU node."""
     gpu = {"CPU": 16.0, "GPU": 1.0, "max_node_cpus": 16.0, "node_cpus_per_gpu": 16.0}
     assert session.plan_workers(TrainConfig(use_gpu=True), gpu, 0.5).num_workers == 1
@@ -221,16 +221,6 @@ def test_unset_num_workers_plans_one_per_gpu_one_on_a_cpu_node_two_for_a_long_ru
     assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 1.0}, 0.5).num_workers == 1  # no use_gpu: one node
     assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, 0.5).num_workers == 1
     assert session.plan_workers(TrainConfig(), {"CPU": 4.0, "GPU": 0.0, "cpu_nodes": 2.0}, 0.5).num_workers == 2
-    # a long run on one CPU node: 2 workers (stream only); the line is the run's images, not the node
-    one_node, line = {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, session.LONG_CPU_RUN_IMAGES
-    assert session.plan_workers(TrainConfig(), one_node, 0.5, images=line - 1).num_workers == 1
-    long = session.plan_workers(TrainConfig(), one_node, 0.5, images=line)
-    assert (long.num_workers, long.cpus_per_worker, long.torch_threads, long.decode_processes) == (2, 1.0, 1, 1)
-    assert session.plan_workers(TrainConfig(ingest="ray_data"), one_node, 0.5, images=line).num_workers == 1
-    assert session.plan_workers(TrainConfig(num_workers=1), one_node, 0.5, images=line).num_workers == 1
-    counts = {"counts": {"train": {"a": 600, "b": 400}, "val": {"a": 99}}}
-    assert train.planned_images(TrainConfig(epochs=3), counts) == 3000
-    assert train.planned_images(TrainConfig(epochs=3, max_steps=5, batch_size=64), counts) == 320
     with pytest.raises(ConfigError, match="train.num_workers=2 x 1 needs 2 GPUs but the cluster has 1"):
         session.plan_workers(TrainConfig(use_gpu=True, num_workers=2), gpu, 0.5)  # set by hand: refused
     with pytest.raises(ConfigError, match="needs 1 GPUs but the cluster has 0"):

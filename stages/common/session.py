@@ -15,17 +15,12 @@ from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noq
 from stages.common.ray_start import dashboard_url, start  # noqa: F401 (re-exported)
 
 __all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "local_cpus",
-           "WorkerPlan", "LONG_CPU_RUN_IMAGES", "planned_workers",
+           "WorkerPlan",
            "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
            "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
 DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)
-# Image-epochs from which a CPU-only one-node run gets 2 workers (planned_workers): where the second
-# worker's faster epochs repay its ~14 s of extra start (2-core box, measured rates above): the
-# decode-heavy shape breaks even at ~30,000 (14 s x 262 x 299 / 37 img/s), the demo's at ~45,000.
-# Near the line either plan costs a few seconds; far from it the right one saves 10+ s or 15%.
-LONG_CPU_RUN_IMAGES = 30_000
 
 
 @dataclass(frozen=True)
@@ -53,9 +48,8 @@ class WorkerPlan:
 
 
 def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
-                 slots: int = 1, keep_reserve: bool | None = None, images: int | None = None) -> WorkerPlan:
-    """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`
-    (`images`: the run's train rows x epochs, where known; planned_workers).
+                 slots: int = 1, keep_reserve: bool | None = None) -> WorkerPlan:
+    """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`.
 
     The Ray Data reserve is kept when Ray Data runs beside the trainers (`train.ingest=ray_data`,
     or `keep_reserve`); a `stream` run has no Ray Data task to leave room for. Then:
@@ -66,7 +60,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     """
     reserve = data_reserved_cpus if (train.ingest == "ray_data" if keep_reserve is None else keep_reserve) else 0.0
     total_cpus, total_gpus = resources["CPU"], resources["GPU"]
-    n = planned_workers(train, resources, images)
+    n = planned_workers(train, resources)
     workers = n * slots
     free = total_cpus - reserve
     if free <= 0:
@@ -97,10 +91,8 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
               f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
               else f"{train.decode_threads} decode threads")
-    sized = (f" ({images:,} image-epochs; {'at least' if n > 1 else 'under'} {LONG_CPU_RUN_IMAGES:,} plan 2 "
-             f"workers on a one-node CPU cluster)") if images is not None and _sized_by_run(train, resources) else ""
-    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data%s",
-             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve, sized)
+    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
+             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
 
 
@@ -115,31 +107,21 @@ def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
     return train.host
 
 
-def planned_workers(train: TrainConfig, resources: dict[str, float], images: int | None = None) -> int:
+def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
     """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
-    one-GPU node trains on it rather than refusing a second worker). On CPUs: 2 (DDP) across
-    nodes; on a one-node cluster one worker on every core, unless the run is long (`images`, the
-    train rows times train.epochs, at least LONG_CPU_RUN_IMAGES, with stream ingest): then 2.
-
-    On one node a second DDP process adds Ray Train's group start, a model copy and an all-reduce,
-    and steps faster once started (2-core AMD box: the demo's train-stage fixed cost 12-16 s with 1
-    worker x 2 threads, 27-35 s with 2 x 1; epochs 513-552 img/s against 511-680; a decode-heavy
-    shape, 224 px small_cnn width 4: 249-276 img/s against 298-300, where a 2-thread step costs ~35%
-    more CPU than two 1-thread ones). The choice depends on the config and the data only, so a
-    resume gets the plan that wrote its checkpoints (the thread count changes results bitwise)."""
+    one-GPU node trains on it rather than refusing a second worker). On CPUs: one worker on a
+    one-node cluster, else 2 (DDP across nodes). On one node a second DDP process adds a model
+    copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not
+    (2-core AMD box, the demo: 2 workers x 1 thread trained at 511-680 img/s with a train-stage fixed
+    cost of 27-35 s, 1 x 2 threads at 433-552 with 12-16 s; a decode-heavy shape, 224 px small_cnn
+    width 4: 298-300 img/s against 249-276, yet one worker finished first; at 7 epochs of 6,000 images,
+    alternating, one worker stepped faster too: 269-278 img/s against 257-260; README "On a CPU-only
+    node")."""
     if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
         return train.num_workers or 1
     if train.use_gpu:
         return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9))
-    if resources.get("cpu_nodes", 1) > 1:
-        return 2
-    return 2 if train.ingest == "stream" and (images or 0) >= LONG_CPU_RUN_IMAGES else 1
-
-
-def _sized_by_run(train: TrainConfig, resources: dict[str, float]) -> bool:
-    """Whether planned_workers chose by the run's length (for the plan's log line)."""
-    return not (train.num_workers or train.host == "tune_trial" or train.use_gpu) and \
-        resources.get("cpu_nodes", 1) <= 1 and train.ingest == "stream"
+    return 1 if resources.get("cpu_nodes", 1) <= 1 else 2
 
 
 def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:

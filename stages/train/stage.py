@@ -28,7 +28,7 @@ from stages.common.artifacts import Artifact, config_hash, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
-__all__ = ["run", "published", "planned_images", "TrainError", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "published", "TrainError", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -235,13 +235,6 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
     return result
 
 
-def planned_images(cfg: TrainConfig, manifest: dict) -> int:
-    """The images a fresh run trains on, all epochs (session.planned_workers sizes a CPU plan by
-    it): from the config and the data only, so a resume plans what the first attempt did."""
-    images = sum(manifest.get("counts", {}).get("train", {}).values()) * cfg.epochs
-    return min(images, cfg.max_steps * cfg.batch_size) if cfg.max_steps else images
-
-
 def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cfg: RayConfig,
                 s3: Any | None, overwrite: bool, tracking: dict | None) -> Artifact:
     started = time.perf_counter()
@@ -255,7 +248,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     resumes = fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)
     resources = session.start(ray_cfg)
-    plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus, images=planned_images(cfg, data.manifest))
+    plan = session.plan_workers(cfg, resources, ray_cfg.data_reserved_cpus)
     loop = {**loop_config(trained, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
             **finetune.shipped(init)}
     if init and tracking:
