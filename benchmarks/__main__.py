@@ -74,6 +74,10 @@ by hand: change a benchmark's `render()` and run `python -m benchmarks render`.
   RSS counts shared pages once per process, so the sums are upper bounds.
 - Load average before and after each measurement is kept in the JSON: a busy machine makes
   every rate lower.
+- The 2-core AMD EPYC VM's cores change speed from minute to minute at a load of 0 (the same
+  pure-Python loop took 0.88-1.54 s alone and 0.91-1.61 s two at once, 2026-11-28, with no steal
+  time): compare its rates only within one run, where the methods alternate, and read a ratio
+  against a bound measured minutes earlier as carrying that spread.
 """
 
 
