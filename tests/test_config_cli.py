@@ -67,6 +67,15 @@ def test_help_and_usage_errors():
     assert proc.returncode == 2 and "argument --output" in proc.stderr and "single slashes" in proc.stderr
 
 
+def test_serve_with_a_folder_that_holds_no_model_exits_2_before_ray_starts(tmp_path):
+    # it had started Ray and Serve, failed the deploy after 43 s on 2 cores, and exited 1
+    code = ("import sys; from workflow.__main__ import main; "
+            f"rc = main(['serve', '--model', {str(tmp_path)!r}]); print(rc, 'ray' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
+    assert f"no model.json in '{tmp_path}'" in proc.stderr and "--model" in proc.stderr
+
+
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):
     proc = _cli("demo-data", str(tmp_path / "d"), "--images", "20")
     assert proc.returncode == 0, proc.stderr

@@ -256,7 +256,10 @@ def cmd_serve(args) -> int:
     extra = [f"serve.{k}={v}" for k, v in (("host", args.host), ("port", args.port),
                                             ("num_replicas", args.replicas)) if v is not None]
     cfg = load_config(args.config, list(args.overrides) + extra)
+    from stages.common.artifacts import check_model_folder
     from stages.serve import endpoint
+
+    check_model_folder(args.model, cfg.s3)  # before Ray and Serve start: a wrong path is exit 2 at once
 
     if endpoint.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
         address = cfg.ray.address or endpoint.endpoint_ray_address(cfg.serve)

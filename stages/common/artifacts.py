@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from stages.common import locks, storage
+from stages.common.config import ConfigError
 
-__all__ = ["Artifact", "MANIFEST", "code_version", "new_run_id", "write_manifest", "load_artifact",
+__all__ = ["Artifact", "MANIFEST", "ModelNotFoundError", "check_model_folder", "code_version", "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 
 MANIFEST = storage.MANIFEST
@@ -158,3 +159,16 @@ def listed_files(manifest: dict[str, Any]) -> list[str]:
     if isinstance(quarantine, dict) and quarantine.get("path"):
         named.append(quarantine["path"])
     return [str(n) for n in named]
+
+
+class ModelNotFoundError(ConfigError):
+    """The model folder named holds no exported model (model.json)."""
+
+
+def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model") -> None:
+    """ModelNotFoundError (exit 2) unless `path` holds an exported model's model.json. Needs neither
+    torch nor Ray, so a command checks it before starting either: `raymill serve --model` with a
+    wrong path had started Ray and Serve and failed the deploy after 43 s, exit 1 (2-core box)."""
+    fs, root = storage.filesystem(path, s3)
+    if not fs.exists(storage.join(root, "model.json")):
+        raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as {flag}")

@@ -17,7 +17,7 @@ from stages.feed import streaming
 from stages.model.transform import preprocess  # re-exported: the eval transform, torch-free
 from stages.model.zoo import from_info
 from stages.common import storage
-from stages.common.config import ConfigError
+from stages.common.artifacts import ModelNotFoundError, check_model_folder  # noqa: F401 (re-exported)
 
 __all__ = ["to_batch", "load_model", "ModelNotFoundError", "preprocess", "predict_arrays", "evaluate_split"]
 
@@ -54,15 +54,10 @@ def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor
     return scale.view(1, 3, 1, 1).to(device), bias.view(1, 3, 1, 1).to(device)
 
 
-class ModelNotFoundError(ConfigError):
-    """The model folder named holds no exported model (model.json)."""
-
-
 def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]:
     """Load an exported model folder (a train/tune output, or any folder with model.pt+model.json)."""
+    check_model_folder(path, s3)  # a usage error (exit 2), as a wrong --data is
     fs, root = storage.filesystem(path, s3)
-    if not fs.exists(storage.join(root, "model.json")):  # a usage error (exit 2), as a wrong --data is
-        raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as --model")
     info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     data = fs.cat_file(storage.join(root, "model.pt"))
     if storage.sha256_bytes(data) != info["weights_sha256"]:
