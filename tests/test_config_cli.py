@@ -1,9 +1,12 @@
 """Config loading and the CLI's exit codes (in-process where Ray is needed, subprocess where not)."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,13 +70,24 @@ def test_help_and_usage_errors():
     assert proc.returncode == 2 and "argument --output" in proc.stderr and "single slashes" in proc.stderr
 
 
-def test_serve_with_a_folder_that_holds_no_model_exits_2_before_ray_starts(tmp_path):
-    # it had started Ray and Serve, failed the deploy after 43 s on 2 cores, and exited 1
+def _serve_before_ray(model: Path) -> tuple[list[str], str]:
     code = ("import sys; from workflow.__main__ import main; "
-            f"rc = main(['serve', '--model', {str(tmp_path)!r}]); print(rc, 'ray' in sys.modules)")
+            f"rc = main(['serve', '--model', {str(model)!r}]); print(rc, 'ray' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.stdout.split() == ["2", "False"], proc.stdout + proc.stderr
-    assert f"no model.json in '{tmp_path}'" in proc.stderr and "--model" in proc.stderr
+    return proc.stdout.split(), proc.stderr
+
+
+def test_serve_refuses_a_missing_or_damaged_model_before_ray_starts(tmp_path):
+    # each had started Ray and Serve, failed the deploy after 42-43 s on 2 cores saying only "Failed to
+    # update the deployments", and exited 1
+    assert _serve_before_ray(tmp_path) == (["2", "False"], f"raymill serve: error: no model.json in '{tmp_path}'; "
+                                           "pass a train or tune output folder as --model\n")
+    (tmp_path / "model.json").write_text(json.dumps({"weights_sha256": hashlib.sha256(b"weights").hexdigest()}))
+    out, err = _serve_before_ray(tmp_path)
+    assert out == ["2", "False"] and "holds model.json but no model.pt" in err
+    (tmp_path / "model.pt").write_bytes(b"weightz")  # one byte changed
+    out, err = _serve_before_ray(tmp_path)
+    assert out == ["1", "False"] and "model.pt in" in err and "does not match model.json's checksum" in err
 
 
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):

@@ -259,7 +259,7 @@ def cmd_serve(args) -> int:
     from stages.common.artifacts import check_model_folder
     from stages.serve import endpoint
 
-    check_model_folder(args.model, cfg.s3)  # before Ray and Serve start: a wrong path is exit 2 at once
+    check_model_folder(args.model, cfg.s3, weights=True)  # before Ray and Serve start: a wrong path is exit 2
 
     if endpoint.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
         address = cfg.ray.address or endpoint.endpoint_ray_address(cfg.serve)

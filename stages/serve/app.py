@@ -115,7 +115,7 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     """
     import ray
 
-    check_model_folder(model_path, s3, "model_path")  # a deploy of no model fails after Serve's retries
+    check_model_folder(model_path, s3, "model_path", weights=True)  # a deploy of no model fails after Serve's retries
     # serve.engine=onnxruntime that cannot run this model: exit 2 here, not a deploy failed by retries
     runtime.preflight(model_path, s3, cfg.engine, "serve.engine")
     if not ray.is_initialized():
