@@ -200,8 +200,8 @@ def render(c: dict[str, Any]) -> list[str]:
              "the bound the target uses: a core does less when the others are busy too.", ""]
     rows = [["ours, 1 loop: decode in processes + the step (no Ray)", fmt(c["ours_images_per_s"]),
              fmt(c["ours_vs_bound"], 2), fmt(c.get("ours_vs_loaded"), 2)],
-            [f"ours, 2 loops of 1 torch thread with {c.get('bare_decode_processes')} decode process(es) each (the "
-             "default plan's shape, no Ray)", fmt(c.get("bare_images_per_s")), fmt(c.get("bare_vs_bound"), 2),
+            [f"ours, 2 loops of 1 torch thread with {c.get('bare_decode_processes')} decode process(es) each (a "
+             "2-worker plan's shape, no Ray)", fmt(c.get("bare_images_per_s")), fmt(c.get("bare_vs_bound"), 2),
              fmt(c.get("bare_vs_loaded"), 2)],
             ["before: 2 decode threads + 1 torch thread (the old plan)", fmt(c["before_images_per_s"]),
              fmt(c["before_vs_bound"], 2), fmt(c.get("before_vs_loaded"), 2)]]
@@ -212,9 +212,9 @@ def render(c: dict[str, Any]) -> list[str]:
     bound = c.get("loaded_bound_images_per_s", c["bound_images_per_s"])
     for workers, t in c.get("train_runs", {}).items():
         if t.get("loop_ceiling_images_per_s", float("inf")) < bound:
-            lines += ["", f"With {workers} worker(s) the step itself is a serial limit: each loop steps on one "
-                      f"torch thread (a 2-thread step costs more CPU per image than it saves: see "
-                      f"`session.torch_threads`), so {workers} loop(s) ÷ their CPU time per image = "
+            lines += ["", f"With {workers} worker(s) the step itself is a serial limit: each loop stepped on one "
+                      f"torch thread (that run's plan; since 2026-11-28 a one-worker CPU plan steps on every core "
+                      f"it holds, `session.torch_threads`), so {workers} loop(s) ÷ their CPU time per image = "
                       f"{fmt(t['loop_ceiling_images_per_s'])} img/s is that run's ceiling, below the cores' bound; "
-                      f"it was fed at {fmt(t['vs_ceiling'], 2)} of it. More workers (train.num_workers=2) lift it."]
+                      f"it was fed at {fmt(t['vs_ceiling'], 2)} of it. More workers or more torch threads lift it."]
     return lines
