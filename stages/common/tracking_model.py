@@ -15,11 +15,12 @@ import contextlib
 import importlib.metadata
 import logging
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["MODEL_CODE", "STAGES", "ARTIFACT_NAMES", "signature", "requirements", "log_model"]
+__all__ = ["MODEL_CODE", "STAGES", "ARTIFACT_NAMES", "signature", "requirements", "log_model", "warm_up"]
 
 log = logging.getLogger("stages.common.tracking")
 
@@ -70,19 +71,49 @@ def _active_run(uri: str, run_id: str) -> Iterator[None]:
         mlflow.set_tracking_uri(before)
 
 
+_WARM: list[threading.Thread] = []
+# MLflow warns on every save without an input example; one of bytes needs a real image, which this
+# floor cannot make (and MLflow would run the model on it), and the signature states the input. Set
+# for the process, not in a `catch_warnings` block: that one is not thread-safe, and warm_up saves
+# in a thread.
+warnings.filterwarnings("ignore", message=".*An input example was not provided")
+
+
+def warm_up() -> None:
+    """Save a no-op pyfunc with this model's requirements to a temporary folder, in a thread, while
+    the driver only waits for training. MLflow checks every pip requirement against the installed
+    packages, and its first check maps every installed distribution to its modules: 2.9 s of the
+    3.7 s `log_model` took at the end of the 2-core demo's train stage; the map is kept for the
+    process. `log_model` waits for this thread, so the two never save at once."""
+    if not _WARM:
+        _WARM.append(threading.Thread(target=_save_noop, name="raymill-mlflow-model-warm", daemon=True))
+        _WARM[0].start()
+
+
+def _save_noop() -> None:
+    try:
+        import mlflow
+
+        with tempfile.TemporaryDirectory() as tmp:  # the model's own code and signature: no warning of its own
+            mlflow.pyfunc.save_model(str(Path(tmp, "warm")), python_model=str(MODEL_CODE), signature=signature(),
+                                     pip_requirements=requirements())
+    except Exception as e:  # noqa: BLE001: a head start only; the real log_model reports its own failure
+        log.debug("tracking: the pyfunc warm-up failed (%s); log_model pays its cost", e)
+
+
 def log_model(uri: str, run_id: str, files: dict[str, bytes], registered_name: str, name: str = "model") -> str:
     """Log `files` (model.pt + model.json) as the run's pyfunc model `name`, registered as a new
     version of `registered_name`; returns that version."""
     import mlflow
 
+    for thread in _WARM:
+        thread.join()
+
     missing = [n for n in ARTIFACT_NAMES if n not in files]
     if missing:
         raise FileNotFoundError(f"the published model has no {', '.join(missing)}; publish it again "
                                 "(raymill train / tune) before tracking it")
-    with tempfile.TemporaryDirectory() as tmp, _active_run(uri, run_id), warnings.catch_warnings():
-        # An input example of bytes needs a real image, which this floor cannot make (and MLflow
-        # would run the model on it while logging); the signature states the input already.
-        warnings.filterwarnings("ignore", message=".*An input example was not provided")
+    with tempfile.TemporaryDirectory() as tmp, _active_run(uri, run_id):
         for key in ARTIFACT_NAMES:
             Path(tmp, key).write_bytes(files[key])
         info = mlflow.pyfunc.log_model(
