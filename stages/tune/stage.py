@@ -38,7 +38,7 @@ from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
 from stages.model.publish import init_inputs
 from stages.tune.results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
-from stages.common import fingerprint, session, storage
+from stages.common import fingerprint, session, storage, tracking_model
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 from stages.common.locks import output_lock
@@ -236,6 +236,8 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
           f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data")
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_fingerprint": data_fingerprint(data.manifest), **init_inputs(ctx["loop"])}
+    if callbacks:  # tracked (stages.common.tracking): the best model is logged after the search
+        tracking_model.warm_up()
     grid = _fit(cfg, train_cfg, _make_driver(ctx), plan, ray_dir, s3, key, callbacks)
     trials = tune_results.summaries(grid, cfg, train_cfg, ray_dir, s3)
     fs, root = storage.filesystem(out, s3)
