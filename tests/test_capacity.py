@@ -141,9 +141,16 @@ def test_serve_plan_that_can_never_be_scheduled_is_a_config_error_with_the_fix()
 
 def test_raymill_serve_refuses_a_plan_ray_could_never_place_with_exit_2(ray_session, tmp_path, capsys):
     """The session's Ray declares 1 GPU: two whole-GPU replicas are refused before Serve starts."""
+    import hashlib
+    import json
+
     from tests.conftest import free_port
     from workflow.__main__ import main
 
+    # a folder that passes the model check (model.json + a model.pt of its checksum): the plan is refused
+    # next, before any replica would load it
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    (tmp_path / "model.json").write_text(json.dumps({"weights_sha256": hashlib.sha256(b"weights").hexdigest()}))
     rc = main(["serve", "--model", str(tmp_path), "--port", str(free_port()), "--set", "serve.use_gpu=true",
                "--set", "serve.num_replicas=2"])
     assert rc == 2
