@@ -56,6 +56,8 @@ def test_run_console_is_short_and_tracked(smoke_run):
     whole = saved["run_seconds_split"]
     assert sum(whole.values()) == pytest.approx(saved["seconds"], abs=0.1) and min(whole.values()) > -0.05, whole
     assert list(whole)[1:4] == ["etl", "train", "infer"] and list(whole)[0].startswith("before the first stage")
+    assert "\x1b[" not in output  # a pipe gets no colour codes around Ray's worker prefixes
+    assert "(raymill_train pid=" in output or "(RayTrainWorker pid=" in output  # ... and the prefixes stay
     looks_bad = [line for line in lines if ERRORISH.search(line)]
     assert not looks_bad, "a clean run printed lines that look like errors:\n" + "\n".join(looks_bad)
 

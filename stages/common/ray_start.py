@@ -39,6 +39,16 @@ TRAIN_POLL_S = "0.2"
 OMP_WAIT_POLICY = "PASSIVE"
 
 
+def _plain_prefixes_off_a_terminal() -> None:
+    """Ray wraps each worker line's `(name pid=N)` prefix in ANSI colour codes even on a pipe, so a
+    run's log file or CI output read `\x1b[36m(raymill_train pid=7768)\x1b[0m`. Ray's documented
+    RAY_COLOR_PREFIX=0 turns them off; the driver reads it as it prints. A user's own value wins."""
+    import sys
+
+    if not all(getattr(s, "isatty", lambda: False)() for s in (sys.stdout, sys.stderr)):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def start(cfg: RayConfig) -> dict[str, float]:
     """Start (or join) Ray once per process and return the cluster's resources.
 
@@ -57,6 +67,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
     first = not ray.is_initialized()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)  # read by Train's driver
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # inherited by local workers, forwarded to a cluster's
+    _plain_prefixes_off_a_terminal()
     if first:
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}
