@@ -15,7 +15,8 @@ from typing import Any
 from stages.common import locks, storage
 from stages.common.config import ConfigError
 
-__all__ = ["Artifact", "MANIFEST", "ModelNotFoundError", "check_model_folder", "code_version", "new_run_id", "write_manifest", "load_artifact",
+__all__ = ["Artifact", "MANIFEST", "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
+           "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 
 MANIFEST = storage.MANIFEST
@@ -165,6 +166,11 @@ class ModelNotFoundError(ConfigError):
     """The model folder named holds no exported model (model.json)."""
 
 
+def checksum_mismatch(path: str) -> ValueError:
+    """The one message for a model.pt whose bytes are not the ones model.json names."""
+    return ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
+
+
 def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", weights: bool = False) -> None:
     """ModelNotFoundError (exit 2) unless `path` holds an exported model's model.json; with `weights`,
     ValueError unless its model.pt is there and matches model.json's checksum (streamed: ~0.3 s for
@@ -181,4 +187,4 @@ def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", 
         raise ModelNotFoundError(f"'{path}' holds model.json but no model.pt; pass a train or tune output folder "
                                  f"as {flag}, or re-export it")
     if storage.sha256_file(fs, storage.join(root, "model.pt"))[0] != info.get("weights_sha256"):
-        raise ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
+        raise checksum_mismatch(path)

@@ -17,7 +17,8 @@ from stages.feed import streaming
 from stages.model.transform import preprocess  # re-exported: the eval transform, torch-free
 from stages.model.zoo import from_info
 from stages.common import storage
-from stages.common.artifacts import ModelNotFoundError, check_model_folder  # noqa: F401 (re-exported)
+from stages.common.artifacts import (ModelNotFoundError, check_model_folder,  # noqa: F401 (re-exported)
+                                     checksum_mismatch)
 
 __all__ = ["to_batch", "load_model", "ModelNotFoundError", "preprocess", "predict_arrays", "evaluate_split"]
 
@@ -61,7 +62,7 @@ def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]
     info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     data = fs.cat_file(storage.join(root, "model.pt"))
     if storage.sha256_bytes(data) != info["weights_sha256"]:
-        raise ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
+        raise checksum_mismatch(path)
     return from_info(info, torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)), info
 
 
