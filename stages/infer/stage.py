@@ -45,6 +45,8 @@ from stages.etl.stage import InputNotFoundError, check_apart, root_cause
 __all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
 
 log = logging.getLogger(__name__)
+# metrics.decode (the manifest's word) as the log lines say it: "decode in in-process" read as a typo
+DECODE_WHERE = {"in-process": "this process", "actor": "the predictor actors", "tasks": "Ray Data tasks"}
 
 FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
 
@@ -96,9 +98,9 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         resources = session.cluster_resources()
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
         plan = _spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
-        log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s", len(plan.items), plan.kind,
-                 plan.blocks, decode["num_actors"], decode["decode"] + (f" ({decode['decode_tasks']} at a time)"
-                                                                   if decode["decode_tasks"] else ""))
+        at_a_time = f" ({decode['decode_tasks']} at a time)" if decode["decode_tasks"] else ""
+        log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s%s", len(plan.items), plan.kind,
+                 plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
     del model  # the driver's copy: the job's workers load their own
     unpublish(out, s3)
     if here:
@@ -117,8 +119,8 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
     log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
              "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
-             metrics["device_busy_s"], 100 * metrics["device_utilisation"], metrics["decode"], metrics["errors"],
-             metrics.get("accuracy"))
+             metrics["device_busy_s"], 100 * metrics["device_utilisation"], DECODE_WHERE[metrics["decode"]],
+             metrics["errors"], metrics.get("accuracy"))
     return Artifact("infer", str(out).rstrip("/"), manifest)
 
 
