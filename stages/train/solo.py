@@ -111,7 +111,7 @@ class Attempt:
             tune_config=tune.TuneConfig(num_samples=1, trial_dirname_creator=lambda trial: TRIAL_DIR),
             run_config=tune.RunConfig(
                 name=f"{ATTEMPT}{self.index:03d}", storage_path=f"{base}/{self.name}", storage_filesystem=pafs,
-                verbose=console.tune_verbosity(),
+                verbose=console.tune_verbosity(), callbacks=console.tune_result_loggers(),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.num_to_keep,
                                                         checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
@@ -128,7 +128,7 @@ def _fit(tuner):
     SIGINT handler for the fit and puts the one before back only when the signal came: the one
     sign of a Ctrl-C that does not depend on the trial's recorded state."""
     before = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    with _quiet_tune():
+    with _quiet_tune(), console.no_tensorboard():
         grid = tuner.fit()
     return grid, before is not None and signal.getsignal(signal.SIGINT) is before
 

@@ -38,7 +38,7 @@ from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
 from stages.model.publish import init_inputs
 from stages.tune.results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
-from stages.common import fingerprint, session, storage, tracking_model
+from stages.common import console, fingerprint, session, storage, tracking_model
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 from stages.common.locks import output_lock
@@ -306,11 +306,13 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
                 search_alg=BasicVariantGenerator(random_state=cfg.seed, max_concurrent=plan.concurrent_trials)),
             run_config=tune.RunConfig(
                 name=EXPERIMENT, storage_path=base, storage_filesystem=pafs, verbose=tune_console.verbosity(),
-                callbacks=[*callbacks, tune_console.TrialLines(cfg.num_samples, cfg.max_epochs, cfg.metric,
-                                                               searched_keys(cfg))],
+                callbacks=[*callbacks, *console.tune_result_loggers(),
+                           tune_console.TrialLines(cfg.num_samples, cfg.max_epochs, cfg.metric, searched_keys(cfg))],
                 checkpoint_config=_checkpoints(cfg, train_cfg),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
-    return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
+        with console.no_tensorboard():  # a restored search keeps the loggers Tune gave it
+            return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
+    return tuner.fit()
 
 
 def _checkpoints(cfg: TuneConfig, train_cfg: TrainConfig):
