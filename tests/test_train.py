@@ -297,6 +297,9 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
     parts = timings.split(m, history)
     assert parts is not None and "Ray: controller and worker group start" not in parts
     assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
+    trial = Path(ref.path) / "ray/train/attempt-000/solo"  # Tune's JSON and CSV results, no TensorBoard files
+    assert (trial / "result.json").is_file() and (trial / "progress.csv").is_file()
+    assert not list(trial.glob("events.out.tfevents*")), "Tune's TensorBoard logger ran (console.no_tensorboard)"
 
     out, killed = tmp_path / "killed", []
     watcher = threading.Thread(target=_kill_the_trial_after_its_first_checkpoint,
