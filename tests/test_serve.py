@@ -130,6 +130,30 @@ def test_decode_budget_admits_decodes_by_size_in_arrival_order():
     assert peak == 100 and budget.used == 0
 
 
+def test_small_images_have_a_lane_that_large_ones_never_block():
+    """Decodes of at most 1/16 of a worst case use their own budget (a quarter of one): a small
+    image sent behind a queue of large ones decodes at once, and large ones keep their order."""
+    from stages.serve.decode_budget import DecodeLanes
+
+    async def scenario() -> list[str]:
+        lanes, order = DecodeLanes(capacity=2 * 640, worst_case=640), []
+        assert (lanes.quick_max, lanes.quick.capacity) == (40, 160)
+
+        async def decode(name: str, nbytes: int) -> None:
+            async with lanes.lane(nbytes).reserve(nbytes):
+                order.append(name)
+                await asyncio.sleep(0.05 if nbytes > 40 else 0.001)
+
+        large = [asyncio.create_task(decode(f"L{i}", 640)) for i in range(4)]  # 2 at a time
+        await asyncio.sleep(0.01)
+        await asyncio.gather(*[decode(f"s{i}", 40) for i in range(6)], *large)  # 4 small at a time
+        return order
+
+    order = asyncio.run(scenario())
+    assert order.index("s5") < order.index("L2"), order  # every small one before the third large one
+    assert [n for n in order if n.startswith("L")] == ["L0", "L1", "L2", "L3"]
+
+
 def test_a_cancelled_decode_holds_its_budget_until_its_thread_ends():
     """A client that hangs up cancels its request, not the thread decoding its image: the budget
     stays taken until the thread is done, so hung-up uploads cannot pile decodes past the memory."""
@@ -324,7 +348,10 @@ BAD = {
     "multipart-too-large": (dict(files={"f": ("a.jpg", os.urandom(MAX_BODY), "image/jpeg")}), 413, "too_large"),
     "bomb": (dict(content=bomb_png(), headers={"content-type": "image/png"}), 413, "decompression_bomb"),
     "multipart-five-files": (dict(files=[("f", (f"{i}.jpg", _good, "image/jpeg")) for i in range(5)]), 400,
-                             "malformed_multipart"),
+                             "too_many_files"),
+    # a second image was dropped without a word (one answer, 200)
+    "multipart-two-files": (dict(files=[("file", ("a.jpg", _good, "image/jpeg")), ("file", ("b.jpg", _good, "image/jpeg"))]),
+                            400, "too_many_files"),
     "gzip-bomb": (dict(content=_gzip(bytes(MAX_BODY * 50)), headers={**JPEG, "content-encoding": "gzip"}), 413,
                   "too_large"),  # 10 MB of zeros in a 10 KB body: refused as it inflates, not after
     "gzip-corrupt": (dict(content=_gzip(_good)[:-40], headers={**JPEG, "content-encoding": "gzip"}), 400,
@@ -353,6 +380,7 @@ def test_bad_request(client, name):
 @pytest.mark.parametrize("method,path,status,error", [
     ("GET", "/nowhere", 404, "not_found"),
     ("POST", "/predict/extra", 404, "not_found"),
+    ("POST", "/predict/", 404, "not_found"),  # not a 307 to the client's own Host header
     ("GET", "/predict", 405, "method_not_allowed"),
     ("PUT", "/predict", 405, "method_not_allowed"),
     ("POST", "/healthz", 405, "method_not_allowed"),
@@ -444,6 +472,33 @@ def test_pixel_heavy_burst_is_bounded_by_decode_slots(app):
     assert httpx.get(f"{url}/healthz", timeout=30).json()["pid"] == pid
     assert peak[0] < 768 * 2**20, f"replica peaked at {peak[0] / 2**20:.0f} MB"
     print(f"32 x 4 MP PNG: {dict(codes)}, replica peak RSS {peak[0] / 2**20:.0f} MB")
+
+
+def test_small_photos_are_answered_while_large_images_queue(app):
+    """12 legal 5 MP PNGs (3 decode at a time, ~20 KB each) and then 10 small JPEGs: each small
+    one is answered before the last large one. In one queue every small photo waited for the
+    large ones ahead of it (a 36 MP flood held them past Serve's timeout: all 408)."""
+    _, url, _ = app
+    big = io.BytesIO()
+    Image.new("RGB", (2236, 2236), (30, 200, 60)).save(big, format="PNG")
+    done: dict[str, float] = {}
+
+    async def post(ac, name: str, body: bytes, kind: str) -> int:
+        r = await ac.post("/predict", content=body, headers={"content-type": kind})
+        done[name] = time.perf_counter()
+        return r.status_code
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=32)) as ac:
+            large = [asyncio.create_task(post(ac, f"L{i}", big.getvalue(), "image/png")) for i in range(12)]
+            await asyncio.sleep(0.3)  # the large ones are in the replica's queue
+            small = await asyncio.gather(*[post(ac, f"s{i}", image_bytes(i), "image/jpeg") for i in range(10)])
+            return small, await asyncio.gather(*large)
+
+    small, large = asyncio.run(flood())
+    assert set(small) == {200} and set(large) == {200}, (small, large)
+    last_small, last_large = max(done[f"s{i}"] for i in range(10)), max(done[f"L{i}"] for i in range(12))
+    assert last_small < last_large, f"the small photos waited for the large images ({last_small - last_large:+.2f} s)"
 
 
 def test_openapi_docs(client):

@@ -98,7 +98,9 @@ async def guarded_v2(work: Awaitable[Response]) -> Response:
         return JSONResponse({"error": "the server failed on this request; retry later"}, 503)
 
 
-app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')")
+# No redirect from "/predict/" to "/predict": Starlette's 307 names the client's own Host header
+# and carries no body; a wrong path gets the JSON 404 that lists the routes, as every other does.
+app = FastAPI(title="raymill", description="Image classification (see README, 'Serving')", redirect_slashes=False)
 
 
 def _is_v2(request: Request) -> bool:
@@ -194,20 +196,25 @@ def _inflate(body: bytes, wbits: int, limit: int, encoding: str) -> bytes | None
 
 
 async def first_file(body: bytes, request: Request) -> bytes:
-    """Content of the first file part of an already size-checked multipart/form-data body.
+    """Content of the one file part of an already size-checked multipart/form-data body.
 
     Parsed by python-multipart (through Starlette) from the buffered bytes, so a form can't get
     past max_body_bytes. A part is a file when it has a filename; the field name doesn't matter.
+    A form with a second file is refused: /predict answers for one image, and a client that sent
+    two had the second dropped without a word.
     """
     async def replay() -> dict:
         return {"type": "http.request", "body": body, "more_body": False}
 
     try:
-        form = await Request(request.scope, replay).form(max_files=4, max_fields=32)
-    except MultiPartException as e:
-        raise HTTPError(400, "malformed_multipart", str(e)) from None
-    except StarletteHTTPException as e:  # Starlette wraps the parser's MultiPartException in one
-        raise HTTPError(400, "malformed_multipart", str(e.detail)) from None
+        form = await Request(request.scope, replay).form(max_files=1, max_fields=32)
+    except (MultiPartException, StarletteHTTPException) as e:  # Starlette wraps the parser's in its own
+        detail = str(getattr(e, "detail", None) or e)
+        if detail.startswith("Too many files"):
+            raise HTTPError(400, "too_many_files", "/predict classifies one image a request and the form holds "
+                            "more than one file; send one, or send several to /v2/models/<model>/infer "
+                            "(one request, N images)") from None
+        raise HTTPError(400, "malformed_multipart", detail) from None
     except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
         raise HTTPError(400, "malformed_multipart", type(e).__name__) from None
     try:

@@ -1,7 +1,8 @@
 """The model replica: decode, dynamic batching and the forward pass of one Serve deployment.
 
-Decode runs in the replica, in a thread, at most `decode_slots(cfg)` at once, so that concurrent
-small-but-huge-in-pixels uploads cannot take the replica past its memory. The HTTP side (limits,
+Decode runs in the replica, in a thread, at most `decode_slots(cfg)` worst cases at once, so that
+concurrent small-but-huge-in-pixels uploads cannot take the replica past its memory; small photos
+have a lane of their own beside them (stages.serve.decode_budget.DecodeLanes). The HTTP side (limits,
 JSON errors, retries) is `stages.serve.http.Ingress`; `stages.serve.app` binds the two.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from stages.common.config import ServeConfig
 from stages.etl.images import BadImage
 from stages.model import runtime
 from stages.model.predict import load_model, predict_arrays, preprocess
-from stages.serve.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeBudget, decode_cost
+from stages.serve.decode_budget import DECODE_BYTES_PER_PIXEL, DecodeLanes, decode_cost, quick_lane_bytes
 
 __all__ = ["Classifier", "decode_slots", "DECODE_BYTES_PER_PIXEL", "REPLICA_BASE_MB"]
 
@@ -36,11 +37,12 @@ _DEFAULT_BATCH_SIZE, _DEFAULT_BATCH_WAIT_S = 16, 0.005
 def decode_slots(cfg: ServeConfig, base_mb: int = REPLICA_BASE_MB) -> int:
     """How many worst-case images (serve.max_image_pixels) one replica decodes at once: its memory
     budget (serve.replica_memory_mb less `base_mb`, what it holds before any decode) over one such
-    decode. Smaller images draw on that budget by their own size."""
+    decode, less the small images' own lane (decode_budget.DecodeLanes). Smaller images draw on
+    that budget by their own size."""
     if cfg.decode_slots:
         return cfg.decode_slots
     per_decode = cfg.max_image_pixels * DECODE_BYTES_PER_PIXEL
-    free = (cfg.replica_memory_mb - base_mb) * 2**20
+    free = (cfg.replica_memory_mb - base_mb) * 2**20 - quick_lane_bytes(per_decode)
     return max(1, min(cfg.max_ongoing_requests, free // per_decode))
 
 
@@ -113,21 +115,26 @@ class Classifier:
         self._predict([np.zeros((size, size, 3), np.uint8)])
         self.base_mb = _base_mb(cfg)
         self.slots = decode_slots(cfg, self.base_mb)
-        self.decodes = DecodeBudget(self.slots * self._slot)
+        self.decodes = DecodeLanes(self.slots * self._slot, self._slot)
 
     async def classify(self, data: bytes) -> dict[str, Any]:
         """{class_name, class_index, top_k, model_version}, or {error, detail} for unusable bytes."""
         # A request that finds the replica idle has nobody to share a batch with: it skips
         # serve.batch's queue (its hand-offs cost a lone request ~1.5 ms, c=1 on the 2-core box)
         # and runs decode + forward in one thread hop. Concurrent requests are batched as before.
+        # A large image (seconds of decode) goes alone through the large lane, never into a batch
+        # whose small images would wait for it (stages.serve.decode_budget).
+        cost = self._cost(data)
         lone, self._in_flight = self._in_flight == 0, self._in_flight + 1
         try:
-            if self.cfg.batching and not lone:
-                result = await (self._classify_decoded(data) if self._decode_apart else self._classify_batch(data))
-            else:
-                # The forward pass runs in this thread too: a whole worst-case slot, so unbatched
-                # requests keep at most decode_slots forward passes (and their activations) at once.
-                result = (await self.decodes.run(self._slot, self._decode_and_predict, [data]))[0]
+            if self.decodes.lane(cost) is self.decodes.large:
+                # The forward pass runs in this thread too: a whole worst-case slot, so these keep
+                # at most decode_slots forward passes (and their activations) at once.
+                result = (await self.decodes.large.run(self._slot, self._decode_and_predict, [data]))[0]
+            elif self.cfg.batching and not lone:
+                result = await (self._classify_decoded(data, cost) if self._decode_apart else self._classify_batch(data))
+            else:  # a quarter of the small lane each: at most 4 unbatched forward passes at once
+                result = (await self.decodes.quick.run(self.decodes.quick_max, self._decode_and_predict, [data]))[0]
         finally:
             self._in_flight -= 1
         return result if "error" in result else {**result, "model_version": self.info.get("version")}
@@ -186,8 +193,8 @@ class Classifier:
         # its largest image's share of the decode budget (the memory /v2 shares) while it does.
         return await self.decodes.run(max(self._cost(data) for data in images), self._decode_and_predict, images)
 
-    async def _classify_decoded(self, data: bytes) -> dict[str, Any]:
-        array, error = await self._decode(data)
+    async def _classify_decoded(self, data: bytes, cost: int) -> dict[str, Any]:
+        array, error = await self._decode(data, cost)
         return error if error is not None else await self._predict_batch(array)
 
     @serve.batch(max_batch_size=_DEFAULT_BATCH_SIZE, batch_wait_timeout_s=_DEFAULT_BATCH_WAIT_S)
