@@ -95,6 +95,47 @@ def test_onnx_agrees_with_raymill_infer_on_every_test_image(trained, onnx_repo):
     assert logits.argmax(1).tolist() == [p["class_index"] for p in predictions]
 
 
+def test_the_exported_preprocess_gives_a_client_raymills_own_pixels(trained, onnx_repo, tmp_path):
+    """preprocess.py beside the model, run where raymill is not importable, turns a large JPEG
+    (draft-decoded), a PNG with transparency and a 16-bit PNG into the very pixels raymill computes:
+    a decode by the README's old recipe differed on all three."""
+    from PIL import Image
+
+    from stages.etl.images import decode_rgb
+
+    info, (out, manifest) = trained[2], onnx_repo
+    rng = np.random.default_rng(0)
+    photo, rgba, deep = (tmp_path / n for n in ("photo.jpg", "rgba.png", "deep.png"))
+    Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(photo, quality=90)
+    half_clear = rng.integers(0, 256, (40, 50, 4), dtype=np.uint8)
+    half_clear[:, :25, 3] = 0
+    Image.fromarray(half_clear, "RGBA").save(rgba)
+    Image.fromarray(rng.integers(0, 65536, (40, 50), dtype=np.uint16)).save(deep)  # mode I;16
+    size, resize = manifest["input"]["image_size"], manifest["input"]["resize"]
+    assert (out / "flowers/preprocess.py").is_file() and "flowers/preprocess.py" in manifest["files"]
+    script = ("import sys, numpy\n"
+              "sys.path.insert(0, sys.argv[1])\n"
+              "from preprocess import pixels\n"
+              "batch = numpy.stack([pixels(open(p, 'rb').read(), int(sys.argv[2]), sys.argv[3]) for p in sys.argv[5:]])\n"
+              "assert not {'stages', 'workflow'} & set(sys.modules), 'raymill was imported'\n"
+              "numpy.save(sys.argv[4], batch)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", script, str(out / "flowers"), str(size), resize,
+                           str(tmp_path / "client.npy"), str(photo), str(rgba), str(deep)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    client = np.load(tmp_path / "client.npy")
+    ours = np.stack([decode_rgb(p.read_bytes(), size, resize=resize) for p in (photo, rgba, deep)])
+    assert client.dtype == np.uint8 and np.array_equal(client, ours)
+    # the old recipe (no draft, alpha dropped, 16 bit clipped) differs on each: the test tells them apart
+    for i, path in enumerate((photo, rgba, deep)):
+        img = Image.open(path).convert("RGB")
+        w, h = img.size
+        box = ((w - min(w, h)) / 2, (h - min(w, h)) / 2, (w + min(w, h)) / 2, (h + min(w, h)) / 2)
+        naive = img.resize((size, size), Image.Resampling.BILINEAR, box=box if resize == "crop" else None)
+        assert not np.array_equal(np.asarray(naive), ours[i]), path.name
+
+
 def test_triton_config_parses_as_model_config_and_matches_the_onnx_graph(trained, onnx_repo):
     info = trained[2]
     out, manifest = onnx_repo
@@ -110,7 +151,8 @@ def test_triton_config_parses_as_model_config_and_matches_the_onnx_graph(trained
         assert dims[0] == -1 and list(declared.dims) == dims[1:]  # Triton's dims leave out the batch
     assert [o.label_filename for o in config.output] == ["labels.txt", "labels.txt"]
     assert (out / "flowers/labels.txt").read_text().splitlines() == info["classes"]
-    assert sorted(manifest["files"]) == ["flowers/1/model.onnx", "flowers/config.pbtxt", "flowers/labels.txt"]
+    assert sorted(manifest["files"]) == ["flowers/1/model.onnx", "flowers/config.pbtxt", "flowers/labels.txt",
+                                         "flowers/preprocess.py"]
     assert [o["name"] for o in manifest["outputs"]] == ["logits", "probabilities"]
 
 

@@ -28,6 +28,7 @@ from stages.common import storage
 from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, unpublish, write_manifest
 from stages.common.config import ConfigError, ExportConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
+from stages.etl import pixels
 from stages.feed import streaming
 from stages.model import predict, triton
 from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onnx
@@ -35,6 +36,9 @@ from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onn
 __all__ = ["run", "Pixels", "ExportError", "ExportRefusedError", "check_images", "compare"]
 
 log = logging.getLogger(__name__)
+# Beside config.pbtxt: stages/etl/pixels.py, which needs only Pillow and numpy, so a client feeds
+# the graph the pixels raymill computes (a README-style decode disagreed on JPEG draft, alpha, 16 bit).
+PREPROCESS = "preprocess.py"
 
 PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
 
@@ -81,6 +85,7 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
         (folder / "config.pbtxt").write_text(triton.config_pbtxt(
             name, lay, info["image_size"], len(info["classes"]), cfg.max_batch_size))
         (folder / triton.LABELS).write_text("".join(f"{c}\n" for c in info["classes"]))
+        shutil.copyfile(pixels.__file__, folder / PREPROCESS)  # the client's decode: raymill's own
         check = compare(model, info, images, _runner(cfg.format, model_file), cfg.tolerance)
         check.update(split=split, runtime=_runtime_name(cfg.format))
         _refuse_if_off(check, cfg)
