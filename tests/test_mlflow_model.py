@@ -30,9 +30,13 @@ model = mlflow.pyfunc.load_model(sys.argv[1])
 import stages  # imported by the model's code: from its code_paths copy (cwd elsewhere, no PYTHONPATH)
 images = [Path(p).read_bytes() for p in sys.argv[2:]]
 rows = lambda out: out.astype(object).where(out.notna(), None).to_dict("records")  # NaN, None: null
-frame = model.predict(pd.DataFrame({"image": images}))
+frame = model.predict(pd.DataFrame({"image": images}, index=[10 * (i + 1) for i in range(len(images))]))
 listed = model.predict(images[:2])
-print(json.dumps({"frame": rows(frame), "list": rows(listed),
+try:  # MLflow hands an unnamed signature only the first column: 'image' second must be refused
+    second = str(model.predict(pd.DataFrame({"other": images[:2], "image": images[:2]})))
+except Exception as e:
+    second = f"{type(e).__name__}: {e}"
+print(json.dumps({"frame": rows(frame), "index": frame.index.tolist(), "list": rows(listed), "second": second,
                   "stages": stages.__file__}, default=str))
 """
 
@@ -109,6 +113,8 @@ def test_a_logged_model_loads_in_a_fresh_process_and_answers_per_image(tmp_path)
     _check_rows(answer["frame"], _expected(str(model_dir), good), bad={1: "not_an_image"})
     _check_rows(answer["list"], _expected(str(model_dir), good[:1]), bad={1: "not_an_image"})
     assert len(answer["frame"]) == 4 and set(answer["frame"][0]) == set(OUTPUT_COLUMNS)
+    assert answer["index"] == [10, 20, 30, 40]  # the input's row labels stay on the answers
+    assert "column named 'image'" in answer["second"] and "['other']" in answer["second"], answer["second"]
 
 
 def _test_split_images(run_dir: Path, count: int) -> list[bytes]:

@@ -37,15 +37,20 @@ BATCH = 64  # images a forward pass: bounds the decoded pixels held at once, wha
 
 
 def to_images(model_input: Any) -> list[Any]:
-    """The images of an MLflow input: the `image` column (or the only column) of a DataFrame, a
-    Series, or a list / array of bytes."""
+    """The images of an MLflow input: the `image` column of a DataFrame (or its one unnamed column,
+    as MLflow frames a list or an unnamed Series), a Series, or a list / array of bytes.
+
+    The signature's one column is unnamed (so that a plain list of bytes is accepted), and for such
+    a signature MLflow hands the model only the DataFrame's first column. A frame whose `image`
+    column came second was answered for its first column, silently: any other name is refused."""
     if isinstance(model_input, pd.DataFrame):
         if COLUMN in model_input.columns:
             return model_input[COLUMN].tolist()
-        if len(model_input.columns) == 1:
-            return model_input.iloc[:, 0].tolist()
-        raise ValueError(f"the input DataFrame has columns {list(model_input.columns)}; pass the encoded "
-                         f"images (JPEG/PNG bytes) in one column named '{COLUMN}'")
+        if list(model_input.columns) == [0]:
+            return model_input[0].tolist()
+        raise ValueError(f"the model reads images from a column named '{COLUMN}' (MLflow passes it only a "
+                         f"DataFrame's first column), and got {list(model_input.columns)}: pass the encoded "
+                         f"images (JPEG/PNG bytes) as the first column, named '{COLUMN}', or as a list of bytes")
     if isinstance(model_input, (bytes, bytearray)):
         return [model_input]
     if isinstance(model_input, (pd.Series, np.ndarray, list, tuple)):
@@ -88,7 +93,8 @@ class Classifier(PythonModel):
         images = to_images(model_input)
         for start in range(0, len(images), BATCH):
             rows += self._predict_batch(images[start:start + BATCH])
-        return pd.DataFrame(rows, columns=list(OUTPUT_COLUMNS))
+        index = model_input.index if isinstance(model_input, (pd.DataFrame, pd.Series)) else None
+        return pd.DataFrame(rows, columns=list(OUTPUT_COLUMNS), index=index)  # a row per input row, its label kept
 
     def _predict_batch(self, images: list[Any]) -> list[dict[str, Any]]:
         decoded = [decode(data, self.info) for data in images]
