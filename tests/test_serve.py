@@ -100,6 +100,9 @@ def test_decode_budget_admits_decodes_by_size_in_arrival_order():
 
     assert decode_cost(image_bytes(1), ("JPEG",), 10**6) == 80 * 60 * DECODE_BYTES_PER_PIXEL
     assert decode_cost(b"not an image", ("JPEG",), 10**6) == 0  # fails at the header, before pixels
+    photo = image_bytes(4, size=(4000, 3000))  # a 12 MP JPEG decodes at 1/8 of each side for a 224 px model
+    assert decode_cost(photo, ("JPEG",), 10**8, 224) == 500 * 375 * DECODE_BYTES_PER_PIXEL
+    assert decode_cost(photo, ("JPEG",), 10**8) == 4000 * 3000 * DECODE_BYTES_PER_PIXEL  # no size: in full
 
     async def scenario() -> tuple[list[str], int, DecodeBudget]:
         budget, order, held = DecodeBudget(100), [], []

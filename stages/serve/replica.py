@@ -173,7 +173,7 @@ class Classifier:
         return await self.decodes.run(self._cost(data) if cost is None else cost, self._decode_now, data)
 
     def _cost(self, data: bytes) -> int:
-        return decode_cost(data, self.formats, self.cfg.max_image_pixels)
+        return decode_cost(data, self.formats, self.cfg.max_image_pixels, self.info["image_size"])
 
     def _decode_now(self, data: bytes) -> tuple[np.ndarray | None, dict[str, Any] | None]:
         """(pixels, None), or (None, {error, detail}) for bytes that are not a usable image."""
