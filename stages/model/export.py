@@ -163,7 +163,24 @@ def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: 
         # Triton's libtorch backend loads TorchScript only. Tracing records the forward pass
         # (the probabilities switch included); the zoo's models have no data-dependent control flow.
         example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
-        torch.jit.save(torch.jit.trace(wrapper, example), str(path))
+        torch.jit.save(torch.jit.script(_CheckedInput(torch.jit.trace(wrapper, example), image_size)), str(path))
+
+
+class _CheckedInput(torch.nn.Module):
+    """The traced graph behind a check of its input, scripted. A traced graph runs on any shape and
+    dtype (the zoo's models pool adaptively), so pixels of the wrong size or float pixels got
+    answers, silently; the ONNX graph's fixed dims refuse them in onnxruntime."""
+
+    def __init__(self, traced: torch.nn.Module, size: int):
+        super().__init__()
+        self.traced, self.size = traced, size
+
+    def forward(self, pixels: torch.Tensor):
+        if pixels.dtype != torch.uint8:
+            raise ValueError(f"expected uint8 pixels (0-255, NHWC RGB), got dtype code {pixels.dtype}")
+        if pixels.dim() != 4 or pixels.size(1) != self.size or pixels.size(2) != self.size or pixels.size(3) != 3:
+            raise ValueError(f"expected pixels [N, {self.size}, {self.size}, 3] (NHWC RGB), got {list(pixels.shape)}")
+        return self.traced(pixels)
 
 
 def _runner(fmt: str, path: Path):
