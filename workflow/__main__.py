@@ -278,7 +278,7 @@ def cmd_serve(args) -> int:
 
     serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
-    url = serve.start(cfg.serve, args.model, s3=cfg.s3)
+    url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
     record = endpoint.record_endpoint(cfg.serve)
     print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
           f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)

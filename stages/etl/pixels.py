@@ -18,7 +18,7 @@ import io
 import numpy as np
 from PIL import Image, ImageOps
 
-__all__ = ["pixels", "load", "square"]
+__all__ = ["pixels", "draft", "load", "square"]
 
 
 def pixels(data: bytes, size: int, resize: str = "crop") -> np.ndarray:
@@ -29,11 +29,17 @@ def pixels(data: bytes, size: int, resize: str = "crop") -> np.ndarray:
 
 
 def load(img: Image.Image, size: int) -> None:
-    """Decode an opened image's pixels. A JPEG decodes in libjpeg's draft mode, at 1/2, 1/4 or 1/8
-    scale where that still covers `size` (about 2x faster for large photos, the same quality)."""
+    """Decode an opened image's pixels, at `draft`'s scale."""
+    draft(img, size)
+    img.load()
+
+
+def draft(img: Image.Image, size: int) -> None:
+    """Set an opened image's decode scale; decodes nothing, and `img.size` then says what a decode
+    holds. A JPEG decodes in libjpeg's draft mode, at 1/2, 1/4 or 1/8 scale where that still covers
+    `size` (about 2x faster for large photos, the same quality); other formats at full size."""
     if img.format in ("JPEG", "MPO"):
         img.draft("RGB", (size, size))
-    img.load()
 
 
 def square(img: Image.Image, size: int, resize: str = "crop") -> np.ndarray:

@@ -105,17 +105,20 @@ def apply_ingress_env(cfg: ServeConfig) -> None:
 
 
 def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_prefix: str = "/",
-          wait_for_room_s: float = ROOM_WAIT_S) -> str:
+          wait_for_room_s: float = ROOM_WAIT_S, checked: bool = False) -> str:
     """Deploy the classifier as Serve app `cfg.app_name` and return its base URL.
 
     Starts Ray (defaults: local) if the caller hasn't. host, port and request_timeout_s are per
     Ray cluster: Serve keeps the first values it started with. When the app is already running,
     this is a rolling update to `model_path` (see `update`). A plan that the nodes could never
     hold is refused at once; one that other work leaves no room for, after `wait_for_room_s`.
+    `checked`: the caller has just run check_model_folder with weights (the CLI does, before Ray
+    starts); each replica still checks the bytes it loads (stages.model.predict).
     """
     import ray
 
-    check_model_folder(model_path, s3, "model_path", weights=True)  # a deploy of no model fails after Serve's retries
+    if not checked:  # a deploy of no model fails after Serve's retries
+        check_model_folder(model_path, s3, "model_path", weights=True)
     # serve.engine=onnxruntime that cannot run this model: exit 2 here, not a deploy failed by retries
     runtime.preflight(model_path, s3, cfg.engine, "serve.engine")
     if not ray.is_initialized():

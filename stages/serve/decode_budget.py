@@ -21,7 +21,8 @@ from collections import deque
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable, TypeVar
 
-from stages.etl.images import BadImage, open_image
+from stages.etl.images import open_image
+from stages.etl.pixels import draft
 
 __all__ = ["DecodeBudget", "DecodeLanes", "DECODE_BYTES_PER_PIXEL", "decode_cost", "quick_lane_bytes"]
 
@@ -40,16 +41,14 @@ def quick_lane_bytes(worst_case: int) -> int:
 def decode_cost(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int, size: int | None = None) -> int:
     """Bytes a decode of `data` can take at its peak, from its header alone. Bytes whose header
     does not parse cost nothing: their decode fails at the same parse, before any pixel. With the
-    model's `size`, a JPEG costs what its draft decode holds (stages.etl.pixels.load: 1/8 of each
+    model's `size`, a JPEG costs what its draft decode holds (stages.etl.pixels.draft: 1/8 of each
     side for a 12 MP photo and a 224 px model), not its full size."""
     try:
         img = open_image(data, allowed_formats, max_pixels)
-        if size and img.format in ("JPEG", "MPO"):
-            img.draft("RGB", (size, size))  # sets the decode's scale and size; decodes nothing
+        if size:
+            draft(img, size)  # the decode's own rule, so the cost is what it will hold
         width, height = img.size
-    except BadImage:
-        return 0
-    except Exception:  # a header that parses but whose draft fails: its decode fails the same way
+    except Exception:  # BadImage, or a header that parses but whose draft fails: the decode fails the same way
         return 0
     return width * height * DECODE_BYTES_PER_PIXEL
 
