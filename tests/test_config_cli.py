@@ -196,3 +196,26 @@ def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, cap
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"pid {holder.pid}" in run.stderr
     assert "ray dashboard" not in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
+
+
+def test_an_unusable_init_source_exits_2_before_ray_starts(tmp_path, ray_session):
+    """train.init_from that is missing, or not a weights file, is refused by the CLI's preflight:
+    exit 2 naming the key, no Ray of its own started and nothing written. It had been refused ~20 s
+    later (2-core box), once Ray and the trainer were up."""
+    import os
+
+    src, ds = tmp_path / "src", tmp_path / "ds"
+    make_tree(src, per_class=3, bad=False)
+    assert main(["etl", "--input", str(src), "--output", str(ds), "--set", "etl.image_size=16"]) == 0
+    (tmp_path / "photo.pth").write_bytes(b"\xff\xd8\xff\xe0" + bytes(64))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
+    for command, init, fragment in [
+            (["train", "--data", str(ds), "--output", str(tmp_path / "m")], tmp_path / "none.pth", "does not exist"),
+            (["run", "--set", f"run.source={src}", "--set", f"run.dir={tmp_path / 'run'}"], tmp_path / "photo.pth",
+             "is not a readable torch.save file")]:
+        run = subprocess.run([sys.executable, "-m", "workflow", *command, "--set", f"train.init_from={init}"],
+                             env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert run.returncode == 2 and "train.init_from:" in run.stderr and fragment in run.stderr, run.stderr
+        assert str(init) in run.stderr, run.stderr
+        assert "[raymill] ray:" not in run.stderr, run.stderr
+    assert not (tmp_path / "m").exists() and not (tmp_path / "run").exists()

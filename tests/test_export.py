@@ -16,6 +16,7 @@ import onnx
 import onnxruntime
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 import torch
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
@@ -201,16 +202,48 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
     cases.append((["--model", model, "--output", str(foreign)], "not a raymill export"))
+    (tmp_path / "a-file").write_text("x")
+    cases.append((["--model", model, "--output", str(tmp_path / "a-file" / "repo")], "--output '"))
+    cases.append((["--model", model, "--output", str(tmp_path / "d"), "--data", str(tmp_path / "none")],
+                  f"--data '{tmp_path / 'none'}' which cannot be read"))
     for args, fragment in cases:
         assert main(["export", *args, "--config", SMOKE]) == 2, args
         assert fragment in capsys.readouterr().err, args
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign"]  # no output, no staging folder left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "foreign"]  # no output, no staging folder left
     # an earlier export is replaced, whatever its model's name was
     repo = tmp_path / "earlier"
     shutil.copytree(onnx_repo[0], repo)
     assert main(["export", "--model", model, "--output", str(repo), "--config", SMOKE]) == 0
     assert sorted(p.name for p in repo.iterdir()) == ["manifest.json", "raymill"]
+
+
+def test_a_model_whose_data_is_elsewhere_is_checked_on_data_given_with_data(trained, tmp_path, capsys):
+    """A model taken to another machine (its model.json's `data` not there) exports when --data
+    names an ETL output, or a folder of images (any tree; a file that is no image is skipped)."""
+    run_dir = trained[0]
+    moved = tmp_path / "moved"
+    shutil.copytree(run_dir / "train", moved)
+    info = json.loads((moved / "model.json").read_text())
+    (moved / "model.json").write_text(json.dumps({**info, "data": str(tmp_path / "gone")}))
+    assert main(["export", "--model", str(moved), "--output", str(tmp_path / "a"), "--config", SMOKE]) == 2
+    assert "pass --data with an ETL output or a folder of images" in capsys.readouterr().err
+    assert main(["export", "--model", str(moved), "--output", str(tmp_path / "b"), "--config", SMOKE,
+                 "--data", str(run_dir / "etl")]) == 0
+    check = json.loads((tmp_path / "b" / "manifest.json").read_text())["check"]
+    assert check["data"] == str(run_dir / "etl") and check["split"] == "test" and check["class_agreement"] == 1.0
+    photos = tmp_path / "photos" / "some" / "where"
+    photos.mkdir(parents=True)
+    for i, image in enumerate(list(_test_images(run_dir, info).values())[:5]):
+        Image.fromarray(image).save(photos / f"{i}.png")
+    (photos / "notes.txt").write_text("not an image")
+    assert main(["export", "--model", str(moved), "--output", str(tmp_path / "c"), "--config", SMOKE,
+                 "--data", str(tmp_path / "photos")]) == 0
+    check = json.loads((tmp_path / "c" / "manifest.json").read_text())["check"]
+    assert (check["data"], check["split"], check["images"]) == (str(tmp_path / "photos"), "folder", 5)
+    assert main(["export", "--model", str(moved), "--output", str(tmp_path / "d"), "--config", SMOKE,
+                 "--data", str(photos / "notes.txt")]) == 2
+    capsys.readouterr()
 
 
 def test_the_pipeline_export_stage_publishes_and_reuses(trained, tmp_path):

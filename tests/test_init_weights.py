@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from stages.common.config import ConfigError, TrainConfig, load_config
-from stages.model import init_weights, publish
+from stages.model import init_source, init_weights, publish
 from stages.model.zoo import build_model
 from stages.train import finetune
 from stages.train import stage as train
@@ -114,9 +114,14 @@ def test_a_raymill_folder_keeps_its_head_for_the_same_classes_and_replaces_it_ot
     assert list(chosen.mean) == [0.4, 0.4, 0.4] and list(chosen.std) == [0.3, 0.3, 0.3]
     with pytest.raises(ConfigError, match="is a small_cnn model; set train.model=small_cnn"):
         init_weights.prepare(TrainConfig(model="resnet18", init_from=str(folder)), CLASSES)
+    init_source.check(str(folder))
     (folder / "model.pt").write_bytes((folder / "model.pt").read_bytes() + b"x")
-    with pytest.raises(ConfigError, match="does not match its model.json's weights_sha256"):
-        init_weights.prepare(cfg, CLASSES)
+    for check in (lambda: init_weights.prepare(cfg, CLASSES), lambda: init_source.check(str(folder))):
+        with pytest.raises(ConfigError, match="does not match its model.json's weights_sha256"):
+            check()
+    (folder / "model.pt").unlink()
+    with pytest.raises(ConfigError, match=r"model.pt of '.*' does not exist"):
+        init_source.check(str(folder))
 
 
 def test_a_wrong_key_a_wrong_shape_and_another_architecture_are_refused_naming_the_key(tmp_path):
@@ -132,9 +137,38 @@ def test_a_wrong_key_a_wrong_shape_and_another_architecture_are_refused_naming_t
         init_weights.prepare(TrainConfig(model="small_cnn", width=16, init_from=str(tmp_path / "w8.pt")), CLASSES)
     with pytest.raises(ConfigError, match=r"does not fit train.model=resnet18: missing keys conv1.weight"):
         init_weights.prepare(TrainConfig(model="resnet18", init_from=str(tmp_path / "w8.pt")), CLASSES)
-    torch.save({f"module.{k}": v for k, v in state.items()}, tmp_path / "ddp.pt")
-    with pytest.raises(ConfigError, match="DDP's 'module.' prefix"):
-        init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / "ddp.pt")}), CLASSES)
+    torch.save({f"model.{k}": v for k, v in state.items()}, tmp_path / "lightning.pt")  # self.model's keys
+    with pytest.raises(ConfigError, match=r"every key carries the prefix 'model\.'.*model\.model\.state_dict\(\)"):
+        init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / "lightning.pt")}), CLASSES)
+
+
+def test_checkpoints_and_wrapped_keys_are_unwrapped_to_the_same_weights(tmp_path):
+    """A training checkpoint (weights beside optimizer state and an epoch), DDP's and torch.compile's
+    key prefixes: each starts from exactly the weights inside, and the record says what was taken."""
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 3, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.zeros(2, 3, 32, 32)).sum().backward()
+    opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    files = {"lightning.ckpt.pt": {"state_dict": state, "epoch": 3, "optimizer_states": [opt.state_dict()]},
+             "tutorial.pt": {"model_state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3,
+                             "optimizer_state_dict": opt.state_dict(), "loss": 0.5},
+             "compiled.pt": {f"_orig_mod.{k}": v for k, v in state.items()}}
+    expected = {"lightning.ckpt.pt": ["the checkpoint's 'state_dict' entry"],
+                "tutorial.pt": ["the checkpoint's 'model_state_dict' entry", "the 'module.' prefix of every key"],
+                "compiled.pt": ["the '_orig_mod.' prefix of every key"]}
+    for name, content in files.items():
+        torch.save(content, tmp_path / name)
+        plan = init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / name)), CLASSES)
+        assert plan.record["unwrapped"] == expected[name], name
+        fresh = build_model("small_cnn", 3, 8)
+        init_weights.apply(fresh, plan.payload, plan.record, "small_cnn")
+        assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items() if not k.startswith("fc.")), name
+    torch.save({"optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "optimizer-only.pt")
+    with pytest.raises(ConfigError, match=r"nor a checkpoint with one under state_dict.*top-level keys: optimizer, epoch"):
+        init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / "optimizer-only.pt")),
+                             CLASSES)
 
 
 class Payload:
@@ -149,14 +183,17 @@ def test_files_that_need_unpickling_or_are_unreadable_or_missing_are_refused(tmp
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "empty.pt").write_bytes(b"")
     cfg = TrainConfig(model="small_cnn", width=8)
+    (tmp_path / "photo.pth").write_bytes(b"\xff\xd8\xff\xe0" + b"\0" * 64)  # a JPEG named .pth
     for name, fragment in [("custom.pth", "not plain tensors"), ("plain.pth", "not plain tensors"),
                            ("junk.safetensors", "not a readable .safetensors"), ("empty.pt", "not a readable torch.save"),
+                           ("photo.pth", r"neither the zip archive torch.save writes nor a pickle: it starts with"),
                            ("missing.pth", "does not exist"), ("no-folder", "does not exist")]:
         with pytest.raises(ConfigError, match=fragment):
             init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / name)}), CLASSES)
-    torch.save({"model": build_model("small_cnn", 3, 8).state_dict(), "epoch": 3}, tmp_path / "ckpt.pt")
-    with pytest.raises(ConfigError, match="not a flat state dict"):
-        init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / "ckpt.pt")}), CLASSES)
+        if fragment != "not plain tensors":  # the torch-free preflight refuses the same, before Ray starts
+            with pytest.raises(ConfigError, match=fragment):
+                init_source.check(str(tmp_path / name))
+    init_source.check(str(tmp_path / "custom.pth"))  # only torch's loader can tell; preflight lets it by
 
 
 def test_a_fine_tuning_run_has_two_groups_and_a_loaded_optimiser_keeps_the_backbone_scale():
@@ -315,7 +352,7 @@ def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path):
     weights.write_bytes(b"a" * 64)
     first = init_weights.source_sha256(str(weights))
     assert first == hashlib.sha256(b"a" * 64).hexdigest()
-    assert init_weights.source_sha256(str(weights)) == first and any(k[0] == str(weights) for k in init_weights._HASHED)
+    assert init_weights.source_sha256(str(weights)) == first and any(k[0] == str(weights) for k in init_source._HASHED)
     stat = weights.stat()
     weights.write_bytes(b"b" * 64)  # same size: the modification stamp tells them apart
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))

@@ -104,6 +104,9 @@ def _export_parser(sub) -> None:
                    help="model repository folder: new, empty, or an earlier export (replaced)")
     p.add_argument("--format", choices=["onnx", "torchscript"], default=None,
                    help="default: export.format from config (onnx)")
+    p.add_argument("--data", default=None, type=_location,
+                   help="what the export is checked on: an ETL output, or a folder of images (default: the "
+                        "model's own ETL output, model.json's data)")
     _common(p)
 
 
@@ -214,6 +217,7 @@ def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models:
     from workflow import preflight
 
     check_image_size(models, data.manifest["config"]["image_size"])
+    preflight.check_init_source(cfg)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:
@@ -324,7 +328,7 @@ def cmd_export(args) -> int:
     from stages.model import export
 
     artifact = export.run(cfg.export, args.model, args.output, name=cfg.export.name or cfg.tracking.model_name,
-                          s3=cfg.s3)
+                          s3=cfg.s3, data=args.data)
     m, check = artifact.manifest, artifact.manifest["check"]
     print(f"export: {m['format']} model '{m['name']}' checked on {check['images']} {check['split']} images: logits "
           f"max |diff| {check['logits_max_abs_diff']:.2e}, class agreement {check['class_agreement']:.3f} "

@@ -18,9 +18,10 @@ import yaml
 from stages import etl
 from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
+from stages.model import init_source
 from stages.model.sizes import check_image_size
 
-__all__ = ["start", "beside_ray", "needed_splits", "etl_inputs"]
+__all__ = ["start", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ def start(cfg: Config) -> dict[str, Any]:
     with torch imported beside it. Returns ETL's inputs: the source and its listing fingerprint."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
     check_image_size(cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model], cfg.etl.image_size)
+    check_init_source(cfg)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     listing = _listing(cfg)  # a missing or unreadable run.source fails here, before anything is written
     needed_splits(cfg, given=set(listing.layout.splits.values()))
@@ -52,6 +54,13 @@ def start(cfg: Config) -> dict[str, Any]:
     _write_config(cfg)
     beside_ray(cfg, cfg.run.dir)
     return sources
+
+
+def check_init_source(cfg: Config) -> None:
+    """train.init_from's path, checksum and file kind, before Ray starts (no torch needed): a
+    wrong path had been refused ~20 s later, once Ray and the trainer were up (2-core box)."""
+    if cfg.train.init_from:
+        init_source.check(cfg.train.init_from, cfg.s3)
 
 
 def beside_ray(cfg: Config, store: str) -> None:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.common import storage
-from stages.common.config import ConfigError
+from stages.common.config import ConfigError, EtlConfig
 from stages.etl.images import BadImage
 
-__all__ = ["READ_KEYS", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
+__all__ = ["READ_KEYS", "read_rules", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
            "top_folders", "class_name", "class_of", "entry_row"]
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,13 @@ class Entry:
     size: int
     mtime: float
     problem: tuple[str, str] | None = None  # (reason, detail): listed, never read
+
+
+def read_rules(info: dict) -> dict[str, Any]:
+    """The ETL read settings of a model's training data (model.json `read`), for reading files the
+    way its ETL did; a model published before `read` existed reads with ETL's defaults."""
+    defaults = EtlConfig().model_dump(mode="json", include=set(READ_KEYS))
+    return {**defaults, **(info.get("read") or {})}
 
 
 def name_bytes(rel: str) -> bytes:

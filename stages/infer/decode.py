@@ -24,16 +24,8 @@ from stages.feed import streaming
 from stages.etl.stage import sample_key
 from stages.etl.images import BadImage
 from stages.common import storage
-from stages.common.config import EtlConfig
 
-__all__ = ["Reader", "decode_batch", "pixels", "read_rules", "DECODED"]
-
-
-def read_rules(info: dict) -> dict[str, Any]:
-    """The ETL read settings of the model's training data (model.json `read`); a model published
-    before `read` existed reads with ETL's defaults."""
-    defaults = EtlConfig().model_dump(mode="json", include=set(sources.READ_KEYS))
-    return {**defaults, **(info.get("read") or {})}
+__all__ = ["Reader", "decode_batch", "pixels", "DECODED"]
 
 
 class Reader:
@@ -47,7 +39,7 @@ class Reader:
         # a class folder's name -> the model's class: both in NFC, as ETL names classes
         self.known = {unicodedata.normalize("NFC", c): c for c in info["classes"]}
         self.fs, self.root = storage.filesystem(source, s3) if source else (None, None)
-        self.rules = read_rules(info)
+        self.rules = sources.read_rules(info)
         self.cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
 
     def samples(self, item: dict[str, Any]) -> list[dict[str, Any]]:

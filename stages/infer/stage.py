@@ -151,7 +151,7 @@ def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
     if not fs.isdir(root):
         raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
-    return _plan_files(fs, root, source, infer_decode.read_rules(info))
+    return _plan_files(fs, root, source, sources.read_rules(info))
 
 
 def _layout(fs, root: str, entries: list, trained: str) -> layouts.Layout:

@@ -28,7 +28,8 @@ from stages.common import storage
 from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, unpublish, write_manifest
 from stages.common.config import ConfigError, ExportConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
-from stages.etl import pixels
+from stages.etl import pixels, sources
+from stages.etl.images import BadImage, decode_rgb
 from stages.feed import streaming
 from stages.model import predict, triton
 from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onnx
@@ -52,14 +53,15 @@ class ExportRefusedError(ConfigError):
 
 
 def run(cfg: ExportConfig, model_path: str, out: str, *, name: str, s3: Any | None = None,
-        stage_folder: bool = False) -> Artifact:
+        stage_folder: bool = False, data: str | None = None) -> Artifact:
     """Export the model in `model_path` into the model repository `out` as `<out>/<name>/`.
 
     Refused before any work (ExportError, exit 2): a path that is missing or holds no model, an output
     that holds anything but an earlier export. Refused after the check (ExportRefusedError): an export
     whose outputs differ from torch's by more than cfg.tolerance. Either way nothing is published.
     `stage_folder`: `out` is `raymill run`'s export folder, whose files the pipeline vouches for (it
-    holds the lock, and clears or refuses the folder itself).
+    holds the lock, and clears or refuses the folder itself). `data`: what the check decodes
+    (check_images), for a model whose own ETL output is not reachable here.
     """
     triton.check_name(name)
     _check_model_path(model_path, s3)
@@ -68,13 +70,14 @@ def run(cfg: ExportConfig, model_path: str, out: str, *, name: str, s3: Any | No
     with output_lock(out, "export", s3):
         if not stage_folder:
             _check_output(out, s3)  # again, holding the lock: another run may have written meanwhile
-        return _run_locked(cfg, model_path, out, name, s3)
+        return _run_locked(cfg, model_path, out, name, s3, data)
 
 
-def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any | None) -> Artifact:
+def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any | None,
+                data: str | None) -> Artifact:
     started = time.perf_counter()
     model, info = predict.load_model(model_path, s3)
-    images, split = check_images(info, cfg.check_images, s3)
+    images, split = check_images(info, cfg.check_images, s3, data)
     lay = triton.layout(cfg.format, cfg.probabilities)
     wrapper = Pixels(model, info["mean"], info["std"], cfg.probabilities).eval()
     with _staging(out) as stage_dir:
@@ -87,7 +90,7 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
         (folder / triton.LABELS).write_text("".join(f"{c}\n" for c in info["classes"]))
         shutil.copyfile(pixels.__file__, folder / PREPROCESS)  # the client's decode: raymill's own
         check = compare(model, info, images, _runner(cfg.format, model_file), cfg.tolerance)
-        check.update(split=split, runtime=_runtime_name(cfg.format))
+        check.update(split=split, data=data or info["data"], runtime=_runtime_name(cfg.format))
         _refuse_if_off(check, cfg)
         files = {str(p.relative_to(stage_dir)): p for p in sorted(folder.rglob("*")) if p.is_file()}
         manifest = _manifest(cfg, model_path, info, name, lay, check, files)
@@ -111,9 +114,11 @@ def _check_model_path(model_path: str, s3: Any | None) -> None:
 
 def _check_output(out: str, s3: Any | None) -> None:
     """An output must be new, empty or an earlier export (its manifest says raymill.export):
-    replacing anything else would delete files raymill did not write."""
+    replacing anything else would delete files raymill did not write. A new one must be creatable."""
     fs, root = storage.filesystem(out, s3)
     if not fs.exists(root):
+        if not storage.is_remote(out):  # a read-only path, or one through a file, had exited 1 at the lock
+            _check_creatable(out, root)
         return
     if not fs.isdir(root):
         raise ExportError(f"--output '{out}' is a file; name a new or empty folder, or an earlier export")
@@ -128,23 +133,42 @@ def _check_output(out: str, s3: Any | None) -> None:
                       f"name a new or empty folder, or an earlier export to replace")
 
 
-def check_images(info: dict, count: int, s3: Any | None = None) -> tuple[np.ndarray, str]:
-    """Up to `count` images of the model's own data as uint8 [N, H, W, 3], decoded as infer decodes
-    shards; from the test split when it has rows, else val, else train. Returns (images, split)."""
+def _check_creatable(out: str, root: str) -> None:
+    """A new local folder can be made at `root`: its nearest existing ancestor is a folder this
+    process may write into (access(2): a read-only filesystem says so too)."""
+    parent = os.path.abspath(root)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    why = ("'" + parent + "' is a file" if not os.path.isdir(parent) else
+           None if os.access(parent, os.W_OK | os.X_OK) else "'" + parent + "' is not writable")
+    if why:
+        raise ExportError(f"--output '{out}' cannot be created ({why}); name a folder you can write to")
+
+
+def check_images(info: dict, count: int, s3: Any | None = None, data: str | None = None) -> tuple[np.ndarray, str]:
+    """Up to `count` images as uint8 [N, H, W, 3], decoded as `raymill infer` decodes them, and
+    where they came from. `data` (export's --data): an ETL output, or a folder of image files
+    (any tree; files that do not decode are skipped); default: the model's own ETL output
+    (model.json's `data`), from its test split when it has rows, else val, else train."""
+    source = data or info["data"]
+    fs, root = storage.filesystem(source, s3)
+    if data and fs.isdir(root) and manifest_kind(fs, root) is None:
+        return _folder_images(info, count, fs, root, data), "folder"
     try:
-        data = load_artifact(info["data"], "etl", s3)
+        etl_output = load_artifact(source, "etl", s3)
     except (FileNotFoundError, ValueError) as e:
-        raise ExportError(f"the export is checked on the model's own data, model.json's data '{info['data']}', "
-                          f"which cannot be read ({e}); run the export where that ETL output is reachable") from e
-    manifest = data.manifest
+        where = f"--data '{data}'" if data else f"the model's own data, model.json's data '{info['data']}',"
+        raise ExportError(f"the export is checked on {where} which cannot be read ({e}); pass --data with an ETL "
+                          f"output or a folder of images this model can classify") from e
+    manifest = etl_output.manifest
     fmt = "parquet" if "parquet" in manifest["config"]["formats"] else "tar"
     raw = storage.stored_raw(manifest, fmt)
     for split in ("test", "val", "train"):
-        refs = streaming.shard_refs(manifest, data.path, split, fmt)
+        refs = streaming.shard_refs(manifest, etl_output.path, split, fmt)
         if sum(r.rows for r in refs):
             break
     else:
-        raise ExportError(f"the model's data '{data.path}' holds no images to check the export on")
+        raise ExportError(f"the ETL output '{etl_output.path}' holds no images to check the export on")
     cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
     images: list[np.ndarray] = []
     for ref in refs:
@@ -153,6 +177,28 @@ def check_images(info: dict, count: int, s3: Any | None = None) -> tuple[np.ndar
         if len(images) >= count:
             break
     return np.stack(images), split
+
+
+def _folder_images(info: dict, count: int, fs, root: str, data: str) -> np.ndarray:
+    """The first `count` files of a folder tree that decode under the model's read rules (model.json
+    `read`: formats, size caps, links), with its resize rule: the pixels `raymill infer` computes."""
+    rules = sources.read_rules(info)
+    entries, _ = sources.list_tree(fs, root, rules["follow_symlinks"])
+    images: list[np.ndarray] = []
+    for entry in (e for e in entries if e.problem is None):
+        try:
+            raw = sources.read_capped(fs, root, entry.rel, int(rules["max_file_mb"] * 2**20), rules["follow_symlinks"])
+            images.append(decode_rgb(raw, info["image_size"], resize=info.get("resize", "crop"),
+                                     allowed_formats=tuple(rules["allowed_formats"]),
+                                     max_pixels=rules["max_image_pixels"]))
+        except BadImage:
+            continue
+        if len(images) >= count:
+            break
+    if not images:
+        raise ExportError(f"--data '{data}' holds no image that decodes ({len(entries)} files listed); pass an ETL "
+                          f"output or a folder of images")
+    return np.stack(images)
 
 
 def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: Path) -> None:

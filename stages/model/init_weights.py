@@ -3,9 +3,12 @@
 A source is one of:
 - a raymill train or tune output folder: its `model.pt`, checked against `model.json`'s sha256;
 - a torchvision-format state dict (`.pth` / `.pt`, as torchvision publishes its ResNets);
-- a `.safetensors` file with the same keys.
-Local or s3://. `prepare` runs on the driver before any worker starts and turns every problem
-into a ConfigError (exit 2) that names the keys and the fix: the backbone must fit the model
+- a `.safetensors` file with the same keys;
+- a training checkpoint that holds such a dict (Lightning's `state_dict`, `model_state_dict`, ...),
+  and keys that DDP or torch.compile prefixed: unwrapped, and the log and record say so.
+Local or s3://. The torch-free checks (path, checksum, file kind) are stages.model.init_source's,
+which the CLI runs before Ray starts. `prepare` runs on the driver before any worker starts and
+turns every problem into a ConfigError (exit 2) that names the keys and the fix: the backbone must fit the model
 exactly (no missing or extra key, every shape equal). The classifier head is kept only when the
 source names this data's classes in this order (a raymill folder does); otherwise it is replaced by
 the run's own seeded init (a torchvision ImageNet state dict: 1000 classes, always replaced).
@@ -18,7 +21,6 @@ and `.std` follow the source unless the user set them (pydantic's `model_fields_
 from __future__ import annotations
 
 import io
-import json
 import logging
 import pickle
 from dataclasses import dataclass
@@ -28,10 +30,11 @@ import torch
 
 from stages.common import storage
 from stages.common.config import AugmentConfig, ConfigError, TrainConfig
+from stages.model.init_source import read_source, sniff, source_sha256
 from stages.model.zoo import build_model
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "HEAD_PREFIX", "InitPlan", "prepare", "source_sha256", "read_source",
-           "parse", "check_keys", "apply"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "HEAD_PREFIX", "CHECKPOINT_KEYS", "WRAPPER_PREFIXES", "InitPlan",
+           "prepare", "source_sha256", "read_source", "parse", "unwrap", "check_keys", "apply"]
 
 log = logging.getLogger(__name__)
 
@@ -52,81 +55,18 @@ class InitPlan:
     payload: bytes
 
 
-def _kind(uri: str) -> str:
-    name = str(uri).rstrip("/").lower()
-    if name.endswith(".safetensors"):
-        return "safetensors"
-    return "torch" if name.endswith((".pth", ".pt")) else "raymill"
+# Where training checkpoints keep the model's weights, in the order they are looked for: Lightning
+# and most scripts ("state_dict"), the PyTorch tutorial's ("model_state_dict"), timm's and many
+# repos' ("model", "net"). Saved beside them: optimizer state, epoch, config, none of it wanted.
+CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model", "net")
+# Prefixes a wrapper adds to every key: DDP / DataParallel ("module."), torch.compile ("_orig_mod.")
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _read(uri: str, s3: Any | None, what: str) -> bytes:
-    """The bytes of `uri`; every way of failing becomes a ConfigError naming the fix."""
-    try:
-        fs, path = storage.filesystem(uri, s3)
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        raise ConfigError(f"train.init_from: {what} '{uri}' does not exist; pass a raymill train/tune output "
-                          f"folder, a .pth/.pt state dict or a .safetensors file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"train.init_from: '{uri}' is a folder, expected a file; name the weights file "
-                          f"itself, or pass a raymill output folder (with model.json)") from None
-    except Exception as e:  # s3 without credentials, no permission, endpoint down
-        first = (str(e).splitlines() or [""])[0][:200]
-        raise ConfigError(f"train.init_from: cannot read '{uri}' ({type(e).__name__}: {first}); check the path "
-                          f"and, for s3://, the credentials (AWS_ACCESS_KEY_ID, ...) and s3.endpoint_url") from None
-
-
-def read_source(uri: str, s3: Any | None = None) -> tuple[str, bytes, dict | None]:
-    """(kind, weights bytes, model.json of a raymill folder or None)."""
-    kind = _kind(uri)
-    if kind != "raymill":
-        return kind, _read(uri, s3, "file"), None
-    try:
-        info = json.loads(_read(storage.join(uri, "model.json"), s3, "model.json of"))
-    except ConfigError as e:
-        raise ConfigError(f"{e} (a path not ending in .pth, .pt or .safetensors is read as a raymill train or "
-                          f"tune output folder, which holds model.json + model.pt)") from None
-    except ValueError:
-        raise ConfigError(f"train.init_from: '{uri}/model.json' is not JSON; re-publish that model") from None
-    payload = _read(storage.join(uri, "model.pt"), s3, "model.pt of")
-    if storage.sha256_bytes(payload) != info.get("weights_sha256"):
-        raise ConfigError(f"train.init_from: '{uri}/model.pt' does not match its model.json's weights_sha256 "
-                          f"(changed or half-copied); copy the folder again or re-run that training")
-    return kind, payload, info
-
-
-def source_sha256(uri: str, s3: Any | None = None) -> str:
-    """The sha256 of the weights `uri` names, without parsing them (a raymill folder: model.json's)."""
-    if _kind(uri) == "raymill":
-        try:
-            return json.loads(_read(storage.join(uri, "model.json"), s3, "model.json of"))["weights_sha256"]
-        except ConfigError:
-            raise
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"train.init_from: '{uri}/model.json' names no weights_sha256; "
-                              f"re-publish that model") from None
-    try:
-        fs, path = storage.filesystem(uri, s3)
-        info = fs.info(path)
-        # `raymill run` asks for it up to twice (its reuse key, then train's own): a 100 MB file is
-        # hashed once a process while its size and modification stamp stay the same
-        stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag")
-        if stamp is None:  # nothing tells a changed file apart: hash it every time
-            return storage.sha256_file(fs, path)[0]
-        key = (uri, info.get("size"), str(stamp))
-        if key not in _HASHED:
-            _HASHED[key] = storage.sha256_file(fs, path)[0]
-        return _HASHED[key]
-    except Exception:
-        _read(uri, s3, "file")  # raises the ConfigError that names the fix
-        raise
-
-
-_HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
-
-
-def parse(payload: bytes, kind: str, uri: str) -> dict[str, torch.Tensor]:
-    """A flat {name: tensor} state dict from `payload`; nothing is unpickled."""
+def parse(payload: bytes, kind: str, uri: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A flat {name: tensor} state dict from `payload`, and what was unwrapped to get it (a
+    checkpoint's entry, a wrapper's key prefix); nothing is unpickled."""
+    sniff(payload[:16], kind, uri)
     if kind == "safetensors":
         from safetensors.torch import load as load_safetensors  # only this path needs it
 
@@ -147,11 +87,32 @@ def parse(payload: bytes, kind: str, uri: str) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise ConfigError(f"train.init_from: '{uri}' is not a readable torch.save file ({type(e).__name__}"
                               f"{': ' + str(e).splitlines()[0][:200] if str(e) else ''}); check the file") from None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
-        raise ConfigError(f"train.init_from: '{uri}' is not a flat state dict (parameter name -> tensor); a "
-                          f"training checkpoint? Save its model's weights alone: torch.save(model.state_dict(), path)")
-    return state
+    return unwrap(state, uri)
+
+
+def _flat(state: Any) -> bool:
+    return isinstance(state, dict) and bool(state) and all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+
+
+def unwrap(state: Any, uri: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A training checkpoint's model weights (its first CHECKPOINT_KEYS entry that is a flat state
+    dict), without a prefix that every key carries from a wrapper (WRAPPER_PREFIXES)."""
+    notes: list[str] = []
+    if not _flat(state) and isinstance(state, dict):
+        entry = next((k for k in CHECKPOINT_KEYS if _flat(state.get(k))), None)
+        if entry is not None:
+            state, notes = state[entry], [f"the checkpoint's '{entry}' entry"]
+    if not _flat(state):
+        keys = f" (its top-level keys: {_names([str(k) for k in state])})" if isinstance(state, dict) else ""
+        raise ConfigError(f"train.init_from: '{uri}' is not a flat state dict (parameter name -> tensor), nor a "
+                          f"checkpoint with one under {', '.join(CHECKPOINT_KEYS)}{keys}. Save its model's weights "
+                          f"alone: torch.save(model.state_dict(), path)")
+    for prefix in WRAPPER_PREFIXES:
+        if all(k.startswith(prefix) for k in state):
+            state = {k[len(prefix):]: v for k, v in state.items()}
+            notes.append(f"the '{prefix}' prefix of every key")
+    return state, notes
 
 
 def _names(keys: Sequence[str]) -> str:
@@ -171,10 +132,9 @@ def check_keys(state: dict[str, torch.Tensor], model_name: str, classes: Sequenc
     if missing or unexpected:
         parts = ([f"missing keys {_names(missing)}"] if missing else []) + \
                 ([f"unexpected keys {_names(unexpected)}"] if unexpected else [])
-        hint = ("the keys carry DDP's 'module.' prefix: save model.module.state_dict() instead"
-                if unexpected and all(k.startswith("module.") for k in state) else
-                f"are these weights of another architecture? Set train.model to the one they were trained "
-                f"as ({', '.join(HEAD_PREFIX)}), or pass weights of train.model={model_name}")
+        hint = _prefix_hint(state, expected) or (
+            f"are these weights of another architecture? Set train.model to the one they were trained "
+            f"as ({', '.join(HEAD_PREFIX)}), or pass weights of train.model={model_name}")
         raise ConfigError(f"train.init_from: '{uri}' does not fit train.model={model_name}: "
                           f"{'; '.join(parts)}; {hint}")
     wrong = [f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in expected
@@ -185,6 +145,19 @@ def check_keys(state: dict[str, torch.Tensor], model_name: str, classes: Sequenc
         raise ConfigError(f"train.init_from: '{uri}' has shapes that do not fit train.model={model_name} "
                           f"(file vs model): {_names(wrong)}; {fix}")
     return all(k in state and tuple(state[k].shape) == expected[k] for k in expected if k.startswith(head))
+
+
+def _prefix_hint(state: dict[str, torch.Tensor], expected: dict[str, tuple]) -> str | None:
+    """When every key carries one prefix and the rest fits (a Lightning module's `self.model`, a
+    wrapper of the user's own), the fix names it: only the wrappers' prefixes are taken off unasked."""
+    first = {k.split(".", 1)[0] for k in state}
+    if len(first) != 1 or not all("." in k for k in state):
+        return None
+    prefix = f"{first.pop()}."
+    if not all(k[len(prefix):] in expected for k in state):
+        return None
+    return (f"every key carries the prefix '{prefix}' (a wrapper module's attribute?): save "
+            f"model.{prefix[:-1]}.state_dict() instead, or strip the prefix from the keys")
 
 
 def _normalisation(augment: AugmentConfig, expected: tuple | None, uri: str) -> tuple[AugmentConfig, str]:
@@ -206,7 +179,7 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
     train.model) on `classes`; raises ConfigError before any work."""
     uri = str(cfg.init_from)
     kind, payload, info = read_source(uri, s3)
-    state = parse(payload, "torch" if kind == "raymill" else kind, uri)
+    state, unwrapped = parse(payload, "torch" if kind == "raymill" else kind, uri)
     heads_fit = []
     for name in dict.fromkeys(model_names or [cfg.model]):
         if info is not None and info.get("architecture") != name:
@@ -222,11 +195,13 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
         expected = (IMAGENET_MEAN, IMAGENET_STD)
     augment, origin = _normalisation(cfg.augment, expected, uri)
     record = {"source": uri, "kind": kind, "sha256": storage.sha256_bytes(payload), "bytes": len(payload),
-              "head": head, "mean": list(augment.mean), "std": list(augment.std), "normalisation": origin}
+              "head": head, "mean": list(augment.mean), "std": list(augment.std), "normalisation": origin,
+              "unwrapped": unwrapped}
     why = "same classes" if head == "kept" else ("the source names no classes" if info is None
                                                  else "other classes" if not same_classes else "another shape")
     log.info(f"train: init from {uri} ({kind}, {len(payload) / 1e6:.1f} MB, sha256 {record['sha256'][:12]}): "
-             f"{len(state)} tensors checked, head {head} ({why}), mean/std from {origin}")
+             f"{len(state)} tensors checked{' (took ' + ' and '.join(unwrapped) + ')' if unwrapped else ''}, "
+             f"head {head} ({why}), mean/std from {origin}")
     return InitPlan(record, cfg.model_copy(update={"augment": augment}), payload)
 
 
@@ -235,7 +210,7 @@ def apply(model: torch.nn.Module, payload: bytes, record: dict[str, Any], model_
     the head from it when `record['head']` is kept, else the model's own fresh head stays."""
     if storage.sha256_bytes(payload) != record["sha256"]:  # the driver checked exactly these bytes
         raise RuntimeError(f"init weights from {record['source']} arrived with another sha256; rerun")
-    state = parse(payload, "torch" if record["kind"] == "raymill" else record["kind"], record["source"])
+    state, _ = parse(payload, "torch" if record["kind"] == "raymill" else record["kind"], record["source"])
     head = HEAD_PREFIX[model_name]
     keep = record["head"] == "kept"
     own = model.state_dict()

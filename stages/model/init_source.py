@@ -1,0 +1,137 @@
+"""Where `train.init_from`'s weights come from: read, hashed and sniffed without torch.
+
+`check` runs in the CLI's preflight, before Ray starts and torch is imported: a wrong path, an
+unreadable object, a raymill folder whose model.pt was changed, or a file that is not the kind its
+name says had been refused only after Ray and the trainer had started (~20 s on 2 cores). Parsing
+the tensors and fitting them to the model stay in stages.model.init_weights, which needs torch.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Iterator
+
+from stages.common import storage
+from stages.common.config import ConfigError
+
+__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff"]
+
+_HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
+_SNIFF_BYTES = 16
+
+
+def kind_of(uri: str) -> str:
+    """'safetensors', 'torch' (.pth / .pt) or 'raymill' (any other path: an output folder)."""
+    name = str(uri).rstrip("/").lower()
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    return "torch" if name.endswith((".pth", ".pt")) else "raymill"
+
+
+@contextlib.contextmanager
+def _reading(uri: str, what: str) -> Iterator[None]:
+    """Every way a read of `uri` fails, as a ConfigError naming the fix."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ConfigError(f"train.init_from: {what} '{uri}' does not exist; pass a raymill train/tune output "
+                          f"folder, a .pth/.pt state dict or a .safetensors file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"train.init_from: '{uri}' is a folder, expected a file; name the weights file "
+                          f"itself, or pass a raymill output folder (with model.json)") from None
+    except Exception as e:  # s3 without credentials, no permission, endpoint down
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise ConfigError(f"train.init_from: cannot read '{uri}' ({type(e).__name__}: {first}); check the path "
+                          f"and, for s3://, the credentials (AWS_ACCESS_KEY_ID, ...) and s3.endpoint_url") from None
+
+
+def read(uri: str, s3: Any | None, what: str, head: int | None = None) -> bytes:
+    """The bytes of `uri` (its first `head` bytes when given)."""
+    with _reading(uri, what):
+        fs, path = storage.filesystem(uri, s3)
+        if head is None:
+            return fs.cat_file(path)
+        if fs.isdir(path):
+            raise IsADirectoryError(path)
+        with fs.open(path, "rb") as f:
+            return f.read(head)
+
+
+def _model_json(uri: str, s3: Any | None) -> dict:
+    try:
+        info = json.loads(read(storage.join(uri, "model.json"), s3, "model.json of"))
+    except ConfigError as e:
+        raise ConfigError(f"{e} (a path not ending in .pth, .pt or .safetensors is read as a raymill train or "
+                          f"tune output folder, which holds model.json + model.pt)") from None
+    except ValueError:
+        raise ConfigError(f"train.init_from: '{uri}/model.json' is not JSON; re-publish that model") from None
+    if not isinstance(info, dict) or not isinstance(info.get("weights_sha256"), str):
+        raise ConfigError(f"train.init_from: '{uri}/model.json' names no weights_sha256; re-publish that model")
+    return info
+
+
+def _mismatch(uri: str) -> ConfigError:
+    return ConfigError(f"train.init_from: '{uri}/model.pt' does not match its model.json's weights_sha256 "
+                       f"(changed or half-copied); copy the folder again or re-run that training")
+
+
+def read_source(uri: str, s3: Any | None = None) -> tuple[str, bytes, dict | None]:
+    """(kind, weights bytes, model.json of a raymill folder or None)."""
+    kind = kind_of(uri)
+    if kind != "raymill":
+        return kind, read(uri, s3, "file"), None
+    info = _model_json(uri, s3)
+    payload = read(storage.join(uri, "model.pt"), s3, "model.pt of")
+    if storage.sha256_bytes(payload) != info["weights_sha256"]:
+        raise _mismatch(uri)
+    return kind, payload, info
+
+
+def _file_sha256(uri: str, s3: Any | None, what: str = "file") -> str:
+    """A file's sha256, streamed; hashed once a process while its size and modification stamp stay
+    the same (`raymill run` asks up to three times: preflight, its reuse key, train's own)."""
+    with _reading(uri, what):
+        fs, path = storage.filesystem(uri, s3)
+        info = fs.info(path)
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag")
+        if stamp is None:  # nothing tells a changed file apart: hash it every time
+            return storage.sha256_file(fs, path)[0]
+        key = (uri, info.get("size"), str(stamp))
+        if key not in _HASHED:
+            _HASHED[key] = storage.sha256_file(fs, path)[0]
+        return _HASHED[key]
+
+
+def source_sha256(uri: str, s3: Any | None = None) -> str:
+    """The sha256 of the weights `uri` names, without parsing them (a raymill folder: model.json's)."""
+    if kind_of(uri) == "raymill":
+        return _model_json(uri, s3)["weights_sha256"]
+    return _file_sha256(uri, s3)
+
+
+def sniff(head: bytes, kind: str, uri: str) -> None:
+    """Refuse bytes that cannot be `kind` by their first bytes: torch.save writes a zip archive
+    (or, before torch 1.6, a pickle); a .safetensors file starts with its header's length and '{'.
+    An unpickler reading a text or image file had said it "holds objects that are not plain tensors"."""
+    if kind == "safetensors":
+        if len(head) < 9 or head[8:9] != b"{":
+            raise ConfigError(f"train.init_from: '{uri}' is not a readable .safetensors file (no JSON header "
+                              f"after its first 8 bytes); check the file, or rename it if it is a torch.save file")
+    elif not (head.startswith(b"PK\x03\x04") or head.startswith(b"\x80")):
+        seen = "it is empty" if not head else f"it starts with {head[:8]!r}"
+        raise ConfigError(f"train.init_from: '{uri}' is not a readable torch.save file (neither the zip archive "
+                          f"torch.save writes nor a pickle: {seen}); check the file, or name a .safetensors file "
+                          f"by that suffix")
+
+
+def check(uri: str, s3: Any | None = None) -> None:
+    """The checks that need no torch, for the CLI to run before Ray starts: the source exists and
+    is readable; a raymill folder's model.pt matches its model.json; a file's first bytes fit its
+    kind. ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
+    kind = kind_of(uri)
+    if kind == "raymill":
+        info = _model_json(uri, s3)
+        if _file_sha256(storage.join(uri, "model.pt"), s3, "model.pt of") != info["weights_sha256"]:
+            raise _mismatch(uri)
+        return
+    sniff(read(uri, s3, "file", head=_SNIFF_BYTES), kind, uri)
