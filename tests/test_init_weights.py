@@ -166,7 +166,7 @@ def test_checkpoints_and_wrapped_keys_are_unwrapped_to_the_same_weights(tmp_path
         init_weights.apply(fresh, plan.payload, plan.record, "small_cnn")
         assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items() if not k.startswith("fc.")), name
     torch.save({"optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "optimizer-only.pt")
-    with pytest.raises(ConfigError, match=r"nor a checkpoint with one under state_dict.*top-level keys: optimizer, epoch"):
+    with pytest.raises(ConfigError, match=r"nor a checkpoint with one under state_dict.*keys: optimizer, epoch"):
         init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / "optimizer-only.pt")),
                              CLASSES)
 
