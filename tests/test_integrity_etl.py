@@ -19,7 +19,7 @@ from stages.etl import stage as etl
 from stages.etl.integrity import verify
 from stages.etl import sources
 from stages.model.predict import preprocess
-from stages.etl.images import decode_rgb
+from stages.etl.images import BadImage, decode_rgb
 from stages.common import locks, storage
 from stages.common.config import EtlConfig, S3Config
 from tests.conftest import free_port, image_bytes, lock_held, make_tree
@@ -79,6 +79,22 @@ def test_mpo_jpeg_is_accepted_as_jpeg():
     assert Image.open(io.BytesIO(buf.getvalue())).format == "MPO"
     got = decode_rgb(buf.getvalue(), 32).astype(int)
     assert np.abs(got - decode_rgb(_jpeg(first), 32).astype(int)).mean() < 3  # the first frame
+
+
+def test_a_damaged_header_is_corrupt_and_foreign_bytes_are_not_an_image():
+    """Pillow says "cannot identify" for both; the file's signature tells them apart."""
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    data = bytearray(png.getvalue())
+    data[29] ^= 0xFF  # a byte of IHDR's CRC (8 signature + 4 length + 4 type + 13 data = 29)
+    jpeg = b"\xff\xd8\xff\xe0" + bytes(40)
+    for damaged, fmt in [(bytes(data), "PNG"), (jpeg, "JPEG"), (b"RIFF\0\0\0\0WEBPVP8 " + bytes(20), "WEBP")]:
+        with pytest.raises(BadImage) as e:
+            decode_rgb(damaged, 16)
+        assert e.value.reason == "corrupt", (fmt, e.value)
+    for foreign in (b"this is a text file\n", b"\x89PNX" + bytes(40)):
+        with pytest.raises(BadImage, match="not_an_image"):
+            decode_rgb(foreign, 16)
 
 
 @pytest.fixture

@@ -33,6 +33,18 @@ REASONS = ("empty_file", "too_large", "not_an_image", "unsupported_format", "tru
 MAX_JPEG_SCANS = 100
 
 
+# Leading bytes that only these formats write. Pillow says "cannot identify" both for bytes that are
+# no image and for an image whose header is damaged; the signature tells the two apart.
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+
+
+def _signature(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+
+
 class BadImage(ValueError):
     """Bytes that are not a usable image; `reason` is one of REASONS."""
 
@@ -49,6 +61,8 @@ def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -
     try:
         img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
+        if (fmt := _signature(data)) is not None:  # e.g. a PNG whose IHDR fails its CRC: damaged, not foreign
+            raise BadImage("corrupt", f"a {fmt} signature, but its header does not parse") from None
         raise BadImage("not_an_image", "no known image signature") from None
     except Exception as e:  # Pillow raises many types on malformed headers
         raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
