@@ -8,7 +8,9 @@ Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
   /v2/...         the Open Inference Protocol (KServe v2), N images a request: stages/serve_v2.py
 
 Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
-503 when the model side fails (the detail never echoes exception text; the replica log has it).
+503 when the model side fails (the detail never echoes exception text; the replica log has it),
+or 503 `overloaded` with Retry-After past what the model side can hold (`admission`), answered
+before the body is read. Serve's own plain-text 503 is then left for floods past SHED_ROOM.
 The body limit is enforced while the bytes stream in, before any multipart parsing or decode.
 The model runs in its own deployment (stages.serve.replica.Classifier); a call whose model replica dies
 mid-request is retried here on another replica (prediction is idempotent), so a replica kill
@@ -16,28 +18,27 @@ costs latency, not a failed request.
 """
 # No `from __future__ import annotations`: FastAPI reads the handlers' annotations at runtime.
 import asyncio
+import contextlib
 import logging
 import os
 import time
-import zlib
 from typing import Any, Awaitable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
-from starlette.datastructures import UploadFile
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.formparsers import MultiPartException
-from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from stages.common.config import ServeConfig
 from stages.serve import v2 as serve_v2
+from stages.serve.body import HTTPError, first_file, printable, read_body
 from stages.serve.v2 import V2Error
 
-__all__ = ["Ingress", "HTTPError", "printable", "read_body", "content_decoded", "first_file", "guarded", "guarded_v2",
-           "IMAGE_STATUS", "MEDIA_TYPES"]
+__all__ = ["Ingress", "HTTPError", "admission", "SHED_ROOM", "guarded", "guarded_v2", "IMAGE_STATUS",
+           "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -48,30 +49,16 @@ MEDIA_TYPES = {"JPEG": "image/jpeg", "PNG": "image/png", "WEBP": "image/webp", "
 IMAGE_STATUS = {"unsupported_format": 415, "decompression_bomb": 413, "too_large": 413}
 # Health routes answer HEAD too, as HTTP asks of every GET route: load balancers probe with it.
 _PROBE = ["GET", "HEAD"]
-_GZIP_MEMBERS = 16  # members of one gzip body (a streaming compressor writes a few)
 # A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
 _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
 _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
+# Requests an ingress replica takes beyond its admission only to answer them itself with the JSON
+# 503 (a coroutine each; no body is read). Past it Serve's proxy queues and sheds in plain text.
+SHED_ROOM = 1024
+RETRY_AFTER = {"Retry-After": "1"}
 _V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
               "POST /v2/models/{name}[/versions/{version}]/infer")
-
-
-class HTTPError(Exception):
-    """A request the app rejects: becomes `{"error": error, "detail": detail}` with `status`."""
-
-    def __init__(self, status: int, error: str, detail: str = "", headers: Optional[dict] = None):
-        super().__init__(f"{status} {error}: {detail}")
-        self.status, self.error, self.detail, self.headers = status, error, detail, headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.error, "detail": printable(self.detail)}, self.status, self.headers)
-
-
-def printable(text: str) -> str:
-    """`text` as UTF-8 can carry it: a client's lone surrogate ('\\ud800' is legal JSON) quoted
-    in an error message made the error response itself fail to encode, a 500."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 async def guarded(work: Awaitable[JSONResponse]) -> JSONResponse:
@@ -127,110 +114,21 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return HTTPError(400, "bad_request", str(exc.errors())[:300]).response()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 past `limit` bytes.
-
-    Content-Length is checked first (cheap), then bytes are counted as they stream in, because a
-    chunked upload has no Content-Length and Serve's proxy enforces no size limit of its own.
-    """
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not serve_v2.is_decimal(declared):
-            raise HTTPError(400, "bad_content_length", f"Content-Length '{declared}' is not a number")
-        if int(declared) > limit:
-            raise HTTPError(413, "too_large", f"Content-Length {int(declared)} exceeds serve.max_body_bytes="
-                                              f"{limit}; send a smaller image")
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, "too_large", f"body exceeds serve.max_body_bytes={limit}; send a smaller image")
-            chunks.append(chunk)
-    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
-        raise HTTPError(400, "client_disconnected", "the body ended early") from None
-    return content_decoded(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
-
-
-def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:
-    """The body without its Content-Encoding (gzip, deflate: what tritonclient's
-    request_compression_algorithm sends), inflated to at most `limit` bytes: a small compressed
-    body must not become a memory bomb."""
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    # gzip and deflate as zlib streams; a bare deflate stream (some clients send one) as raw
-    tries = {"gzip": (16 + zlib.MAX_WBITS,), "x-gzip": (16 + zlib.MAX_WBITS,),
-             "deflate": (zlib.MAX_WBITS, -zlib.MAX_WBITS)}.get(encoding)
-    if tries is None:
-        raise HTTPError(415, "unsupported_content_encoding",
-                        f"Content-Encoding '{encoding[:40]}'; send the body as gzip, deflate or identity")
-    for wbits in tries:
-        try:
-            plain = _inflate(body, wbits, limit, encoding)
-        except zlib.error:
-            continue
-        if plain is not None:
-            return plain
-    raise HTTPError(400, "bad_content_encoding", f"the body is not a complete {encoding} stream")
-
-
-def _inflate(body: bytes, wbits: int, limit: int, encoding: str) -> bytes | None:
-    """Every member of a gzip body (RFC 1952 allows several; Python's gzip reads them all), or
-    the one zlib/deflate stream; None when the body ends inside a stream or goes on after it."""
-    parts, size, rest = [], 0, body
-    for _ in range(_GZIP_MEMBERS):  # each member copies the rest of the body: a cap, not 200k members
-        inflate = zlib.decompressobj(wbits)
-        parts.append(inflate.decompress(rest, limit + 1 - size))
-        size += len(parts[-1])
-        if size > limit or inflate.unconsumed_tail:
-            raise HTTPError(413, "too_large", f"the {encoding} body inflates past serve.max_body_bytes={limit}; "
-                                              "send a smaller image")
-        rest = inflate.unused_data
-        if not inflate.eof or (rest and wbits != 16 + zlib.MAX_WBITS):
-            return None
-        if not rest.strip(b"\0"):  # gzip(1) accepts zero padding after the last member
-            return b"".join(parts)
-    raise HTTPError(400, "bad_content_encoding", f"the body holds more than {_GZIP_MEMBERS} gzip members; "
-                                                 "compress it as one")
-
-
-async def first_file(body: bytes, request: Request) -> bytes:
-    """Content of the one file part of an already size-checked multipart/form-data body.
-
-    Parsed by python-multipart (through Starlette) from the buffered bytes, so a form can't get
-    past max_body_bytes. A part is a file when it has a filename; the field name doesn't matter.
-    A form with a second file is refused: /predict answers for one image, and a client that sent
-    two had the second dropped without a word.
-    """
-    async def replay() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    try:
-        form = await Request(request.scope, replay).form(max_files=1, max_fields=32)
-    except (MultiPartException, StarletteHTTPException) as e:  # Starlette wraps the parser's in its own
-        detail = str(getattr(e, "detail", None) or e)
-        if detail.startswith("Too many files"):
-            raise HTTPError(400, "too_many_files", "/predict classifies one image a request and the form holds "
-                            "more than one file; send one, or send several to /v2/models/<model>/infer "
-                            "(one request, N images)") from None
-        raise HTTPError(400, "malformed_multipart", detail) from None
-    except Exception as e:  # whatever a hostile form trips in the parser is the form's fault
-        raise HTTPError(400, "malformed_multipart", type(e).__name__) from None
-    try:
-        for _, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                return await value.read()
-    finally:
-        await form.close()
-    raise HTTPError(400, "missing_file", "no complete file part in the form; send the image as a file field")
-
-
 class _Local:
     """A model method in this process, called like a DeploymentHandle method: `.remote(...)`."""
 
     def __init__(self, method: Any):
         self.remote = method
+
+
+def admission(cfg: ServeConfig) -> Optional[int]:
+    """Image requests one ingress replica lets through to the model side at once: its share of the
+    model replicas' running requests plus its handle's queue (Serve bounds the queue per handle).
+    None: unbounded (serve.max_queued_requests=-1) or the model in the ingress (the proxy sheds)."""
+    if cfg.max_queued_requests < 0 or not cfg.model_deployment:
+        return None
+    replicas = cfg.max_replicas if cfg.autoscaling else cfg.num_replicas
+    return -(-replicas * cfg.max_ongoing_requests // cfg.ingress_replicas) + cfg.max_queued_requests
 
 
 @serve.deployment
@@ -240,6 +138,7 @@ class Ingress:
 
     def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
         self.cfg = cfg
+        self.admission, self.in_flight = admission(cfg), 0
         if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
             # Imported here, not at the top: with a model deployment the ingress replica never
             # runs the model, and torch (through the replica) took its RSS from 213 to 396 MB.
@@ -332,6 +231,10 @@ class Ingress:
 
     async def _v2_infer(self, name: str, version: Optional[str], request: Request) -> Response:
         await self._v2_model(name, version)  # before reading the body: a wrong name costs no upload
+        with self._admitted():
+            return await self._v2_answer(name, request)
+
+    async def _v2_answer(self, name: str, request: Request) -> Response:
         body = await read_body(request, self.cfg.max_body_bytes)
         parsed = serve_v2.parse_infer(body, request.headers.get(serve_v2.HEADER), self.cfg.max_images_per_request)
         answer = await self._call("classify_many", parsed.images)
@@ -341,7 +244,25 @@ class Ingress:
         content, headers = serve_v2.encode_infer(answer["results"], parsed, name, str(answer["model_version"] or ""))
         return Response(content, 200, headers)
 
+    @contextlib.contextmanager
+    def _admitted(self):
+        """A place among the requests the model side can hold, or the JSON 503 at once: under a
+        flood Serve's proxy had answered in plain text after 3-17 s (400 requests, 2 cores)."""
+        if self.admission is not None and self.in_flight >= self.admission:
+            raise HTTPError(503, "overloaded", f"{self.in_flight} requests are in progress, as many as the model "
+                            f"replicas and their queue hold (serve.max_ongoing_requests, serve.max_queued_requests); "
+                            f"retry later", RETRY_AFTER)
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
     async def _predict(self, request: Request) -> JSONResponse:
+        with self._admitted():
+            return await self._predict_admitted(request)
+
+    async def _predict_admitted(self, request: Request) -> JSONResponse:
         started = time.perf_counter()
         result = await self._call("classify", await self._image_bytes(request))
         if "error" in result:  # the model replica judged the bytes: not an image it accepts
@@ -364,6 +285,9 @@ class Ingress:
         for attempt in range(1, _MODEL_ATTEMPTS + 1):
             try:
                 return await self.model[method].remote(*args)
+            except BackPressureError:  # the handle's queue is full (another ingress replica's share ran over)
+                raise HTTPError(503, "overloaded", "the model replicas' queue is full "
+                                "(serve.max_queued_requests); retry later", RETRY_AFTER) from None
             except (RayActorError, ActorUnavailableError) as e:
                 if attempt == _MODEL_ATTEMPTS:
                     raise
