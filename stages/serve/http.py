@@ -246,8 +246,8 @@ class Ingress:
 
     @contextlib.contextmanager
     def _admitted(self):
-        """A place among the requests the model side can hold, or the JSON 503 at once: under a
-        flood Serve's proxy had answered in plain text after 3-17 s (400 requests, 2 cores)."""
+        """A place among the requests the model side can hold, or the JSON 503 before the body is
+        read. Serve's router had shed a flood in plain text (381 of 400, 2 cores; README, Serving)."""
         if self.admission is not None and self.in_flight >= self.admission:
             raise HTTPError(503, "overloaded", f"{self.in_flight} requests are in progress, as many as the model "
                             f"replicas and their queue hold (serve.max_ongoing_requests, serve.max_queued_requests); "
