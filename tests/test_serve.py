@@ -288,7 +288,8 @@ def test_same_image_same_answer_raw_multipart_and_compressed(client):
     form = client.post("/predict", files={"f": ("a.jpg", data, "image/jpeg")}).json()
     assert raw["top_k"] == form["top_k"]
     two_members = _gzip(data[:100]) + _gzip(data[100:])  # RFC 1952: one body, several members
-    for encoding, body in (("gzip", _gzip(data)), ("deflate", zlib.compress(data)), ("gzip", two_members)):
+    for encoding, body in (("gzip", _gzip(data)), ("deflate", zlib.compress(data)), ("gzip", two_members),
+                           ("deflate, gzip", _gzip(zlib.compress(data))), ("gzip, identity", _gzip(data))):
         r = client.post("/predict", content=body, headers={**JPEG, "content-encoding": encoding})
         assert r.status_code == 200 and r.json()["top_k"] == raw["top_k"], (encoding, r.text)
 
@@ -366,6 +367,10 @@ BAD = {
     "gzip-corrupt": (dict(content=_gzip(_good)[:-40], headers={**JPEG, "content-encoding": "gzip"}), 400,
                      "bad_content_encoding"),
     "brotli": (dict(content=_good, headers={**JPEG, "content-encoding": "br"}), 415, "unsupported_content_encoding"),
+    "gzip-then-brotli": (dict(content=_good, headers={**JPEG, "content-encoding": "gzip, br"}), 415,
+                         "unsupported_content_encoding"),
+    "nested-gzip-bomb": (dict(content=_gzip(_gzip(bytes(MAX_BODY * 50))),
+                              headers={**JPEG, "content-encoding": "gzip, gzip"}), 413, "too_large"),
     "gzip-then-junk": (dict(content=_gzip(_good) + b"junk", headers={**JPEG, "content-encoding": "gzip"}), 400,
                        "bad_content_encoding"),
     # 200x150 px, 130 scans: decode time grows with each (a 36 MP one of 2,000 took 24 s)

@@ -7,9 +7,9 @@ batching, forward pass).
 
 Serve's proxy answers a few cases itself with a plain-text body: 408 past request_timeout_s, and
 503 past the ingress's own shedding (stages.serve.http.admission + SHED_ROOM requests a replica)
-or, with serve.model_deployment=false, past max_queued_requests. Note: the proxy honours a client's `x-request-timeout-seconds` header
-over request_timeout_s (0 disables it), so put a reverse proxy that strips it in front when the
-timeout is a protection, not just a default.
+or, with serve.model_deployment=false, past max_queued_requests. Note: the proxy honours a
+client's `x-request-timeout-seconds` header over request_timeout_s (0 disables it), so put a
+reverse proxy that strips it in front when the timeout is a protection, not just a default.
 """
 from __future__ import annotations
 

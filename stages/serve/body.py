@@ -17,6 +17,7 @@ from stages.serve import v2 as serve_v2
 __all__ = ["HTTPError", "printable", "read_body", "content_decoded", "first_file"]
 
 _GZIP_MEMBERS = 16  # members of one gzip body (a streaming compressor writes a few)
+_MAX_CODINGS = 4  # content codings one body may list; each is a full inflate within the limit
 
 
 class HTTPError(Exception):
@@ -64,8 +65,18 @@ async def read_body(request: Request, limit: int) -> bytes:
 def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:
     """The body without its Content-Encoding (gzip, deflate: what tritonclient's
     request_compression_algorithm sends), inflated to at most `limit` bytes: a small compressed
-    body must not become a memory bomb."""
-    encoding = encoding.strip().lower()
+    body must not become a memory bomb. A list ("gzip, gzip") names codings in the order they were
+    applied (RFC 9110 8.4): undone last first, each within the limit."""
+    codings = [c.strip().lower() for c in encoding.split(",")]
+    if len(codings) > _MAX_CODINGS:
+        raise HTTPError(415, "unsupported_content_encoding", f"{len(codings)} content codings; at most "
+                                                              f"{_MAX_CODINGS}")
+    for coding in reversed(codings):
+        body = _undo(body, coding, limit)
+    return body
+
+
+def _undo(body: bytes, encoding: str, limit: int) -> bytes:
     if encoding in ("", "identity"):
         return body
     # gzip and deflate as zlib streams; a bare deflate stream (some clients send one) as raw
