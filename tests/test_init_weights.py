@@ -342,6 +342,10 @@ def test_weights_on_s3_load_and_a_missing_object_is_refused(s3_bucket, tmp_path)
     assert plan.record["sha256"] == init_weights.source_sha256(str(path)) and plan.record["head"] == "replaced"
     with pytest.raises(ConfigError, match="does not exist"):
         init_weights.prepare(TrainConfig(model="resnet18", init_from=f"s3://{bucket}/models/none.pth"), CLASSES, s3)
+    init_source.check(f"s3://{bucket}/models/r18.pth", s3)  # the torch-free preflight reads its first bytes
+    for missing in ("models/none.pth", "models/run"):  # a file, a raymill folder
+        with pytest.raises(ConfigError, match="does not exist"):
+            init_source.check(f"s3://{bucket}/{missing}", s3)
 
 
 def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path):

@@ -126,12 +126,15 @@ def sniff(head: bytes, kind: str, uri: str) -> None:
 
 def check(uri: str, s3: Any | None = None) -> None:
     """The checks that need no torch, for the CLI to run before Ray starts: the source exists and
-    is readable; a raymill folder's model.pt matches its model.json; a file's first bytes fit its
-    kind. ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
+    is readable; a local raymill folder's model.pt matches its model.json; a file's first bytes fit
+    its kind. ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
     kind = kind_of(uri)
     if kind == "raymill":
         info = _model_json(uri, s3)
-        if _file_sha256(storage.join(uri, "model.pt"), s3, "model.pt of") != info["weights_sha256"]:
+        weights = storage.join(uri, "model.pt")
+        if storage.is_remote(uri):  # its checksum waits for the one download the run makes (prepare)
+            read(weights, s3, "model.pt of", head=_SNIFF_BYTES)
+        elif _file_sha256(weights, s3, "model.pt of") != info["weights_sha256"]:
             raise _mismatch(uri)
         return
     sniff(read(uri, s3, "file", head=_SNIFF_BYTES), kind, uri)
