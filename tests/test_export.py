@@ -204,6 +204,7 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
     cases.append((["--model", model, "--output", str(foreign)], "not a raymill export"))
     (tmp_path / "a-file").write_text("x")
     cases.append((["--model", model, "--output", str(tmp_path / "a-file" / "repo")], "--output '"))
+    cases.append((["--model", model, "--output", str(tmp_path / "new" / ("a" * 300))], "File name too long"))
     cases.append((["--model", model, "--output", str(tmp_path / "d"), "--data", str(tmp_path / "none")],
                   f"--data '{tmp_path / 'none'}' which cannot be read"))
     for args, fragment in cases:

@@ -151,20 +151,26 @@ def test_checkpoints_and_wrapped_keys_are_unwrapped_to_the_same_weights(tmp_path
     model(torch.zeros(2, 3, 32, 32)).sum().backward()
     opt.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    files = {"lightning.ckpt.pt": {"state_dict": state, "epoch": 3, "optimizer_states": [opt.state_dict()]},
-             "tutorial.pt": {"model_state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3,
-                             "optimizer_state_dict": opt.state_dict(), "loss": 0.5},
-             "compiled.pt": {f"_orig_mod.{k}": v for k, v in state.items()}}
-    expected = {"lightning.ckpt.pt": ["the checkpoint's 'state_dict' entry"],
-                "tutorial.pt": ["the checkpoint's 'model_state_dict' entry", "the 'module.' prefix of every key"],
-                "compiled.pt": ["the '_orig_mod.' prefix of every key"]}
+    files = {"lightning.ckpt": {"state_dict": state, "epoch": 3, "optimizer_states": [opt.state_dict()]},
+             "tutorial.tar": {"model_state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3,
+                              "optimizer_state_dict": opt.state_dict(), "loss": 0.5},
+             "compiled-ddp.pt": {f"_orig_mod.module.{k}": v for k, v in state.items()}}
+    expected = {"lightning.ckpt": ["the checkpoint's 'state_dict' entry"],
+                "tutorial.tar": ["the checkpoint's 'model_state_dict' entry", "the 'module.' prefix of every key"],
+                "compiled-ddp.pt": ["the '_orig_mod.' prefix of every key", "the 'module.' prefix of every key"]}
     for name, content in files.items():
         torch.save(content, tmp_path / name)
+        init_source.check(str(tmp_path / name))
         plan = init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / name)), CLASSES)
         assert plan.record["unwrapped"] == expected[name], name
+        # the workers get the weights alone, not the optimizer state beside them
+        assert plan.record["bytes"] == (tmp_path / name).stat().st_size > len(plan.payload), name
         fresh = build_model("small_cnn", 3, 8)
         init_weights.apply(fresh, plan.payload, plan.record, "small_cnn")
         assert all(torch.equal(v, state[k]) for k, v in fresh.state_dict().items() if not k.startswith("fc.")), name
+    (tmp_path / "weights.data").write_bytes((tmp_path / "lightning.ckpt").read_bytes())
+    with pytest.raises(ConfigError, match=r"lies under a file.*\.ckpt"):
+        init_source.check(str(tmp_path / "weights.data"))
     torch.save({"optimizer": opt.state_dict(), "epoch": 3}, tmp_path / "optimizer-only.pt")
     with pytest.raises(ConfigError, match=r"nor a checkpoint with one under state_dict.*keys: optimizer, epoch"):
         init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / "optimizer-only.pt")),

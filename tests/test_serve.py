@@ -292,6 +292,10 @@ def test_same_image_same_answer_raw_multipart_and_compressed(client):
                            ("deflate, gzip", _gzip(zlib.compress(data))), ("gzip, identity", _gzip(data))):
         r = client.post("/predict", content=body, headers={**JPEG, "content-encoding": encoding})
         assert r.status_code == 200 and r.json()["top_k"] == raw["top_k"], (encoding, r.text)
+    # two Content-Encoding lines are the list "gzip, gzip" (RFC 9110), not the first line alone
+    r = client.post("/predict", content=_gzip(_gzip(data)),
+                    headers=[*JPEG.items(), ("content-encoding", "gzip"), ("content-encoding", "gzip")])
+    assert r.status_code == 200 and r.json()["top_k"] == raw["top_k"], r.text
 
 
 def test_healthz_and_metadata(client, app):

@@ -134,15 +134,24 @@ def _check_output(out: str, s3: Any | None) -> None:
 
 
 def _check_creatable(out: str, root: str) -> None:
-    """A new local folder can be made at `root`: its nearest existing ancestor is a folder this
-    process may write into (access(2): a read-only filesystem says so too)."""
-    parent = os.path.abspath(root)
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    why = ("'" + parent + "' is a file" if not os.path.isdir(parent) else
-           None if os.access(parent, os.W_OK | os.X_OK) else "'" + parent + "' is not writable")
-    if why:
-        raise ExportError(f"--output '{out}' cannot be created ({why}); name a folder you can write to")
+    """A new local folder can be made at `root` (tried, then removed: the refused export leaves nothing)."""
+    path = os.path.abspath(root)
+    first = path
+    while not os.path.lexists(os.path.dirname(first)) and os.path.dirname(first) != first:
+        first = os.path.dirname(first)
+    try:  # made and removed again: only the filesystem knows (read-only, /proc, a name too long, a file)
+        os.makedirs(path)
+    except OSError as e:
+        raise ExportError(f"--output '{out}' cannot be created ({e.strerror or type(e).__name__}); name a folder "
+                          f"you can write to") from None
+    while True:  # only the empty folders made here: rmdir, never a tree another run may have written into
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+        if path == first:
+            return
+        path = os.path.dirname(path)
 
 
 def check_images(info: dict, count: int, s3: Any | None = None, data: str | None = None) -> tuple[np.ndarray, str]:
@@ -163,6 +172,10 @@ def check_images(info: dict, count: int, s3: Any | None = None, data: str | None
     manifest = etl_output.manifest
     fmt = "parquet" if "parquet" in manifest["config"]["formats"] else "tar"
     raw = storage.stored_raw(manifest, fmt)
+    if raw and manifest["config"]["image_size"] != info["image_size"]:
+        raise ExportError(f"'{etl_output.path}' stores raw {manifest['config']['image_size']} px pixels but the "
+                          f"model expects {info['image_size']} px; pass --data with another ETL output, or a folder "
+                          f"of images")
     for split in ("test", "val", "train"):
         refs = streaming.shard_refs(manifest, etl_output.path, split, fmt)
         if sum(r.rows for r in refs):
@@ -186,12 +199,12 @@ def _folder_images(info: dict, count: int, fs, root: str, data: str) -> np.ndarr
     entries, _ = sources.list_tree(fs, root, rules["follow_symlinks"])
     images: list[np.ndarray] = []
     for entry in (e for e in entries if e.problem is None):
-        try:
-            raw = sources.read_capped(fs, root, entry.rel, int(rules["max_file_mb"] * 2**20), rules["follow_symlinks"])
+        try:  # the cap as ETL and infer count it (MB, not MiB)
+            raw = sources.read_capped(fs, root, entry.rel, int(rules["max_file_mb"] * 1e6), rules["follow_symlinks"])
             images.append(decode_rgb(raw, info["image_size"], resize=info.get("resize", "crop"),
                                      allowed_formats=tuple(rules["allowed_formats"]),
                                      max_pixels=rules["max_image_pixels"]))
-        except BadImage:
+        except (BadImage, OSError):  # not an image, or gone / unreadable since it was listed: skipped
             continue
         if len(images) >= count:
             break

@@ -14,18 +14,23 @@ from typing import Any, Iterator
 from stages.common import storage
 from stages.common.config import ConfigError
 
-__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff"]
+__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "TORCH_SUFFIXES"]
 
 _HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
 _SNIFF_BYTES = 16
 
 
+# torch.save files by the names they go by: .pt/.pth, Lightning's .ckpt, the PyTorch tutorial's
+# .tar for checkpoints, Hugging Face's pytorch_model.bin
+TORCH_SUFFIXES = (".pth", ".pt", ".ckpt", ".tar", ".bin")
+
+
 def kind_of(uri: str) -> str:
-    """'safetensors', 'torch' (.pth / .pt) or 'raymill' (any other path: an output folder)."""
+    """'safetensors', 'torch' (TORCH_SUFFIXES) or 'raymill' (any other path: an output folder)."""
     name = str(uri).rstrip("/").lower()
     if name.endswith(".safetensors"):
         return "safetensors"
-    return "torch" if name.endswith((".pth", ".pt")) else "raymill"
+    return "torch" if name.endswith(TORCH_SUFFIXES) else "raymill"
 
 
 @contextlib.contextmanager
@@ -35,7 +40,11 @@ def _reading(uri: str, what: str) -> Iterator[None]:
         yield
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {what} '{uri}' does not exist; pass a raymill train/tune output "
-                          f"folder, a .pth/.pt state dict or a .safetensors file") from None
+                          f"folder, a .pth/.pt/.ckpt state dict or checkpoint, or a .safetensors file") from None
+    except NotADirectoryError:  # a file read as a raymill folder: its name has no weights suffix
+        raise ConfigError(f"train.init_from: '{uri}' lies under a file, not a folder; a weights file must end in "
+                          f"{', '.join(TORCH_SUFFIXES)} or .safetensors (rename it), and a raymill output folder "
+                          f"holds model.json + model.pt") from None
     except IsADirectoryError:
         raise ConfigError(f"train.init_from: '{uri}' is a folder, expected a file; name the weights file "
                           f"itself, or pass a raymill output folder (with model.json)") from None

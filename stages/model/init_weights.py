@@ -48,7 +48,8 @@ _SHOWN = 5  # keys named in a refusal; the count says how many more
 
 @dataclass(frozen=True)
 class InitPlan:
-    """A checked init: what the workers load (`payload`), what manifests record, and the
+    """A checked init: what the workers load (`payload`: the source's bytes, or the unwrapped weights
+    alone, record["shipped"]), what manifests record, and the
     effective train config (its augment mean/std possibly taken from the source)."""
     record: dict[str, Any]  # source, kind, sha256, bytes, head ("kept"/"replaced"), mean, std, normalisation
     train: TrainConfig
@@ -56,8 +57,9 @@ class InitPlan:
 
 
 # Where training checkpoints keep the model's weights, in the order they are looked for: Lightning
-# and most scripts ("state_dict"), the PyTorch tutorial's ("model_state_dict"), timm's and many
-# repos' ("model", "net"). Saved beside them: optimizer state, epoch, config, none of it wanted.
+# and most scripts ("state_dict"), the PyTorch tutorial's ("model_state_dict"), many repos' ("model",
+# "net"). Saved beside them: optimizer state, epoch, counters, none of it wanted. A checkpoint that
+# also pickles objects (an argparse.Namespace of its args, numpy scalars) is still refused.
 CHECKPOINT_KEYS = ("state_dict", "model_state_dict", "model", "net")
 # Prefixes a wrapper adds to every key: DDP / DataParallel ("module."), torch.compile ("_orig_mod.")
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -108,10 +110,10 @@ def unwrap(state: Any, uri: str) -> tuple[dict[str, torch.Tensor], list[str]]:
         raise ConfigError(f"train.init_from: '{uri}' is not a flat state dict (parameter name -> tensor), nor a "
                           f"checkpoint with one under {', '.join(CHECKPOINT_KEYS)}{keys}. Save its model's weights "
                           f"alone: torch.save(model.state_dict(), path)")
-    for prefix in WRAPPER_PREFIXES:
-        if all(k.startswith(prefix) for k in state):
-            state = {k[len(prefix):]: v for k, v in state.items()}
-            notes.append(f"the '{prefix}' prefix of every key")
+    # Until none is left: torch.compile(DDP(model)) saves "_orig_mod.module.", DDP(compiled) the reverse
+    while prefix := next((p for p in WRAPPER_PREFIXES if all(k.startswith(p) for k in state)), None):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        notes.append(f"the '{prefix}' prefix of every key")
     return state, notes
 
 
@@ -197,20 +199,27 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
     record = {"source": uri, "kind": kind, "sha256": storage.sha256_bytes(payload), "bytes": len(payload),
               "head": head, "mean": list(augment.mean), "std": list(augment.std), "normalisation": origin,
               "unwrapped": unwrapped}
+    shipped = payload
+    if unwrapped:  # the workers get the weights alone: a resnet18 + Adam checkpoint was 128 MiB, its weights 42
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        shipped = buf.getvalue()
+        record["shipped"] = {"sha256": storage.sha256_bytes(shipped), "kind": "torch", "bytes": len(shipped)}
     why = "same classes" if head == "kept" else ("the source names no classes" if info is None
                                                  else "other classes" if not same_classes else "another shape")
     log.info(f"train: init from {uri} ({kind}, {len(payload) / 1e6:.1f} MB, sha256 {record['sha256'][:12]}): "
              f"{len(state)} tensors checked{' (took ' + ' and '.join(unwrapped) + ')' if unwrapped else ''}, "
              f"head {head} ({why}), mean/std from {origin}")
-    return InitPlan(record, cfg.model_copy(update={"augment": augment}), payload)
+    return InitPlan(record, cfg.model_copy(update={"augment": augment}), shipped)
 
 
 def apply(model: torch.nn.Module, payload: bytes, record: dict[str, Any], model_name: str) -> None:
     """Load the checked init into `model` (freshly built and seeded): the backbone from the source;
     the head from it when `record['head']` is kept, else the model's own fresh head stays."""
-    if storage.sha256_bytes(payload) != record["sha256"]:  # the driver checked exactly these bytes
+    shipped = record.get("shipped") or {"sha256": record["sha256"], "kind": record["kind"]}
+    if storage.sha256_bytes(payload) != shipped["sha256"]:  # the driver checked exactly these bytes
         raise RuntimeError(f"init weights from {record['source']} arrived with another sha256; rerun")
-    state, _ = parse(payload, "torch" if record["kind"] == "raymill" else record["kind"], record["source"])
+    state, _ = parse(payload, "torch" if shipped["kind"] == "raymill" else shipped["kind"], record["source"])
     head = HEAD_PREFIX[model_name]
     keep = record["head"] == "kept"
     own = model.state_dict()

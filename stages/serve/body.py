@@ -59,7 +59,8 @@ async def read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
     except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
         raise HTTPError(400, "client_disconnected", "the body ended early") from None
-    return content_decoded(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+    # Several Content-Encoding lines are one list (RFC 9110 5.3): headers.get read only the first
+    return content_decoded(b"".join(chunks), ", ".join(request.headers.getlist("content-encoding")), limit)
 
 
 def content_decoded(body: bytes, encoding: str, limit: int) -> bytes:

@@ -37,7 +37,7 @@ from stages.serve import v2 as serve_v2
 from stages.serve.body import HTTPError, first_file, printable, read_body
 from stages.serve.v2 import V2Error
 
-__all__ = ["Ingress", "HTTPError", "admission", "SHED_ROOM", "guarded", "guarded_v2", "IMAGE_STATUS",
+__all__ = ["Ingress", "HTTPError", "admission", "running_share", "SHED_ROOM", "guarded", "guarded_v2", "IMAGE_STATUS",
            "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
 _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
 # Requests an ingress replica takes beyond its admission only to answer them itself with the JSON
-# 503 (a coroutine each; no body is read). Past it Serve's proxy queues and sheds in plain text.
+# 503 (a coroutine each; no body is read). Serve's router queues as many more in front of it; past
+# admission + 2 x SHED_ROOM Serve's proxy sheds in plain text.
 SHED_ROOM = 1024
 RETRY_AFTER = {"Retry-After": "1"}
 _V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
@@ -121,14 +122,20 @@ class _Local:
         self.remote = method
 
 
+def running_share(cfg: ServeConfig) -> int:
+    """One ingress replica's share of the requests the model replicas run at once."""
+    replicas = cfg.max_replicas if cfg.autoscaling else cfg.num_replicas
+    return -(-replicas * cfg.max_ongoing_requests // cfg.ingress_replicas)
+
+
 def admission(cfg: ServeConfig) -> Optional[int]:
-    """Image requests one ingress replica lets through to the model side at once: its share of the
-    model replicas' running requests plus its handle's queue (Serve bounds the queue per handle).
-    None: unbounded (serve.max_queued_requests=-1) or the model in the ingress (the proxy sheds)."""
+    """Image requests one ingress replica holds at once: its running share, which read their bodies
+    and call the model, plus serve.max_queued_requests waiting for one of those places, with no body
+    read yet (as they had waited in Serve's queue). None: unbounded (serve.max_queued_requests=-1)
+    or the model in the ingress (Serve's proxy sheds)."""
     if cfg.max_queued_requests < 0 or not cfg.model_deployment:
         return None
-    replicas = cfg.max_replicas if cfg.autoscaling else cfg.num_replicas
-    return -(-replicas * cfg.max_ongoing_requests // cfg.ingress_replicas) + cfg.max_queued_requests
+    return running_share(cfg) + cfg.max_queued_requests
 
 
 @serve.deployment
@@ -139,6 +146,8 @@ class Ingress:
     def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
         self.cfg = cfg
         self.admission, self.in_flight = admission(cfg), 0
+        # Bodies in memory at once: the running share, as when the ingress took max_ongoing_requests
+        self.running = asyncio.Semaphore(running_share(cfg))
         if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
             # Imported here, not at the top: with a model deployment the ingress replica never
             # runs the model, and torch (through the replica) took its RSS from 213 to 396 MB.
@@ -231,7 +240,7 @@ class Ingress:
 
     async def _v2_infer(self, name: str, version: Optional[str], request: Request) -> Response:
         await self._v2_model(name, version)  # before reading the body: a wrong name costs no upload
-        with self._admitted():
+        async with self._admitted():
             return await self._v2_answer(name, request)
 
     async def _v2_answer(self, name: str, request: Request) -> Response:
@@ -244,22 +253,26 @@ class Ingress:
         content, headers = serve_v2.encode_infer(answer["results"], parsed, name, str(answer["model_version"] or ""))
         return Response(content, 200, headers)
 
-    @contextlib.contextmanager
-    def _admitted(self):
+    @contextlib.asynccontextmanager
+    async def _admitted(self):
         """A place among the requests the model side can hold, or the JSON 503 before the body is
         read. Serve's router had shed a flood in plain text (381 of 400, 2 cores; README, Serving)."""
-        if self.admission is not None and self.in_flight >= self.admission:
+        if self.admission is None:
+            yield
+            return
+        if self.in_flight >= self.admission:
             raise HTTPError(503, "overloaded", f"{self.in_flight} requests are in progress, as many as the model "
                             f"replicas and their queue hold (serve.max_ongoing_requests, serve.max_queued_requests); "
                             f"retry later", RETRY_AFTER)
         self.in_flight += 1
         try:
-            yield
+            async with self.running:  # queued requests wait here, their bodies unread
+                yield
         finally:
             self.in_flight -= 1
 
     async def _predict(self, request: Request) -> JSONResponse:
-        with self._admitted():
+        async with self._admitted():
             return await self._predict_admitted(request)
 
     async def _predict_admitted(self, request: Request) -> JSONResponse:
