@@ -144,13 +144,18 @@ def _check_creatable(out: str, root: str) -> None:
     except OSError as e:
         raise ExportError(f"--output '{out}' cannot be created ({e.strerror or type(e).__name__}); name a folder "
                           f"you can write to") from None
-    while True:  # only the empty folders made here: rmdir, never a tree another run may have written into
+    finally:
+        _remove_empty(path, first)
+
+
+def _remove_empty(path: str, first: str) -> None:
+    """rmdir `path` and its parents up to `first`: only empty folders, never a tree another run wrote into."""
+    while len(path) >= len(first):
         try:
             os.rmdir(path)
         except OSError:
-            return
-        if path == first:
-            return
+            if os.path.lexists(path):
+                return
         path = os.path.dirname(path)
 
 
