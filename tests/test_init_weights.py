@@ -163,6 +163,7 @@ def test_checkpoints_and_wrapped_keys_are_unwrapped_to_the_same_weights(tmp_path
         init_source.check(str(tmp_path / name))
         plan = init_weights.prepare(TrainConfig(model="small_cnn", width=8, init_from=str(tmp_path / name)), CLASSES)
         assert plan.record["unwrapped"] == expected[name], name
+        assert publish.init_lineage({"init": {"record": plan.record}})["lineage"]["init"]["unwrapped"] == expected[name]
         # the workers get the weights alone, not the optimizer state beside them
         assert plan.record["bytes"] == (tmp_path / name).stat().st_size > len(plan.payload), name
         fresh = build_model("small_cnn", 3, 8)

@@ -123,7 +123,8 @@ def init_lineage(loop_config: dict) -> dict[str, Any]:
     init = (loop_config.get("init") or {}).get("record")
     if not init:
         return {}
-    return {"lineage": {"init": {k: init[k] for k in ("source", "kind", "sha256", "bytes", "head", "normalisation")}}}
+    keys = ("source", "kind", "sha256", "bytes", "head", "normalisation", "unwrapped")  # unwrapped: a checkpoint's
+    return {"lineage": {"init": {k: init[k] for k in keys if init.get(k) is not None and init.get(k) != []}}}
 
 
 def init_inputs(loop_config: dict) -> dict[str, str]:
