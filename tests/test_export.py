@@ -24,7 +24,7 @@ from tritonclient.grpc import model_config_pb2
 from stages.common.artifacts import load_artifact
 from stages.common.config import load_config
 from stages.feed import streaming
-from stages.model import predict
+from stages.model import export, predict
 from tests.conftest import REPO
 from workflow import pipeline
 from workflow.__main__ import main
@@ -212,6 +212,9 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
         assert fragment in capsys.readouterr().err, args
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "foreign"]  # no output, no staging folder left
+    (tmp_path / "raced").mkdir()  # made by another run after the output was found missing: left to it
+    export._check_creatable(str(tmp_path / "raced"), str(tmp_path / "raced"))
+    assert (tmp_path / "raced").is_dir()
     # an earlier export is replaced, whatever its model's name was
     repo = tmp_path / "earlier"
     shutil.copytree(onnx_repo[0], repo)

@@ -134,29 +134,25 @@ def _check_output(out: str, s3: Any | None) -> None:
 
 
 def _check_creatable(out: str, root: str) -> None:
-    """A new local folder can be made at `root` (tried, then removed: the refused export leaves nothing)."""
-    path = os.path.abspath(root)
-    first = path
-    while not os.path.lexists(os.path.dirname(first)) and os.path.dirname(first) != first:
-        first = os.path.dirname(first)
-    try:  # made and removed again: only the filesystem knows (read-only, /proc, a name too long, a file)
-        os.makedirs(path)
+    """A new local folder can be made at `root`: tried one level at a time, and exactly the folders
+    made here removed again (a refused export leaves nothing; another run's folder is never touched)."""
+    missing, path = [], os.path.abspath(root)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    made: list[str] = []
+    try:  # only the filesystem knows: read-only, /proc, a name too long, a file on the path
+        for folder in reversed(missing):
+            os.mkdir(folder)
+            made.append(folder)
+    except FileExistsError:
+        pass  # another run made it meanwhile: the check under the lock decides
     except OSError as e:
         raise ExportError(f"--output '{out}' cannot be created ({e.strerror or type(e).__name__}); name a folder "
                           f"you can write to") from None
     finally:
-        _remove_empty(path, first)
-
-
-def _remove_empty(path: str, first: str) -> None:
-    """rmdir `path` and its parents up to `first`: only empty folders, never a tree another run wrote into."""
-    while len(path) >= len(first):
-        try:
-            os.rmdir(path)
-        except OSError:
-            if os.path.lexists(path):
-                return
-        path = os.path.dirname(path)
+        for folder in reversed(made):
+            os.rmdir(folder)
 
 
 def check_images(info: dict, count: int, s3: Any | None = None, data: str | None = None) -> tuple[np.ndarray, str]:

@@ -25,12 +25,17 @@ _SNIFF_BYTES = 16
 TORCH_SUFFIXES = (".pth", ".pt", ".ckpt", ".tar", ".bin")
 
 
-def kind_of(uri: str) -> str:
-    """'safetensors', 'torch' (TORCH_SUFFIXES) or 'raymill' (any other path: an output folder)."""
+def kind_of(uri: str, s3: Any | None = None, look: bool = False) -> str:
+    """'safetensors', 'torch' (TORCH_SUFFIXES) or 'raymill' (any other path: an output folder).
+    `look`: a folder that holds model.json is a raymill output whatever its name (run.ckpt/)."""
     name = str(uri).rstrip("/").lower()
-    if name.endswith(".safetensors"):
-        return "safetensors"
-    return "torch" if name.endswith(TORCH_SUFFIXES) else "raymill"
+    kind = "safetensors" if name.endswith(".safetensors") else "torch" if name.endswith(TORCH_SUFFIXES) else "raymill"
+    if look and kind != "raymill":
+        with contextlib.suppress(Exception):  # unreadable: the read that follows names the problem
+            fs, path = storage.filesystem(uri, s3)
+            if fs.isdir(path) and fs.exists(storage.join(path, "model.json")):
+                return "raymill"
+    return kind
 
 
 @contextlib.contextmanager
@@ -41,7 +46,11 @@ def _reading(uri: str, what: str) -> Iterator[None]:
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {what} '{uri}' does not exist; pass a raymill train/tune output "
                           f"folder, a .pth/.pt/.ckpt state dict or checkpoint, or a .safetensors file") from None
-    except NotADirectoryError:  # a file read as a raymill folder: its name has no weights suffix
+    except NotADirectoryError:
+        if kind_of(uri) != "raymill":
+            raise ConfigError(f"train.init_from: a part of the path '{uri}' is a file, not a folder; check the "
+                              f"path") from None
+        # a weights file read as a raymill folder (uri is its model.json): its name has no weights suffix
         raise ConfigError(f"train.init_from: '{uri}' lies under a file, not a folder; a weights file must end in "
                           f"{', '.join(TORCH_SUFFIXES)} or .safetensors (rename it), and a raymill output folder "
                           f"holds model.json + model.pt") from None
@@ -86,7 +95,7 @@ def _mismatch(uri: str) -> ConfigError:
 
 def read_source(uri: str, s3: Any | None = None) -> tuple[str, bytes, dict | None]:
     """(kind, weights bytes, model.json of a raymill folder or None)."""
-    kind = kind_of(uri)
+    kind = kind_of(uri, s3, look=True)
     if kind != "raymill":
         return kind, read(uri, s3, "file"), None
     info = _model_json(uri, s3)
@@ -113,7 +122,7 @@ def _file_sha256(uri: str, s3: Any | None, what: str = "file") -> str:
 
 def source_sha256(uri: str, s3: Any | None = None) -> str:
     """The sha256 of the weights `uri` names, without parsing them (a raymill folder: model.json's)."""
-    if kind_of(uri) == "raymill":
+    if kind_of(uri, s3, look=True) == "raymill":
         return _model_json(uri, s3)["weights_sha256"]
     return _file_sha256(uri, s3)
 
@@ -137,7 +146,7 @@ def check(uri: str, s3: Any | None = None) -> None:
     """The checks that need no torch, for the CLI to run before Ray starts: the source exists and
     is readable; a local raymill folder's model.pt matches its model.json; a file's first bytes fit
     its kind. ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
-    kind = kind_of(uri)
+    kind = kind_of(uri, s3, look=True)
     if kind == "raymill":
         info = _model_json(uri, s3)
         weights = storage.join(uri, "model.pt")

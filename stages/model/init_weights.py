@@ -203,8 +203,9 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
     if unwrapped:  # the workers get the weights alone: a resnet18 + Adam checkpoint was 128 MiB, its weights 42
         buf = io.BytesIO()
         torch.save(state, buf)
-        shipped = buf.getvalue()
-        record["shipped"] = {"sha256": storage.sha256_bytes(shipped), "kind": "torch", "bytes": len(shipped)}
+        if buf.tell() < len(payload):  # a prefix stripped from a bare state dict saves nothing
+            shipped = buf.getvalue()
+            record["shipped"] = {"sha256": storage.sha256_bytes(shipped), "kind": "torch", "bytes": len(shipped)}
     why = "same classes" if head == "kept" else ("the source names no classes" if info is None
                                                  else "other classes" if not same_classes else "another shape")
     log.info(f"train: init from {uri} ({kind}, {len(payload) / 1e6:.1f} MB, sha256 {record['sha256'][:12]}): "

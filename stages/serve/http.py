@@ -146,7 +146,7 @@ class Ingress:
     def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
         self.cfg = cfg
         self.admission, self.in_flight = admission(cfg), 0
-        # Bodies in memory at once: the running share, as when the ingress took max_ongoing_requests
+        # Bodies this replica reads at once: its running share (Serve's proxy buffers every passed-on one)
         self.running = asyncio.Semaphore(running_share(cfg))
         if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
             # Imported here, not at the top: with a model deployment the ingress replica never
