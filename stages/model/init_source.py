@@ -2,7 +2,7 @@
 
 `check` runs in the CLI's preflight, before Ray starts and torch is imported: a wrong path, an
 unreadable object, a raymill folder whose model.pt was changed, or a file that is not the kind its
-name says had been refused only after Ray and the trainer had started (~20 s on 2 cores). Parsing
+name says had been refused only after Ray and the trainer had started (17-19 s on 2 cores). Parsing
 the tensors and fitting them to the model stay in stages.model.init_weights, which needs torch.
 """
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _model_json(uri: str, s3: Any | None) -> dict:
     try:
         info = json.loads(read(storage.join(uri, "model.json"), s3, "model.json of"))
     except ConfigError as e:
-        raise ConfigError(f"{e} (a path not ending in .pth, .pt or .safetensors is read as a raymill train or "
-                          f"tune output folder, which holds model.json + model.pt)") from None
+        raise ConfigError(f"{e} (a path not ending in {', '.join(TORCH_SUFFIXES)} or .safetensors is read as a "
+                          f"raymill train or tune output folder, which holds model.json + model.pt)") from None
     except ValueError:
         raise ConfigError(f"train.init_from: '{uri}/model.json' is not JSON; re-publish that model") from None
     if not isinstance(info, dict) or not isinstance(info.get("weights_sha256"), str):
