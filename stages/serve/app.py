@@ -6,7 +6,7 @@ errors, retry on a lost model replica) and `Classifier` (stages/serve/replica.py
 batching, forward pass).
 
 Serve's proxy answers a few cases itself with a plain-text body: 408 past request_timeout_s, and
-503 past the ingress's own shedding (stages.serve.http.admission + SHED_ROOM requests a replica)
+503 past the ingress's own shedding (stages.serve.http.admission + 2 x SHED_ROOM a replica)
 or, with serve.model_deployment=false, past max_queued_requests. Note: the proxy honours a
 client's `x-request-timeout-seconds` header over request_timeout_s (0 disables it), so put a
 reverse proxy that strips it in front when the timeout is a protection, not just a default.

@@ -10,7 +10,7 @@ Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
 Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
 503 when the model side fails (the detail never echoes exception text; the replica log has it),
 or 503 `overloaded` with Retry-After past what the model side can hold (`admission`), answered
-before the body is read. Serve's own plain-text 503 is then left for floods past SHED_ROOM.
+before the body is read. Serve's own plain-text 503 is then left for floods past 2 x SHED_ROOM.
 The body limit is enforced while the bytes stream in, before any multipart parsing or decode.
 The model runs in its own deployment (stages.serve.replica.Classifier); a call whose model replica dies
 mid-request is retried here on another replica (prediction is idempotent), so a replica kill
