@@ -29,7 +29,7 @@ from stages.common.artifacts import Artifact, base_manifest, load_artifact, mani
 from stages.common.config import ConfigError, ExportConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.etl import pixels, sources
-from stages.etl.images import BadImage, decode_rgb
+from stages.etl.images import BadImage
 from stages.feed import streaming
 from stages.model import predict, triton
 from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onnx
@@ -202,9 +202,7 @@ def _folder_images(info: dict, count: int, fs, root: str, data: str) -> np.ndarr
     for entry in (e for e in entries if e.problem is None):
         try:  # the cap as ETL and infer count it (MB, not MiB)
             raw = sources.read_capped(fs, root, entry.rel, int(rules["max_file_mb"] * 1e6), rules["follow_symlinks"])
-            images.append(decode_rgb(raw, info["image_size"], resize=info.get("resize", "crop"),
-                                     allowed_formats=tuple(rules["allowed_formats"]),
-                                     max_pixels=rules["max_image_pixels"]))
+            images.append(predict.preprocess(raw, info, tuple(rules["allowed_formats"]), rules["max_image_pixels"]))
         except (BadImage, OSError):  # not an image, or gone / unreadable since it was listed: skipped
             continue
         if len(images) >= count:
