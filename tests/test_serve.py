@@ -419,13 +419,66 @@ def test_replica_survives_bad_requests(client, app):
     _check_prediction(r.json())
 
 
-def test_request_timeout_is_408_from_proxy(client):
-    """Serve's proxy answers a request past its timeout with 408 and a text body.
-
-    The timeout is forced with Serve's per-request header, which any client can send.
-    """
+def test_request_timeout_under_the_ingress_margin_is_408_from_proxy(client):
+    """A limit of 1 ms (Serve's per-request header, which any client can send) runs out before the
+    request reaches the ingress: Serve's proxy answers it, 408 with a text body."""
     r = client.post("/predict", content=image_bytes(12), headers={**JPEG, "x-request-timeout-seconds": "0.001"})
     assert r.status_code == 408 and "timed out" in r.text
+
+
+def test_request_deadline_reads_the_header_as_serve_does():
+    assert serve_http.request_deadline({}, 10.0) == 10.0
+    assert serve_http.request_deadline({"x-request-timeout-seconds": "2.5"}, 10.0) == 2.5
+    assert serve_http.request_deadline({"x-request-timeout-seconds": "abc"}, 10.0) == 10.0
+    for off in ("0", "-1", "nan"):
+        assert serve_http.request_deadline({"x-request-timeout-seconds": off}, 10.0) is None
+
+
+def test_a_deadline_is_408_while_the_body_arrives_and_504_after():
+    """`within` on real asyncio: a request slower than its limit gets the JSON answer a quarter of
+    the limit early (before the proxy's plain text), 408 or 504 by where the time went."""
+    from starlette.requests import Request
+
+    def request() -> Request:
+        return Request({"type": "http", "method": "POST", "path": "/predict",
+                        "headers": [(b"x-request-timeout-seconds", b"0.4")]})
+
+    async def answer(req: Request):
+        started = time.perf_counter()
+        response = await serve_http.guarded(serve_http.within(asyncio.sleep(5), req, 30.0))
+        return response, time.perf_counter() - started
+
+    slow_client, waited = asyncio.run(answer(request()))
+    assert slow_client.status_code == 408 and json.loads(slow_client.body)["error"] == "request_timeout"
+    assert 0.25 < waited < 0.4, waited
+    read = request()
+    read.state.body_read = True
+    slow_model, _ = asyncio.run(answer(read))
+    assert slow_model.status_code == 504 and slow_model.headers["retry-after"] == "1"
+    assert json.loads(slow_model.body)["error"] == "model_timeout"
+
+
+def test_a_slow_upload_gets_the_json_408_before_the_proxy_times_it_out(app):
+    """A client that announces 5,000 bytes and sends 100: the ingress answers JSON 408 at 1.5 s of
+    its 2 s limit; Serve's proxy would have answered plain text at 2 s."""
+    import socket
+
+    host, port = app[1].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        started = time.perf_counter()
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: test\r\nContent-Type: image/jpeg\r\n"
+                     b"Content-Length: 5000\r\nx-request-timeout-seconds: 2\r\n\r\n" + image_bytes(1)[:100])
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        waited = time.perf_counter() - started
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+    assert b"application/json" in head.lower() and json.loads(body)["error"] == "request_timeout", reply
+    assert waited < 2.0, waited
 
 
 # --- overload and failure --------------------------------------------------------------------

@@ -5,8 +5,10 @@ Two deployments in one app, bound here: `Ingress` (stages/serve/http.py: FastAPI
 errors, retry on a lost model replica) and `Classifier` (stages/serve/replica.py: decode, dynamic
 batching, forward pass).
 
-Serve's proxy answers a few cases itself with a plain-text body: 408 past request_timeout_s, and
-503 past the ingress's own shedding (stages.serve.http.admission + 2 x SHED_ROOM a replica)
+Serve's proxy answers a few cases itself with a plain-text body: 408 past request_timeout_s when
+the ingress did not answer first (it gives JSON 408/504 a little earlier: stages.serve.http.within;
+a request the router held for most of its time still gets the proxy's), and 503 past the
+ingress's own shedding (stages.serve.http.admission + 2 x SHED_ROOM a replica)
 or, with serve.model_deployment=false, past max_queued_requests. Note: the proxy honours a
 client's `x-request-timeout-seconds` header over request_timeout_s (0 disables it), so put a
 reverse proxy that strips it in front when the timeout is a protection, not just a default.

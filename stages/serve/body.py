@@ -57,8 +57,9 @@ async def read_body(request: Request, limit: int) -> bytes:
             if size > limit:
                 raise HTTPError(413, "too_large", f"body exceeds serve.max_body_bytes={limit}; send a smaller image")
             chunks.append(chunk)
-    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out (408)
+    except (ClientDisconnect, TaskCancelledError):  # the client left, or the proxy timed it out
         raise HTTPError(400, "client_disconnected", "the body ended early") from None
+    request.state.body_read = True  # a timeout from here on is the model side's (http.within)
     # Several Content-Encoding lines are one list (RFC 9110 5.3): headers.get read only the first
     return content_decoded(b"".join(chunks), ", ".join(request.headers.getlist("content-encoding")), limit)
 

@@ -20,6 +20,7 @@ costs latency, not a failed request.
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Any, Awaitable, Optional
@@ -37,8 +38,8 @@ from stages.serve import v2 as serve_v2
 from stages.serve.body import HTTPError, first_file, printable, read_body
 from stages.serve.v2 import V2Error
 
-__all__ = ["Ingress", "HTTPError", "admission", "running_share", "SHED_ROOM", "guarded", "guarded_v2", "IMAGE_STATUS",
-           "MEDIA_TYPES"]
+__all__ = ["Ingress", "HTTPError", "admission", "running_share", "SHED_ROOM", "guarded", "guarded_v2", "within",
+           "request_deadline", "IMAGE_STATUS", "MEDIA_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,13 @@ _PROBE = ["GET", "HEAD"]
 # A model replica that dies under a call is replaced; the retry goes to a live one meanwhile.
 _MODEL_ATTEMPTS = 3
 _ROUTE_ERRORS = {404: "not_found", 405: "method_not_allowed"}
+# Serve's proxy times a request out from its arrival at the proxy (serve.request_timeout_s, or the
+# client's x-request-timeout-seconds header, which it honours first) and then answers a plain-text
+# 408. The ingress answers in JSON this much earlier (at most a quarter of the limit), as long as
+# the request reached it sooner than that after the proxy took it: the router's hop is milliseconds
+# unless a flood queues it.
+_TIMEOUT_MARGIN_S = 1.0
+_TIMEOUT_HEADER = "x-request-timeout-seconds"
 _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
 # Requests an ingress replica takes beyond its admission only to answer them itself with the JSON
 # 503 (a coroutine each; no body is read). Serve's router queues as many more in front of it; past
@@ -115,6 +123,37 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return HTTPError(400, "bad_request", str(exc.errors())[:300]).response()
 
 
+def request_deadline(headers: Any, default_s: Optional[float]) -> Optional[float]:
+    """The proxy's timeout for this request, read as Serve 2.60 reads it: the header when it is a
+    number (> 0: seconds; <= 0 or NaN: none), else `default_s`."""
+    value = headers.get(_TIMEOUT_HEADER)
+    if value is None:
+        return default_s
+    try:
+        seconds = float(value)
+    except ValueError:
+        return default_s
+    return seconds if seconds > 0 else None
+
+
+async def within(work: Awaitable[Response], request: Request, default_s: Optional[float]) -> Response:
+    """`work`, or the JSON answer to a request past its deadline, before Serve's proxy gives its
+    plain-text 408: 408 `request_timeout` while the body is still arriving (the client is slow),
+    504 `model_timeout` with Retry-After once it has (the model side is)."""
+    limit = request_deadline(request.headers, default_s)
+    if limit is None or not math.isfinite(limit):
+        return await work
+    try:
+        return await asyncio.wait_for(work, limit - min(_TIMEOUT_MARGIN_S, limit / 4))
+    except TimeoutError:
+        if getattr(request.state, "body_read", False):
+            raise HTTPError(504, "model_timeout", f"the model did not answer within this request's {limit:g} s "
+                            f"(serve.request_timeout_s or the {_TIMEOUT_HEADER} header); retry later",
+                            RETRY_AFTER) from None
+        raise HTTPError(408, "request_timeout", f"the request body did not arrive within this request's {limit:g} s "
+                        f"(serve.request_timeout_s or the {_TIMEOUT_HEADER} header)") from None
+
+
 class _Local:
     """A model method in this process, called like a DeploymentHandle method: `.remote(...)`."""
 
@@ -162,7 +201,7 @@ class Ingress:
 
     @app.post("/predict", summary="Classify one image (raw body or multipart file)")
     async def predict(self, request: Request) -> JSONResponse:
-        return await guarded(self._predict(request))
+        return await guarded(within(self._predict(request), request, self.cfg.request_timeout_s))
 
     @app.api_route("/healthz", methods=_PROBE, summary="Liveness, with a model replica's pid and the model version")
     async def healthz(self) -> JSONResponse:
@@ -201,7 +240,7 @@ class Ingress:
 
     @app.post("/v2/models/{name}/infer", summary="Open Inference Protocol: classify N images")
     async def v2_infer(self, name: str, request: Request) -> Response:
-        return await guarded_v2(self._v2_infer(name, None, request))
+        return await guarded_v2(within(self._v2_infer(name, None, request), request, self.cfg.request_timeout_s))
 
     # The same three with the version that the model metadata lists (`versions`), as the protocol
     # allows and tritonclient sends when a caller passes model_version.
@@ -216,7 +255,8 @@ class Ingress:
 
     @app.post("/v2/models/{name}/versions/{version}/infer", summary="Open Inference Protocol: infer on a version")
     async def v2_version_infer(self, name: str, version: str, request: Request) -> Response:
-        return await guarded_v2(self._v2_infer(name, version, request))
+        return await guarded_v2(within(self._v2_infer(name, version, request), request,
+                                       self.cfg.request_timeout_s))
 
     async def _v2_model(self, name: str, version: Optional[str]) -> None:
         """Refuse (404) a model name, or a version, that this server does not serve."""
