@@ -216,11 +216,12 @@ def test_fingerprint_guard_on_s3(s3_bucket):
     assert json.loads(fs.cat_file(f"{bucket}/run/ray/train.fingerprint.json"))["digest"] == other.digest
 
 
-@pytest.mark.parametrize("lr", ["1e12", "1e5"])
-def test_a_diverging_run_fails_naming_the_fix_and_publishes_nothing(dataset, tmp_path, lr):
+@pytest.mark.parametrize("lr, workers", [("1e12", "1"), ("1e5", "2")])
+def test_a_diverging_run_fails_naming_the_fix_and_publishes_nothing(dataset, tmp_path, lr, workers):
     # 1e12: the loss is NaN in epoch 1 (once an AttributeError); 1e5: the loss stays finite but the
-    # weights do not (val_loss NaN), and that epoch's checkpoint was published as the model, exit 0
-    cfg = _cfg(f"train.lr={lr}", "train.epochs=3", "train.max_steps=4")
+    # weights do not (val_loss NaN), and that epoch's checkpoint was published as the model, exit 0.
+    # The check is the loop's; one case runs in a Tune trial actor (1 worker), one on Ray Train.
+    cfg = _cfg(f"train.lr={lr}", "train.epochs=3", "train.max_steps=4", f"train.num_workers={workers}")
     with pytest.raises(train.TrainError, match="loss became NaN/inf .* Lower train.lr"):
         train.run(cfg.train, dataset, str(tmp_path / "out"), seed=cfg.run.seed, ray_cfg=cfg.ray)
     assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "model.pt").exists()
