@@ -161,7 +161,7 @@ def render(r: dict[str, Any]) -> str:
     lines = [f"`raymill train` small_cnn width 4 at 224 px, batch 64, {a['epochs']} epochs, the planner's defaults, "
              f"{r['cores']} cores; {a['images']} synthetic 500x375 JPEGs through `raymill etl` ({r['etl_s']} s). "
              f"The bound: {r['cores']} cores ÷ (decode + augment {r['decode_ms']} + step {r['step_ms']} CPU ms an "
-             + ("image, each measured in {r['cores']} processes at once, every core busy) = " if "alone" in r else
+             + (f"image, each measured in {r['cores']} processes at once, every core busy) = " if "alone" in r else
                 "image, each measured alone, the other cores idle) = ") + f"{fmt(r['bound'])} img/s"
              + (f"; from each cost alone, the other cores idle ({r['alone']['decode_ms']} + {r['alone']['step_ms']}"
                 f" ms), {fmt(r['alone']['bound'])} img/s" if "alone" in r else "")
