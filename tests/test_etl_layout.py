@@ -168,3 +168,51 @@ def test_shares_a_split_tree_supplies_are_not_needed_and_zero_shares_carve_nothi
     shares = SimpleNamespace(train=0.0, val=0.0, test=1.0)
     tree = Layout({"train": "train", "test": "test"})
     assert {tree.split_of(f"train/c/{i}.jpg", shares, etl.split_of) for i in range(50)} == {"train"}
+
+
+def test_nas_thumbnails_and_windows_caches_are_hidden_not_images(tmp_path):
+    """A Synology copy holds `@eaDir/<image>/SYNOFILE_THUMB_*.jpg` beside every image: read, each
+    photo came back several times and a test image's thumbnail landed in train."""
+    for cls, seed in (("cat", 1), ("dog", 2)):
+        (tmp_path / "src" / cls / "@eaDir" / "a.jpg").mkdir(parents=True)
+        (tmp_path / "src" / cls / "a.jpg").write_bytes(image_bytes(seed))
+        (tmp_path / "src" / cls / "@eaDir" / "a.jpg" / "SYNOFILE_THUMB_S.jpg").write_bytes(image_bytes(seed))
+        (tmp_path / "src" / cls / "Thumbs.db").write_bytes(b"\xd0\xcf\x11\xe0")
+    (tmp_path / "src" / "#recycle" / "cat").mkdir(parents=True)
+    (tmp_path / "src" / "#recycle" / "cat" / "old.jpg").write_bytes(image_bytes(3))
+    listing = etl.discover(str(tmp_path / "src"))
+    assert listing.classes == ["cat", "dog"] and [rel for rel, _ in listing.files] == ["cat/a.jpg", "dog/a.jpg"]
+
+
+def test_outputs_are_written_with_the_umask_not_mkstemps_0600(tmp_path):
+    """Another user (or a Ray worker under another uid) could not read a dataset or a model."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    code = ("import fsspec, os, sys; from stages.common.storage import write_bytes_atomic; "
+            "write_bytes_atomic(fsspec.filesystem('file'), sys.argv[1], b'x'); print(oct(os.stat(sys.argv[1]).st_mode & 0o777))")
+    for umask, mode in ((0o022, "0o644"), (0o077, "0o600"), (0o002, "0o664")):
+        out = subprocess.run([sys.executable, "-c", f"import os; os.umask({umask}); exec({code!r})",
+                              str(tmp_path / f"f{umask}")], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.stdout.strip() == mode, (umask, out.stdout, out.stderr[-500:])
+
+
+def test_a_damaged_exif_block_decodes_without_a_warning_line(tmp_path):
+    """Pillow's "Corrupt EXIF data" UserWarning reached the console from every ETL task; the pixels decode."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    good = image_bytes(4)
+    bad = good[:2] + b"\xff\xe1\x00\x20Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x05" + b"\xff" * 14 + good[2:]
+    (tmp_path / "bad.jpg").write_bytes(bad)
+    code = ("import sys; from stages.etl import images; "
+            "print(images.decode_rgb(open(sys.argv[1], 'rb').read(), 32).shape)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad.jpg")], capture_output=True, text=True,
+                         cwd=REPO)
+    assert out.stdout.strip() == "(32, 32, 3)" and not out.stderr, out.stderr[-500:]

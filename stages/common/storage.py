@@ -110,6 +110,24 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri, *[p.strip("/") for p in parts]])
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it: racy beside threads)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (macOS): set and put back at import
+    os.umask(mask)
+    return mask
+
+
+# Files are created with 0o666 & ~umask, as open() makes them.
+_UMASK = _umask()
+
+
 def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Write so readers see the old object or the whole new one, never a prefix.
 
@@ -124,6 +142,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 had made every output unreadable to others
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):

@@ -18,6 +18,10 @@ __all__ = ["BadImage", "open_image", "decode_rgb", "encode", "REASONS", "MAX_JPE
 # before decoding, so lift Pillow's and silence its warning.
 Image.MAX_IMAGE_PIXELS = None
 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+# A damaged EXIF block (Pillow's TiffImagePlugin: "Corrupt EXIF data.", "Possibly corrupt EXIF ...")
+# loses only the orientation tag; the pixels decode. Printed by every ETL task and replica, it read
+# as an error in a clean run.
+warnings.filterwarnings("ignore", message="(possibly )?corrupt exif", category=UserWarning)
 
 REASONS = ("empty_file", "too_large", "not_an_image", "unsupported_format", "truncated",
            "decompression_bomb", "corrupt", "read_error", "outside_class_folder", "decode_error",

@@ -104,15 +104,23 @@ def top_folders(fs, root: str) -> list[str]:
         return [class_name(c.name) for c in found if not hidden_name(c.name) and c.is_dir(follow_symlinks=False)]
 
 
+# What operating systems and NAS boxes write beside a user's files, compared case-insensitively:
+# macOS zip's resource forks; Synology's thumbnails (`@eaDir/<image>/SYNOFILE_THUMB_*.jpg`, several
+# sizes per image: read, they multiplied the data and put a test image's thumbnail in train) and
+# recycle bins (Synology, QNAP, Windows); Windows' thumbnail caches and folder settings.
+SYSTEM_NAMES = frozenset({"__macosx", "@eadir", "#recycle", "#snapshot", "@recycle", "$recycle.bin",
+                          "system volume information", "thumbs.db", "ehthumbs.db", "desktop.ini"})
+
+
 def hidden_name(name: str) -> bool:
-    """A dotfile or dot-folder, or the `__MACOSX/` folder of resource forks that macOS's zip adds
-    beside the real tree (read as a class, it became an empty one)."""
-    return name.startswith(".") or name == "__MACOSX"
+    """A dotfile or dot-folder, or a file or folder a system or NAS writes beside the real tree
+    (SYSTEM_NAMES): `__MACOSX/` read as a class became an empty one."""
+    return name.startswith(".") or name.lower() in SYSTEM_NAMES
 
 
 def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:
-    """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/, __MACOSX/) are skipped
-    and counted."""
+    """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/, __MACOSX/, @eaDir/,
+    Thumbs.db: `hidden_name`) are skipped and counted."""
     entries, hidden = _list_local(root, policy) if _is_local(fs) else _list_object_store(fs, root)
     return sorted(entries, key=lambda e: name_bytes(e.rel)), hidden
 
