@@ -72,6 +72,24 @@ def _accuracy(rows: list[dict]) -> float:
     return sum(r["true_class"] == r["class_name"] for r in labelled) / len(labelled)
 
 
+def test_a_damaged_shard_is_refused_before_any_prediction(setup, tmp_path):
+    """As train refuses it: bytes flipped inside a test shard had come back as rows blamed on their
+    images ("corrupt") and as changed probabilities, exit 0."""
+    import shutil
+
+    data, model_path = setup
+    copy = tmp_path / "ds"
+    shutil.copytree(data.path, copy)
+    shard = next(copy.glob("shards/test-*.parquet"))
+    damaged = bytearray(shard.read_bytes())
+    for i in range(200, len(damaged) - 200, 700):
+        damaged[i] ^= 0x10
+    shard.write_bytes(bytes(damaged))
+    with pytest.raises(infer.InferError, match=f"refusing to predict from .*{shard.name}.*raymill verify"):
+        infer.run(InferConfig(), model_path, str(copy), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     """Shards through the two-stage plan (decode tasks, then the pool); the actor plan reads the tar
     shards below, and raw folders in the tests that follow."""

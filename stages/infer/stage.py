@@ -38,7 +38,7 @@ from stages.common.locks import output_lock
 from stages.infer import decode as infer_decode
 from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict, runtime
-from stages.etl import layout as layouts, sources
+from stages.etl import integrity, layout as layouts, sources
 from stages.feed import streaming
 from stages.etl.stage import InputNotFoundError, check_apart, root_cause
 
@@ -148,6 +148,11 @@ def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
     if not fs.exists(root):
         raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
     if _raymill_kind(fs, root) == "raymill.etl":
+        # As train checks it (a stamp skips the re-hash while nothing changed): a damaged shard gave
+        # rows blamed on their images ("corrupt") and changed probabilities, exit 0
+        if problems := integrity.verify_once(source, s3):
+            raise InferError(f"refusing to predict from '{source}': {'; '.join(problems)}. Re-run ETL "
+                             f"(raymill etl --overwrite); `raymill verify {source}` lists what changed")
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
     if not fs.isdir(root):
         raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
