@@ -90,6 +90,24 @@ def test_a_damaged_shard_is_refused_before_any_prediction(setup, tmp_path):
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
+def test_a_folder_of_someone_elses_files_is_refused_as_an_output_by_infer_and_by_etl_overwrite(setup, tmp_path):
+    """Published beside a user's images, predictions (or shards) made the folder unreadable as an
+    input ("is a raymill.infer output") and mixed with the files."""
+    from stages.etl.stage import OutputExistsError
+
+    data, model_path = setup
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    (photos / "a.jpg").write_bytes(image_bytes(1))
+    with pytest.raises(ConfigError, match="holds files that raymill infer did not write .*a.jpg"):
+        infer.run(InferConfig(), model_path, data.path, str(photos))
+    (photos / "cat").mkdir()
+    (photos / "cat" / "b.jpg").write_bytes(image_bytes(2))
+    with pytest.raises(OutputExistsError, match="holds files that raymill etl did not write .*--overwrite replaces only"):
+        etl.run(EtlConfig(image_size=32), data.manifest["inputs"]["source"], str(photos), overwrite=True)
+    assert sorted(p.name for p in photos.rglob("*")) == ["a.jpg", "b.jpg", "cat"]
+
+
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     """Shards through the two-stage plan (decode tasks, then the pool); the actor plan reads the tar
     shards below, and raw folders in the tests that follow."""

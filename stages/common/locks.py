@@ -27,13 +27,14 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from stages.common import storage
 from stages.common.storage import MANIFEST
 from stages.common.config import ConfigError
 
-__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "ensure_held",
+__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "foreign_files",
+           "ensure_held",
            "HEARTBEAT_S", "STALE_AFTER_S"]
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,23 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     if found != f"raymill.{kind}":
         raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")
+
+
+def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, at_most: int = 3) -> list[str]:
+    """Up to `at_most` files under the folder `out` (paths relative to it) that are not a stage's
+    own (`own(relative path)`) nor hidden (a dotfile: locks, temp files): a user's images, say,
+    which publishing beside would mix with the output and make the folder unreadable as an input."""
+    fs, root = storage.filesystem(out, s3)
+    if not fs.isdir(root):
+        return []
+    prefix, found = root.rstrip("/") + "/", []
+    for path in fs.find(root):
+        rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+        if not rel.rsplit("/", 1)[-1].startswith(".") and not own(rel):
+            found.append(rel)
+            if len(found) >= at_most:
+                break
+    return found
 
 
 def _holder_info(token: str, kind: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id
 from stages.common.config import ConfigError, EtlConfig, section_dict
-from stages.common.locks import LOCK_NAME, output_lock
+from stages.common.locks import LOCK_NAME, foreign_files, output_lock
 from stages.etl import layout as layouts
 from stages.etl import publish as publishing
 from stages.etl import shards
@@ -213,6 +213,11 @@ def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | 
     if ours and not overwrite:
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")
+    # --overwrite replaces an ETL output (a killed run's shards included), never someone's files:
+    # written into an image tree, the tree was then refused as an input ("is a raymill.etl output")
+    if ours and (foreign := foreign_files(out, publishing.is_shard_file)):
+        raise OutputExistsError(f"output '{out}' holds files that raymill etl did not write (e.g. '{foreign[0]}'); "
+                                f"--overwrite replaces only an ETL output: choose an empty or new --output")
     return None
 
 

@@ -34,7 +34,7 @@ from stages.common import console, session, storage
 from stages.common.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
                                      write_manifest)
 from stages.common.config import ConfigError, InferConfig, section_dict
-from stages.common.locks import output_lock
+from stages.common.locks import foreign_files, output_lock
 from stages.infer import decode as infer_decode
 from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict, runtime
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 DECODE_WHERE = {"in-process": "this process", "actor": "the predictor actors", "tasks": "Ray Data tasks"}
 
 FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
+
+# What an infer output holds (`_publish`); a folder with other files is not one.
+OUTPUT_FILES = frozenset({"manifest.json", "metrics.json", "predictions.parquet"})
+
 
 class InferError(RuntimeError):
     """Batch inference failed; nothing was published."""
@@ -74,6 +78,9 @@ def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | N
     started first). `cpus` (ray.num_cpus) caps the threads of a job run in this process.
     """
     check_apart(source, out)  # predictions written among the images would be read as images next time
+    if foreign := foreign_files(out, OUTPUT_FILES.__contains__, s3):  # someone's folder, not an infer output
+        raise ConfigError(f"output '{out}' holds files that raymill infer did not write (e.g. '{foreign[0]}'); "
+                          f"choose an empty or new --output")
     with output_lock(out, "infer", s3):
         return _run_locked(cfg, model_path, source, out, s3, start_ray, cpus)
 
@@ -102,7 +109,6 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s%s", len(plan.items), plan.kind,
                  plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
     del model  # the driver's copy: the job's workers load their own
-    unpublish(out, s3)
     if here:
         table, wall_s = _execute_here(cfg, model_path, plan, s3, cpus)
     else:
@@ -116,6 +122,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     metrics["engine"] = "+".join(engines) or metrics["engine"]  # what ran; planned when nothing predicted
     inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
               "model_version": info.get("version"), **plan.inputs}
+    unpublish(out, s3)  # only now: an interrupted or failed rerun leaves the last result published
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
     log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
              "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
