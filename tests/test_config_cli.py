@@ -106,6 +106,10 @@ def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
     assert all(p.suffix != ".parquet" for p in out.rglob("*"))
     assert main(["etl", "--input", str(src), "--output", str(out)]) == 2  # exists
     assert main(["etl", "--input", str(tmp_path / "missing"), "--output", str(tmp_path / "o2")]) == 2
+    for empty in (["--input", "", "--output", str(tmp_path / "o3")], ["--input", str(src), "--output", " "]):
+        with pytest.raises(SystemExit) as usage:  # once the current folder: read, or written into
+            main(["etl", *empty])
+        assert usage.value.code == 2 and "is empty; name a folder" in capsys.readouterr().err
     assert main(["verify", str(out)]) == 0
     shard = next(out.glob("shards/*.tar"))
     shard.write_bytes(shard.read_bytes()[:100])

@@ -32,7 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _location(value: str) -> str:
     try:
-        return storage.check_location(value)
+        return storage.check_named(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -34,6 +34,14 @@ def check_location(uri: str) -> str:
     return uri
 
 
+def check_named(uri: str) -> str:
+    """`check_location`, and not empty or blank: that meant the current folder (`--output ""` wrote
+    a dataset into it, `--input ""` read it)."""
+    if not str(uri).strip():
+        raise ValueError("is empty; name a folder or an s3:// prefix ('.' for the current folder)")
+    return check_location(uri)
+
+
 def local_path(uri: str) -> str:
     """Absolute local path of a non-remote URI (expands ~)."""
     uri = str(uri)
