@@ -34,6 +34,9 @@ def test_every_shipped_config_loads(path):
     ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
     ("run.dir=s3://bucket//runs", "config key 'run.dir'"),  # S3 would keep the key '/runs'
     ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
+    ("etl.formats=parquet", "takes a list"),
+    ("etl.allowed_formats=gif", "write etl.allowed_formats=[gif], items separated by commas"),
+    ("run.source=", "config key 'run.source': Value error, is empty"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):

@@ -355,6 +355,10 @@ def _explain(err: ValidationError) -> str:
             parent = _section_at(item["loc"][:-1])
             valid = ", ".join(sorted(parent.model_fields)) if parent else "see README"
             lines.append(f"unknown config key '{path}'; valid keys here: {valid}")
+        elif item["type"] in ("tuple_type", "list_type") and isinstance(item.get("input"), (str, int, float)):
+            # `--set etl.formats=parquet`: YAML reads a scalar; the fix is the list's brackets
+            lines.append(f"config key '{path}' takes a list (got {item['input']!r}); write "
+                         f"{path}=[{item['input']}], items separated by commas")
         else:
             lines.append(f"config key '{path}': {item['msg']} (got {item.get('input')!r})")
     return "; ".join(lines)
