@@ -108,6 +108,14 @@ def test_a_folder_of_someone_elses_files_is_refused_as_an_output_by_infer_and_by
     assert sorted(p.name for p in photos.rglob("*")) == ["a.jpg", "b.jpg", "cat"]
 
 
+def test_a_folder_where_no_file_is_an_image_fails_naming_the_fix(setup, tmp_path):
+    """An ETL output's shards/ (or a run folder) passed as --data: every row was an error, exit 0."""
+    data, model_path = setup
+    with pytest.raises(infer.InferError, match=r"none of the \d+ file\(s\) .* not its shards/"):
+        infer.run(InferConfig(), model_path, f"{data.path}/shards", str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     """Shards through the two-stage plan (decode tasks, then the pool); the actor plan reads the tar
     shards below, and raw folders in the tests that follow."""

@@ -20,7 +20,7 @@ from stages.common import session, storage, tracking
 from stages.common.artifacts import (MANIFEST, Artifact, config_hash, content_config, data_fingerprint, listed_files,
                                      load_artifact)
 from stages.common.config import Config, ConfigError, section_dict
-from stages.common.locks import LOCK_NAME, output_lock
+from stages.common.locks import LOCK_NAME, STAGE_RECORD, output_lock
 from stages.feed import streaming
 from stages.train import stage as train_stage
 from stages.model import export
@@ -44,7 +44,7 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
     fs, root = storage.filesystem(out, cfg.s3)
     key = {"config_hash": config_hash(content_config(section_dict(section))), "inputs": inputs}
     with output_lock(out, name, cfg.s3):
-        marker_path, manifest_path = storage.join(root, "stage.json"), storage.join(root, MANIFEST)
+        marker_path, manifest_path = storage.join(root, STAGE_RECORD), storage.join(root, MANIFEST)
         marker = storage.read_json(fs, marker_path) if fs.exists(marker_path) else {}
         same = marker.get("key") == key
         if same and not cfg.run.force and fs.exists(manifest_path):

@@ -33,13 +33,15 @@ from stages.common import storage
 from stages.common.storage import MANIFEST
 from stages.common.config import ConfigError
 
-__all__ = ["LOCK_NAME", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "foreign_files",
+__all__ = ["LOCK_NAME", "STAGE_RECORD", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "foreign_files",
            "ensure_held",
            "HEARTBEAT_S", "STALE_AFTER_S"]
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".raymill.lock"
+# The record `raymill run` keeps in each stage's folder (workflow/pipeline.py) beside the stage's files.
+STAGE_RECORD = "stage.json"
 HEARTBEAT_S = 30.0  # S3 only: how often the holder proves it is alive
 STALE_AFTER_S = 180.0  # S3 only: a lock not refreshed for this long belongs to a dead run
 
@@ -75,15 +77,16 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
 
 def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, at_most: int = 3) -> list[str]:
     """Up to `at_most` files under the folder `out` (paths relative to it) that are not a stage's
-    own (`own(relative path)`) nor hidden (a dotfile: locks, temp files): a user's images, say,
-    which publishing beside would mix with the output and make the folder unreadable as an input."""
+    own (`own(relative path)`), the pipeline's STAGE_RECORD, nor hidden (a dotfile: locks, temp
+    files): a user's images, say, which publishing beside would mix with the output and make the
+    folder unreadable as an input."""
     fs, root = storage.filesystem(out, s3)
     if not fs.isdir(root):
         return []
     prefix, found = root.rstrip("/") + "/", []
     for path in fs.find(root):
         rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
-        if not rel.rsplit("/", 1)[-1].startswith(".") and not own(rel):
+        if not rel.rsplit("/", 1)[-1].startswith(".") and rel != STAGE_RECORD and not own(rel):
             found.append(rel)
             if len(found) >= at_most:
                 break

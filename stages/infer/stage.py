@@ -118,6 +118,10 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     if table.num_rows != plan.rows:  # every input must come back exactly once, errors included
         raise InferError(f"expected {plan.rows} prediction rows, got {table.num_rows}; nothing was published")
     metrics = _metrics(table, info["classes"], time.perf_counter() - started)
+    if metrics["rows"] and metrics["errors"] == metrics["rows"]:  # a table of errors answers nothing
+        raise InferError(f"none of the {metrics['rows']} file(s) of '{source}' is an image this model reads "
+                         f"({metrics['error_reasons']}); pass an ETL output (the folder holding manifest.json, "
+                         f"not its shards/) or a folder of images. Nothing was published")
     metrics.update(_device_metrics(cfg, decode, metrics["rows"] - metrics["errors"], busy_s, wall_s))
     metrics["engine"] = "+".join(engines) or metrics["engine"]  # what ran; planned when nothing predicted
     inputs = {"model": model_path, "source": source, "model_sha256": info["weights_sha256"],
