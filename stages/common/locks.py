@@ -33,9 +33,8 @@ from stages.common import storage
 from stages.common.storage import MANIFEST
 from stages.common.config import ConfigError
 
-__all__ = ["LOCK_NAME", "STAGE_RECORD", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind", "foreign_files",
-           "ensure_held",
-           "HEARTBEAT_S", "STALE_AFTER_S"]
+__all__ = ["LOCK_NAME", "STAGE_RECORD", "OutputLockedError", "OutputKindError", "output_lock", "check_output_kind",
+           "foreign_files", "ensure_held", "HEARTBEAT_S", "STALE_AFTER_S"]
 
 log = logging.getLogger(__name__)
 
