@@ -289,10 +289,25 @@ def kill_one_train_worker(killed: list, actor: str = "ray::RayTrainWorker") -> b
     return False
 
 
+def started_by_this_worker(proc) -> bool:
+    """Whether `proc` descends from this pytest process (under pytest-xdist, this worker's): an
+    orphan is re-parented to init, so the tree cannot say, but it keeps the environment it
+    inherited, and xdist names each worker in PYTEST_XDIST_WORKER. Without xdist: every process."""
+    import psutil
+
+    mine = os.environ.get("PYTEST_XDIST_WORKER")
+    if mine is None:
+        return True
+    try:
+        return proc.environ().get("PYTEST_XDIST_WORKER") == mine
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
 def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
     """Decode-pool processes (stages.feed.decode_pool: a forkserver and its children, which carry its
-    command line) still alive on this machine after `timeout_s`, except this test process's own
-    forkserver family. Ray's dashboard modules also use a forkserver: theirs name `ray.dashboard`."""
+    command line) that this test worker started, still alive after `timeout_s`, except this test
+    process's own forkserver family. Ray's dashboard modules also use a forkserver: theirs name `ray.dashboard`."""
     import time
 
     import psutil
@@ -303,7 +318,8 @@ def stray_decode_processes(timeout_s: float = 10.0) -> list[str]:
         out = []
         for p in psutil.process_iter(["pid", "cmdline"]):
             line = " ".join(p.info["cmdline"] or [])
-            if "multiprocessing.forkserver" in line and "ray.dashboard" not in line and p.pid not in own:
+            if ("multiprocessing.forkserver" in line and "ray.dashboard" not in line and p.pid not in own
+                    and started_by_this_worker(p)):
                 out.append(f"{p.pid}: {line[:120]}")
         return out
 

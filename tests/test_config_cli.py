@@ -113,8 +113,12 @@ def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
         with pytest.raises(SystemExit) as usage:  # once the current folder: read, or written into
             main(["etl", *empty])
         assert usage.value.code == 2 and "is empty; name a folder" in capsys.readouterr().err
-    assert main(["verify", str(out)]) == 0
     shard = next(out.glob("shards/*.tar"))
+    for command in (["etl", "--input", str(src)], ["infer", "--model", str(out), "--data", str(out)]):
+        with pytest.raises(SystemExit) as usage:  # was NotADirectoryError, exit 1, once Ray was up
+            main([*command, "--output", str(shard / "preds")])
+        assert usage.value.code == 2 and f"'{shard}' is a file; name a folder" in capsys.readouterr().err
+    assert main(["verify", str(out)]) == 0
     shard.write_bytes(shard.read_bytes()[:100])
     assert main(["verify", str(out)]) == 1
     assert shard.name in capsys.readouterr().out
@@ -205,7 +209,7 @@ def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, cap
     assert "ray dashboard" not in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
 
 
-def test_an_unusable_init_source_exits_2_before_ray_starts(tmp_path, ray_session):
+def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_starts(tmp_path, ray_session):
     """train.init_from that is missing, or not a weights file, is refused by the CLI's preflight:
     exit 2 naming the key, no Ray of its own started and nothing written. It had been refused ~20 s
     later (2-core box), once Ray and the trainer were up."""
@@ -226,3 +230,8 @@ def test_an_unusable_init_source_exits_2_before_ray_starts(tmp_path, ray_session
         assert str(init) in run.stderr, run.stderr
         assert "[raymill] ray:" not in run.stderr, run.stderr
     assert not (tmp_path / "m").exists() and not (tmp_path / "run").exists()
+    # so is `raymill etl` into a published output without --overwrite (it was refused once Ray was up)
+    run = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(src), "--output", str(ds)],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2 and "already holds a published dataset" in run.stderr, run.stderr
+    assert "[raymill] ray:" not in run.stderr, run.stderr

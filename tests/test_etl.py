@@ -192,7 +192,7 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     out = tmp_path / "ds"
     with pytest.raises(etl.EtlError, match="max_bad_fraction"):
         etl.run(CFG.model_copy(update={"max_bad_fraction": 0.05}), str(tree[0]), str(out))
-    assert not out.exists() or not any(p.is_file() for p in out.rglob("*"))
+    assert not out.exists() or not any(out.rglob("*")), list(out.rglob("*"))  # not even an empty shards/
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):

@@ -54,8 +54,9 @@ def test_doctor_finds_rays_python_processes_too(ray_session):
     `raymill doctor` without --pid once skipped it, and a dashboard on 0.0.0.0 got a clean report."""
     import psutil
 
-    dashboards = {p.pid for p in psutil.process_iter(["cmdline"])
-                  if any(a.endswith(os.path.join("ray", "dashboard", "dashboard.py")) for a in p.info["cmdline"] or ())}
+    # this session's own (another test worker's Ray may come and go between the two scans)
+    dashboards = {p.pid for p in psutil.Process().children(recursive=True)
+                  if any(a.endswith(os.path.join("ray", "dashboard", "dashboard.py")) for a in p.cmdline())}
     assert dashboards and dashboards <= exposure.ray_processes()
 
 

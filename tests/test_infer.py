@@ -114,6 +114,31 @@ def test_a_folder_where_no_file_is_an_image_fails_naming_the_fix(setup, tmp_path
     with pytest.raises(infer.InferError, match=r"none of the \d+ file\(s\) .* not its shards/"):
         infer.run(InferConfig(), model_path, f"{data.path}/shards", str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
+    (tmp_path / "empty").mkdir()  # exit 2 as ETL's is (a wrong --data), not 1
+    with pytest.raises(etl.InputNotFoundError, match="no files under"):
+        infer.run(InferConfig(), model_path, str(tmp_path / "empty"), str(tmp_path / "out"))
+
+
+def test_an_empty_split_is_a_config_error_and_a_smaller_etl_size_is_said(setup, tmp_path, caplog):
+    """infer.split naming a split ETL left empty is the user's key to change (exit 2); shards stored
+    smaller than the model's input are upscaled, which the log now says."""
+    import copy
+    import shutil
+
+    from stages.common.artifacts import Artifact
+
+    data, model_path = setup
+    m = copy.deepcopy(data.manifest)
+    m["shards"] = [s for s in m["shards"] if s["split"] != "val"]
+    with pytest.raises(ConfigError, match="no parquet shards for split 'val'.*choose another infer.split"):
+        infer._plan_shards(InferConfig(split="val"), Artifact("etl", data.path, m), INFO)
+    bigger = tmp_path / "model48"
+    shutil.copytree(model_path, bigger)
+    info = json.loads((bigger / "model.json").read_text())
+    save_model(str(bigger), load_model(model_path)[0].state_dict(), {**info, "image_size": 48})
+    with caplog.at_level("WARNING", logger="stages.infer.stage"):
+        infer.run(InferConfig(), str(bigger), data.path, str(tmp_path / "out"))
+    assert "stores images at 32 px and the model expects 48 px: they are upscaled" in caplog.text
 
 
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):

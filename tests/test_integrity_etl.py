@@ -64,6 +64,24 @@ def test_16_bit_greyscale_png_is_scaled_not_clipped():
     assert 110 < pixels.mean() < 145
 
 
+def test_32_bit_grey_tiffs_are_scaled_and_an_unreadable_range_is_quarantined():
+    """TIFF (etl.allowed_formats) stores float and int32 grey: convert("RGB") clipped them, so a
+    float image in 0-1 trained as black."""
+    ramp = np.tile(np.linspace(0, 1, 64), (64, 1))
+    tiffs = {}
+    for name, values, mode in [("float 0-1", ramp, "F"), ("int32 0-65535", ramp * 65535, "I"),
+                               ("float 0-1e6", ramp * 1e6, "F")]:
+        buf = io.BytesIO()
+        Image.fromarray(values.astype(np.float32 if mode == "F" else np.int32), mode).save(buf, format="TIFF")
+        assert Image.open(io.BytesIO(buf.getvalue())).mode == mode
+        tiffs[name] = buf.getvalue()
+    for name in ("float 0-1", "int32 0-65535"):
+        got = decode_rgb(tiffs[name], 64, resize="stretch", allowed_formats=("TIFF",))
+        assert got[:, :4].mean() < 10 and got[:, -4:].mean() > 245 and 110 < got.mean() < 145, name
+    with pytest.raises(BadImage, match=r"decode_error: .*\[0, 1e\+06\]: not a range raymill reads"):
+        decode_rgb(tiffs["float 0-1e6"], 64, allowed_formats=("TIFF",))
+
+
 @pytest.mark.parametrize("mode,key", [("L", 0), ("RGB", (0, 0, 0)), ("P", 0), ("LA", None), ("I;16", 0)])
 def test_transparent_pixels_are_white_whichever_way_the_png_says_so(mode, key):
     img = Image.new(mode, (32, 32), 0 if mode in ("L", "P", "I;16") else (0, 0) if mode == "LA" else (0, 0, 0))
@@ -133,8 +151,11 @@ def test_links_fifos_devices_and_bad_names_are_quarantined_not_read(hostile_tree
     assert verify(art.path) == []
 
 
-def test_symlink_policy_and_read_cap(hostile_tree):
-    never = etl.discover(str(hostile_tree), follow_symlinks="never")
+def test_symlink_policy_and_read_cap(hostile_tree, caplog):
+    with caplog.at_level("WARNING", logger="stages.etl.stage"):
+        never = etl.discover(str(hostile_tree), follow_symlinks="never")
+    # the linked class folder is named with the key to change (it had been one quarantine row)
+    assert "['lion'] in" in caplog.text and "set etl.follow_symlinks=always" in caplog.text
     assert {q["path"]: q["reason"] for q in never.rejected}["cat/inside.jpg"] == "symlink_not_followed"
     always = etl.discover(str(hostile_tree), follow_symlinks="always")
     assert "lion/secret.jpg" in [rel for rel, _ in always.files]  # followed when asked

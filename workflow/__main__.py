@@ -30,11 +30,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="also show Ray's own log lines and full tracebacks")
 
 
-def _location(value: str) -> str:
+def _location(value: str, check=storage.check_named) -> str:
     try:
-        return storage.check_named(value)
+        return check(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _output(value: str) -> str:
+    return _location(value, storage.check_output_place)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("etl", help="images (folder or s3://) -> parquet/tar shards + manifest")
     p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>, or <input>/<split>/<class>/<image>")
-    p.add_argument("--output", required=True, type=_location, help="output folder or s3:// prefix")
+    p.add_argument("--output", required=True, type=_output, help="output folder or s3:// prefix")
     p.add_argument("--format", choices=["parquet", "tar", "both"], default=None,
                    help="shard format(s) (default: etl.formats from config)")
     p.add_argument("--overwrite", action="store_true", help="replace a published output atomically")
@@ -62,20 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="DDP training on an ETL output; exports model.pt + model.json")
     p.add_argument("--data", required=True, type=_location, help="ETL output folder or s3:// prefix")
-    p.add_argument("--output", required=True, type=_location, help="run folder for the model, metrics and checkpoints")
+    p.add_argument("--output", required=True, type=_output, help="run folder for the model, metrics and checkpoints")
     p.add_argument("--overwrite", action="store_true",
                    help="discard the output's checkpoints (Ray run state) and train from scratch")
     _common(p)
 
     p = sub.add_parser("tune", help="hyperparameter search (ASHA, PBT or FIFO) over the trainer")
     p.add_argument("--data", required=True, type=_location)
-    p.add_argument("--output", required=True, type=_location)
+    p.add_argument("--output", required=True, type=_output)
     _common(p)
 
     p = sub.add_parser("infer", help="batch inference with Ray Data -> predictions.parquet + metrics.json")
     p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
     p.add_argument("--data", required=True, type=_location, help="ETL output (uses infer.split) or a raw image folder")
-    p.add_argument("--output", required=True, type=_location)
+    p.add_argument("--output", required=True, type=_output)
     _common(p)
 
     p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _export_parser(sub) -> None:
     p = sub.add_parser("export", help="a model -> ONNX (or TorchScript) in a Triton/KServe model repository, checked")
     p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--output", required=True, type=_location,
+    p.add_argument("--output", required=True, type=_output,
                    help="model repository folder: new, empty, or an earlier export (replaced)")
     p.add_argument("--format", choices=["onnx", "torchscript"], default=None,
                    help="default: export.format from config (onnx)")
@@ -168,6 +172,7 @@ def cmd_etl(args) -> int:
     from stages.common.locks import output_lock
 
     with output_lock(args.output, "etl", cfg.s3):  # before Ray: a locked output is refused at once
+        etl.preflight(args.input, args.output, cfg.s3, args.overwrite)  # so is a used one
         session.start(cfg.ray)
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
     t, m = artifact.manifest["totals"], artifact.manifest["metrics"]

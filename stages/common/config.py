@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_va
 
 from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, default_search_space
 from stages.common.overrides import ConfigError, merge, parse_overrides
-from stages.common.storage import check_location, check_named
+from stages.common.storage import check_location, check_named, check_output_place
 
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
@@ -48,7 +48,7 @@ class S3Config(Section):
 
 class RunSection(Section):
     name: str = "demo"
-    dir: Annotated[str, AfterValidator(check_named)] = "runs/demo"  # run folder: local path or s3:// URI
+    dir: Annotated[str, AfterValidator(check_output_place)] = "runs/demo"  # run folder: local path or s3:// URI
     source: Annotated[str, AfterValidator(check_named)] = "data/demo"  # ImageFolder tree: path or s3:// prefix
     seed: int = 0
     force: bool = False  # recompute stages even when their inputs and config are unchanged

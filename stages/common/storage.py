@@ -11,7 +11,8 @@ from typing import Any
 import fsspec
 
 __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
-           "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw"]
+           "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
+           "check_named", "check_output_place"]
 
 # Every output folder's publish marker (stages.common.artifacts writes it; locks reads its kind).
 MANIFEST = "manifest.json"
@@ -40,6 +41,18 @@ def check_named(uri: str) -> str:
     if not str(uri).strip():
         raise ValueError("is empty; name a folder or an s3:// prefix ('.' for the current folder)")
     return check_location(uri)
+
+
+def check_output_place(uri: str) -> str:
+    """`check_named`, and a local output is not a file nor under one: the stage failed there with
+    NotADirectoryError, exit 1, after Ray's start."""
+    uri = check_named(uri)
+    if not is_remote(uri):
+        path = Path(local_path(uri))
+        there = next((p for p in (path, *path.parents) if p.exists()), None)
+        if there is not None and not there.is_dir():
+            raise ValueError(f"'{there}' is a file; name a folder (new or a raymill output) or an s3:// prefix")
+    return uri
 
 
 def local_path(uri: str) -> str:

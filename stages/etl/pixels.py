@@ -47,7 +47,32 @@ def square(img: Image.Image, size: int, resize: str = "crop") -> np.ndarray:
     sideways plus a tag), then crop (the shorter side scaled to `size`, the centre square) or
     stretch (both sides, aspect ignored), bilinear."""
     sixteen_bit = img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG")
+    if img.mode in ("F", "I") and not sixteen_bit:  # a TIFF's 32-bit float or integer grey
+        img = _wide_grey(img)
     return _resize(_to_rgb(ImageOps.exif_transpose(img), sixteen_bit), size, resize)
+
+
+def _wide_grey(img: Image.Image) -> Image.Image:
+    """32-bit grey (TIFF) -> 8-bit: convert("RGB") clipped it, so floats in 0-1 came out black.
+    Floats in 0-1 and integers up to 65535 are scaled to 0-255, values that already fit kept; any
+    other range has no one reading, and is refused rather than guessed."""
+    values = np.asarray(img, dtype=np.float64)
+    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
+    if not np.isfinite(values).all() or low < 0:
+        raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
+                         "store the image with 8- or 16-bit pixels")
+    if img.mode == "F" and high <= 1.0:
+        scaled = values * 255.0
+    elif high <= 255:
+        scaled = values
+    elif img.mode == "I" and high <= 65535:
+        scaled = values / 257.0
+    else:
+        raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
+                         "store the image with 8- or 16-bit pixels")
+    grey = Image.fromarray(np.rint(scaled).astype(np.uint8), "L")
+    grey.info, grey.format = img.info, img.format
+    return grey
 
 
 def _resize(img: Image.Image, size: int, resize: str) -> np.ndarray:

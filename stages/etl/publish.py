@@ -45,6 +45,9 @@ def remove_run_files(fs, root: str, run_id: str) -> None:
         for path in fs.find(root):
             if run_id in path.rsplit("/", 1)[-1]:
                 fs.rm_file(path)
+        shards = storage.join(root, "shards")
+        if fs.isdir(shards) and not fs.ls(shards):  # a local folder the run made (S3 has none)
+            fs.rmdir(shards)
     except Exception as e:  # the endpoint may be the thing that failed
         log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
 

@@ -24,8 +24,9 @@ from stages.common import storage
 from stages.common.config import ConfigError, EtlConfig
 from stages.etl.images import BadImage
 
-__all__ = ["READ_KEYS", "read_rules", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown", "name_bytes", "tree_fingerprint",
-           "top_folders", "class_name", "class_of", "entry_row"]
+__all__ = ["READ_KEYS", "read_rules", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown",
+           "name_bytes", "tree_fingerprint", "skipped_linked_folders", "top_folders", "class_name", "class_of",
+           "entry_row"]
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,14 @@ def _follow(path: str, real_root: str, policy: str, link_info: os.stat_result):
         return ("symlink_outside_source", f"-> {target}: outside the folder read, and etl.follow_symlinks="
                 "inside_source skips it (ETL: set it to always; infer: the rule of its model's ETL)"), link_info
     return None, info
+
+
+def skipped_linked_folders(fs, root: str, entries: list[Entry]) -> list[str]:
+    """Links right under a local root to folders that the symlink policy did not follow: class
+    folders that would vanish from the classes with no word but a quarantine row each."""
+    skipped = ("symlink_outside_source", "symlink_not_followed")
+    return [shown(e.rel) for e in entries if e.problem and e.problem[0] in skipped and "/" not in e.rel
+            and _is_local(fs) and os.path.isdir(os.path.join(root, e.rel))]
 
 
 def _inside(real: str, real_root: str) -> bool:

@@ -203,12 +203,16 @@ def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
     fmt = "parquet" if "parquet" in m["config"]["formats"] else "tar"
     refs = streaming.shard_refs(m, data.path, cfg.split, fmt)
     if not refs:
-        raise InferError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
-                         f"(counts: {m['counts']}); choose another infer.split")
-    raw = storage.stored_raw(m, fmt)
-    if raw and m["config"]["image_size"] != info["image_size"]:
-        raise InferError(f"'{data.path}' stores raw {m['config']['image_size']} px pixels but the model "
-                         f"expects {info['image_size']} px; re-run ETL at that size or with encoded parquet")
+        raise ConfigError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
+                          f"(counts: {m['counts']}); choose another infer.split")
+    raw, stored = storage.stored_raw(m, fmt), m["config"]["image_size"]
+    if raw and stored != info["image_size"]:
+        raise ConfigError(f"'{data.path}' stores raw {stored} px pixels but the model expects "
+                          f"{info['image_size']} px; re-run ETL at that size or with encoded parquet")
+    if stored < info["image_size"]:  # predicted all the same, but on blurred inputs the model never saw
+        log.warning("infer: '%s' stores images at %d px and the model expects %d px: they are upscaled, which "
+                    "costs accuracy; re-run ETL with etl.image_size=%d", data.path, stored, info["image_size"],
+                    info["image_size"])
     items = [asdict(r) for r in refs]
     return Plan("etl", items, len(items), sum(r.rows for r in refs),
                 {"mode": "etl", "raw": raw, "etl_classes": m["classes"]},
@@ -229,7 +233,7 @@ def _plan_files(fs, root: str, source: str, rules: dict[str, Any]) -> Plan:
         items.append({"path": name, "name_hex": "" if name == e.rel else sources.name_bytes(e.rel).hex(),
                       "size": e.size, "reason": reason, "detail": detail})
     if not items:
-        raise InferError(f"no files under '{source}'; pass an image folder or an ETL output")
+        raise InputNotFoundError(f"no files under '{source}'; pass an image folder or an ETL output")
     return Plan("images", items, math.ceil(len(items) / FILES_PER_BLOCK), len(items),
                 {"mode": "images", "source": source, "class_depth": tree.depth},
                 {"files": len(items), "hidden_skipped": hidden})
