@@ -19,15 +19,19 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
     cfg = load_config(REPO / "configs/smoke.yaml", [f"run.source={src}", f"run.dir={tmp_path / 'run'}"])
     builds = []
 
+    unread = []  # read_error rows the next build quarantines
+
     def build(out: str) -> Artifact:  # stands in for etl.run: publishes a manifest of this config
         builds.append(out)
-        manifest = {**base_manifest("etl", section_dict(cfg.etl), {"source": str(src)}), "files": ["data.bin"]}
+        manifest = {**base_manifest("etl", section_dict(cfg.etl), {"source": str(src)}), "files": ["data.bin"],
+                    "quarantine": {"reasons": {"read_error": unread.pop()} if unread else {}}}
         (tmp_path / "run" / "etl" / "data.bin").write_bytes(b"rows")
         write_manifest(out, manifest)
         return Artifact("etl", out, manifest)
 
     def reused(inputs=None) -> bool:
-        return pipeline.stage("etl", cfg, cfg.etl, inputs or preflight.etl_inputs(cfg), build)[1]
+        return pipeline.stage("etl", cfg, cfg.etl, inputs or preflight.etl_inputs(cfg), build,
+                              stale=pipeline.unread_files)[1]
 
     by_path = {"source": str(src)}
     assert not reused(by_path) and reused(by_path)
@@ -40,7 +44,10 @@ def test_stage_reuse_checks_the_manifest_itself_and_the_source_listing(tmp_path)
     assert not reused() and reused()
     (tmp_path / "run" / "etl" / "data.bin").unlink()  # a file the manifest lists is gone
     assert not reused() and reused()
-    assert len(builds) == 5
+    # files it could not read (a permission since fixed leaves names, sizes and mtimes as they were)
+    unread.append(2)
+    assert not reused(by_path) and not reused(by_path) and reused(by_path)
+    assert len(builds) == 7
 
 
 def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):

@@ -27,18 +27,20 @@ from stages.model import export
 from workflow import preflight, report
 from workflow.preflight import needed_splits
 
-__all__ = ["run", "stage", "export_stage"]
+__all__ = ["run", "stage", "export_stage", "unread_files"]
 
 log = logging.getLogger(__name__)
 
 
 def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
-          build: Callable[[str], Artifact]) -> tuple[Artifact, bool]:
+          build: Callable[[str], Artifact], stale: Callable[[dict], str | None] = lambda m: None
+          ) -> tuple[Artifact, bool]:
     """Run `build(out)` unless `out` already holds this stage's output for the same config+inputs.
 
     Reuse needs all three: the marker written with the output names this config and these inputs;
     the manifest is the very one published then (its sha256), so a manual overwrite is noticed;
-    and the manifest's own config_hash is this config's.
+    and the manifest's own config_hash is this config's. `stale(manifest)`: a reason the inputs
+    cannot show to build again anyway.
     """
     out = storage.join(cfg.run.dir, name)
     fs, root = storage.filesystem(out, cfg.s3)
@@ -52,10 +54,13 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
             manifest_hash = json.loads(published).get("config_hash")
             unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
             if unchanged and manifest_hash == key["config_hash"] and not _missing(fs, root, published):
-                log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
-                return load_artifact(out, s3=cfg.s3), True
-            log.info("%s: %s was replaced, or files it lists are gone, since this run published it; "
-                     "recomputing", name, manifest_path)
+                if (why := stale(json.loads(published))) is None:
+                    log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
+                    return load_artifact(out, s3=cfg.s3), True
+                log.info("%s: %s; running it again", name, why)
+            else:
+                log.info("%s: %s was replaced, or files it lists are gone, since this run published it; "
+                         "recomputing", name, manifest_path)
             same = False
         if cfg.run.force or not same:
             _clear(fs, root, bool(marker))  # stale or changed: never resume into another config's state
@@ -65,6 +70,14 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         marker = {"key": key, "manifest_sha256": storage.sha256_bytes(published)}
         storage.write_bytes_atomic(fs, marker_path, json.dumps(marker).encode())
         return artifact, False
+
+
+def unread_files(manifest: dict) -> str | None:
+    """The source's fingerprint (names, sizes, mtimes) does not change when a permission is fixed:
+    files the last ETL could not read might be readable now."""
+    if unread := (manifest.get("quarantine") or {}).get("reasons", {}).get("read_error"):
+        return f"the last ETL could not read {unread} file(s) of the source (read_error), which may be readable now"
+    return None
 
 
 def _missing(fs, root: str, published: bytes) -> list[str]:
@@ -109,7 +122,8 @@ def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
     t = time.perf_counter()
     before = t - started  # the command's start to ETL's: checks, Ray's start with torch's import beside it
     data, reused["etl"] = stage("etl", cfg, cfg.etl, sources,
-                    lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True))
+                                lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True),
+                                stale=unread_files)
     timings["etl"] = time.perf_counter() - t
     needed_splits(cfg, data.manifest.get("counts", {}))
     fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models
