@@ -47,9 +47,10 @@ def square(img: Image.Image, size: int, resize: str = "crop") -> np.ndarray:
     sideways plus a tag), then crop (the shorter side scaled to `size`, the centre square) or
     stretch (both sides, aspect ignored), bilinear."""
     sixteen_bit = img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PNG")
+    img = ImageOps.exif_transpose(img)  # first: a TIFF's orientation is in tags a new image lacks
     if img.mode in ("F", "I") and not sixteen_bit:  # a TIFF's 32-bit float or integer grey
         img = _wide_grey(img)
-    return _resize(_to_rgb(ImageOps.exif_transpose(img), sixteen_bit), size, resize)
+    return _resize(_to_rgb(img, sixteen_bit), size, resize)
 
 
 def _wide_grey(img: Image.Image) -> Image.Image:
@@ -70,9 +71,7 @@ def _wide_grey(img: Image.Image) -> Image.Image:
     else:
         raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
                          "store the image with 8- or 16-bit pixels")
-    grey = Image.fromarray(np.rint(scaled).astype(np.uint8), "L")
-    grey.info, grey.format = img.info, img.format
-    return grey
+    return Image.fromarray(np.rint(scaled).astype(np.uint8), "L")
 
 
 def _resize(img: Image.Image, size: int, resize: str) -> np.ndarray:
