@@ -203,7 +203,9 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
     (foreign / "notes.txt").write_text("mine")
     cases.append((["--model", model, "--output", str(foreign)], "not a raymill export"))
     (tmp_path / "a-file").write_text("x")
-    cases.append((["--model", model, "--output", str(tmp_path / "a-file" / "repo")], "--output '"))
+    with pytest.raises(SystemExit) as usage:  # refused by the argument itself, as every stage's --output
+        main(["export", "--model", model, "--output", str(tmp_path / "a-file" / "repo"), "--config", SMOKE])
+    assert usage.value.code == 2 and f"'{tmp_path / 'a-file'}' is a file; name a folder" in capsys.readouterr().err
     cases.append((["--model", model, "--output", str(tmp_path / "new" / ("a" * 300))], "File name too long"))
     cases.append((["--model", model, "--output", str(tmp_path / "d"), "--data", str(tmp_path / "none")],
                   f"--data '{tmp_path / 'none'}' which cannot be read"))
