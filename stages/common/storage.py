@@ -44,12 +44,12 @@ def check_named(uri: str) -> str:
 
 
 def check_output_place(uri: str) -> str:
-    """`check_named`, and a local output is not a file nor under one: the stage failed there with
-    NotADirectoryError, exit 1, after Ray's start."""
+    """`check_named`, and a local output is not under a file: the stage failed there with
+    NotADirectoryError, exit 1, after Ray's start. (An output that is a file is each stage's
+    output check's: stages.common.locks.)"""
     uri = check_named(uri)
     if not is_remote(uri):
-        path = Path(local_path(uri))
-        there = next((p for p in (path, *path.parents) if p.exists()), None)
+        there = next((p for p in Path(local_path(uri)).parents if p.exists()), None)
         if there is not None and not there.is_dir():
             raise ValueError(f"'{there}' is a file; name a folder (new or a raymill output) or an s3:// prefix")
     return uri
