@@ -74,16 +74,17 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
                               f"raymill.{kind} there would unpublish it. Choose another --output")
 
 
-def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, at_most: int = 3) -> list[str]:
+def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, at_most: int = 3,
+                  listed: list[str] | None = None) -> list[str]:
     """Up to `at_most` files under the folder `out` (paths relative to it) that are not a stage's
     own (`own(relative path)`), the pipeline's STAGE_RECORD, nor hidden (a dotfile: locks, temp
     files): a user's images, say, which publishing beside would mix with the output and make the
-    folder unreadable as an input."""
+    folder unreadable as an input. `listed`: the folder's `find`, when the caller has it."""
     fs, root = storage.filesystem(out, s3)
-    if not fs.isdir(root):
+    if listed is None and not fs.isdir(root):
         return []
     prefix, found = root.rstrip("/") + "/", []
-    for path in fs.find(root):
+    for path in fs.find(root) if listed is None else listed:
         rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
         if not rel.rsplit("/", 1)[-1].startswith(".") and rel != STAGE_RECORD and not own(rel):
             found.append(rel)

@@ -238,7 +238,7 @@ def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | 
                                 f"--output so two runs' shards never mix")
     # --overwrite replaces an ETL output (a killed run's shards included), never someone's files:
     # written into an image tree, the tree was then refused as an input ("is a raymill.etl output")
-    if ours and (foreign := foreign_files(out, publishing.is_shard_file)):
+    if ours and (foreign := foreign_files(out, publishing.is_shard_file, listed=ours)):
         raise OutputExistsError(f"output '{out}' holds files that raymill etl did not write (e.g. '{foreign[0]}'); "
                                 f"--overwrite replaces only an ETL output: choose an empty or new --output")
     return None
