@@ -193,6 +193,9 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     with pytest.raises(etl.EtlError, match="max_bad_fraction"):
         etl.run(CFG.model_copy(update={"max_bad_fraction": 0.05}), str(tree[0]), str(out))
     assert not out.exists() or not any(out.rglob("*")), list(out.rglob("*"))  # not even an empty shards/
+    (out / "shards").mkdir(parents=True)  # a killed run's shard (no manifest): --overwrite replaces it
+    (out / "shards" / "train-killed.parquet").write_bytes(b"half a shard")
+    assert etl.run(CFG, str(tree[0]), str(out), overwrite=True).manifest["totals"]["rows_out"] > 0
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):
