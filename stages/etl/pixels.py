@@ -57,7 +57,7 @@ def _wide_grey(img: Image.Image) -> Image.Image:
     """32-bit grey (TIFF) -> 8-bit: convert("RGB") clipped it, so floats in 0-1 came out black.
     Floats in 0-1 and integers up to 65535 are scaled to 0-255, values that already fit kept; any
     other range has no one reading, and is refused rather than guessed."""
-    values = np.asarray(img, dtype=np.float64)
+    values = np.asarray(img, dtype=np.float32)  # exact for the ranges read (float32 is F's own type)
     low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
     if not np.isfinite(values).all() or low < 0:
         raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
