@@ -78,8 +78,19 @@ def test_32_bit_grey_tiffs_are_scaled_and_an_unreadable_range_is_quarantined():
     for name in ("float 0-1", "int32 0-65535"):
         got = decode_rgb(tiffs[name], 64, resize="stretch", allowed_formats=("TIFF",))
         assert got[:, :4].mean() < 10 and got[:, -4:].mean() > 245 and 110 < got.mean() < 145, name
-    with pytest.raises(BadImage, match=r"decode_error: .*\[0, 1e\+06\]: not a range raymill reads"):
+    with pytest.raises(BadImage, match=r"decode_error: .*\[0, 1e\+06\]: raymill reads floats in 0-1"):
         decode_rgb(tiffs["float 0-1e6"], 64, allowed_formats=("TIFF",))
+    # one rule per mode: a pixel's value never depends on the image's other pixels (0.8 grey had
+    # turned from 204 to 1 once one pixel read 1.01); out of range is refused, not rescaled
+    for values, mode, expected in [(np.full((8, 8), 0.8), "F", 204), (np.full((8, 8), 51400), "I", 200)]:
+        buf = io.BytesIO()
+        Image.fromarray(values.astype(np.float32 if mode == "F" else np.int32), mode).save(buf, format="TIFF")
+        assert decode_rgb(buf.getvalue(), 8, allowed_formats=("TIFF",)).max() == expected
+        values[0, 0] = 1.01 if mode == "F" else 70000
+        buf = io.BytesIO()
+        Image.fromarray(values.astype(np.float32 if mode == "F" else np.int32), mode).save(buf, format="TIFF")
+        with pytest.raises(BadImage, match="decode_error"):
+            decode_rgb(buf.getvalue(), 8, allowed_formats=("TIFF",))
 
 
 @pytest.mark.parametrize("mode,key", [("L", 0), ("RGB", (0, 0, 0)), ("P", 0), ("LA", None), ("I;16", 0)])

@@ -55,22 +55,19 @@ def square(img: Image.Image, size: int, resize: str = "crop") -> np.ndarray:
 
 def _wide_grey(img: Image.Image) -> Image.Image:
     """32-bit grey (TIFF) -> 8-bit: convert("RGB") clipped it, so floats in 0-1 came out black.
-    Floats in 0-1 and integers up to 65535 are scaled to 0-255, values that already fit kept; any
-    other range has no one reading, and is refused rather than guessed."""
+    One rule per mode, whatever else the image holds (a rule picked by the image's own maximum
+    made one pixel at 1.01 turn a 0.8 grey from 204 to 1): floats are 0-1, scaled by 255;
+    integers are 16-bit values, scaled by 1/257. Values outside that range are refused, not guessed."""
     values = np.asarray(img, dtype=np.float32)  # exact for the ranges read (float32 is F's own type)
-    low, high = (float(values.min()), float(values.max())) if values.size else (0.0, 0.0)
-    if not np.isfinite(values).all() or low < 0:
-        raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
+    finite = values[np.isfinite(values)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    top = 1.0 if img.mode == "F" else 65535.0
+    if finite.size < values.size or low < 0 or high > top:
+        odd = " with NaN or inf" if finite.size < values.size else ""
+        reads = "floats in 0-1" if img.mode == "F" else "integers in 0-65535"
+        raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]{odd}: raymill reads {reads}; "
                          "store the image with 8- or 16-bit pixels")
-    if img.mode == "F" and high <= 1.0:
-        scaled = values * 255.0
-    elif high <= 255:
-        scaled = values
-    elif img.mode == "I" and high <= 65535:
-        scaled = values / 257.0
-    else:
-        raise ValueError(f"32-bit grey pixels in [{low:g}, {high:g}]: not a range raymill reads; "
-                         "store the image with 8- or 16-bit pixels")
+    scaled = values * 255.0 if img.mode == "F" else values / 257.0
     return Image.fromarray(np.rint(scaled).astype(np.uint8), "L")
 
 
