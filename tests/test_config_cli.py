@@ -34,6 +34,9 @@ def test_every_shipped_config_loads(path):
     ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
     ("run.dir=s3://bucket//runs", "config key 'run.dir'"),  # S3 would keep the key '/runs'
     ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
+    ("run.dir=s3:/bucket/runs", "is not an s3:// URI"),  # was a local folder './s3:/bucket/runs'
+    ("run.source=S3://bucket/images", "write it in lower case: s3://"),
+    ("train.init_from=gs://bucket/w.pt", "unsupported scheme 'gs://'"),
     ("etl.formats=parquet", "takes a list"),
     ("etl.allowed_formats=gif", "write etl.allowed_formats=[gif], items separated by commas"),
     ("run.source=", "config key 'run.source': Value error, is empty"),
@@ -71,6 +74,8 @@ def test_help_and_usage_errors():
     assert _cli("nonsense").returncode == 2
     proc = _cli("train", "--data", "s3://bucket/data", "--output", "s3://bucket//out")
     assert proc.returncode == 2 and "argument --output" in proc.stderr and "single slashes" in proc.stderr
+    proc = _cli("etl", "--input", "data/demo", "--output", "s3:/bucket/x")
+    assert proc.returncode == 2 and "is not an s3:// URI" in proc.stderr and not (REPO / "s3:").exists()
 
 
 def _serve_before_ray(model: Path) -> tuple[list[str], str]:
@@ -235,3 +240,13 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 2 and "already holds a published dataset" in run.stderr, run.stderr
     assert "[raymill] ray:" not in run.stderr, run.stderr
+    # and into a folder of someone's files, and from inside an ETL output (both had waited for Ray)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("mine")
+    for args, fragment in [(["--input", str(src), "--output", str(tmp_path / "notes")], "is not empty"),
+                           (["--input", str(ds / "shards"), "--output", str(tmp_path / "e2")],
+                            f"is inside the raymill.etl output '{ds}'")]:
+        run = subprocess.run([sys.executable, "-m", "workflow", "etl", *args], env=env, capture_output=True,
+                             text=True, timeout=300, cwd=REPO)
+        assert run.returncode == 2 and fragment in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
+    assert (tmp_path / "notes" / "a.txt").read_text() == "mine" and not (tmp_path / "e2").exists()

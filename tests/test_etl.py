@@ -196,6 +196,9 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     (out / "shards").mkdir(parents=True)  # a killed run's shard (no manifest): --overwrite replaces it
     (out / "shards" / "train-killed.parquet").write_bytes(b"half a shard")
     assert etl.run(CFG, str(tree[0]), str(out), overwrite=True).manifest["totals"]["rows_out"] > 0
+    with pytest.raises(etl.EtlError, match=r"1 of 201 files \(0\.5%\) are bad"):  # it had read "(0%)"
+        etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 0.0}), [{"reason": "decode_error"}],
+                                201, str(out))
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):

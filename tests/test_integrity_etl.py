@@ -167,6 +167,10 @@ def test_symlink_policy_and_read_cap(hostile_tree, caplog):
         never = etl.discover(str(hostile_tree), follow_symlinks="never")
     # the linked class folder is named with the key to change (it had been one quarantine row)
     assert "['lion'] in" in caplog.text and "set etl.follow_symlinks=always" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stages.etl.stage"):
+        etl.discover(str(hostile_tree), follow_symlinks="never")  # `raymill run` lists twice: said once
+    assert "['lion'] in" not in caplog.text
     assert {q["path"]: q["reason"] for q in never.rejected}["cat/inside.jpg"] == "symlink_not_followed"
     always = etl.discover(str(hostile_tree), follow_symlinks="always")
     assert "lion/secret.jpg" in [rel for rel, _ in always.files]  # followed when asked

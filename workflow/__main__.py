@@ -173,6 +173,7 @@ def cmd_etl(args) -> int:
 
     with output_lock(args.output, "etl", cfg.s3):  # before Ray: a locked output is refused at once
         etl.preflight(args.input, args.output, cfg.s3, args.overwrite)  # so is a used one
+        etl.check_output(args.output, cfg.s3, args.overwrite)  # and one that holds other files
         session.start(cfg.ray)
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
     t, m = artifact.manifest["totals"], artifact.manifest["metrics"]
@@ -251,6 +252,11 @@ def cmd_infer(args) -> int:
     from stages import infer
     from stages.common import session, tracking
     from stages.common.locks import output_lock
+    from stages.etl.sources import READ_KEYS
+
+    if ignored := sorted({o.split("=")[0] for o in args.overrides} & {f"etl.{k}" for k in READ_KEYS}):
+        log.warning("infer reads image files with the rules of the model's own ETL (model.json `read`), so "
+                    "%s does nothing here; retrain on data read that way to change them", ", ".join(ignored))
 
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process

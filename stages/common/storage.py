@@ -26,7 +26,16 @@ def is_remote(uri: str) -> bool:
 
 def check_location(uri: str) -> str:
     """`uri`, or ValueError: an s3:// URI needs a bucket and no empty path segment. S3 keeps
-    `s3://b//x` as the key '/x', so a run's lock and files would land apart from what was named."""
+    `s3://b//x` as the key '/x', so a run's lock and files would land apart from what was named.
+    A near miss of s3:// ('s3:/b/x', 'S3://b/x') is refused too: the first was a local folder
+    './s3:/b/x' (exit 0), the second failed after Ray's start."""
+    scheme, sep, _ = str(uri).partition("://")
+    if sep and scheme != "s3" and scheme != "file":
+        fix = "write it in lower case: s3://" if scheme.lower() == "s3" else "use a local path or s3://bucket/prefix"
+        raise ValueError(f"'{uri}' has the unsupported scheme '{scheme}://'; {fix}")
+    if not sep and str(uri)[:3].lower() == "s3:":
+        raise ValueError(f"'{uri}' is not an s3:// URI (it would be a local folder named '{str(uri).split('/')[0]}'); "
+                         "write s3://bucket/prefix, or ./" + str(uri) + " for a local folder")
     if str(uri).startswith("s3://"):
         bucket, _, key = str(uri)[len("s3://"):].partition("/")
         if not bucket or "//" in "/" + key.rstrip("/"):

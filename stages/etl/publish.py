@@ -30,7 +30,7 @@ def published_run(fs, root: str) -> str | None:
     """run_id of the manifest in `root` now; None when there is none; "unknown" when unreadable."""
     try:
         fs.invalidate_cache(root)
-        return storage.read_json(fs, storage.join(root, "manifest.json")).get("run_id")
+        return storage.read_json(fs, storage.join(root, storage.MANIFEST)).get("run_id")
     except FileNotFoundError:
         return None
     except Exception as e:  # the endpoint that just failed may still be failing: keep the files

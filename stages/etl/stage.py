@@ -19,30 +19,25 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from stages.common import console, storage
-from stages.common.artifacts import Artifact, base_manifest, manifest_kind, new_run_id
+from stages.common.artifacts import Artifact, base_manifest, new_run_id
 from stages.common.config import ConfigError, EtlConfig, section_dict
-from stages.common.locks import LOCK_NAME, foreign_files, output_lock
+from stages.common.locks import output_lock
+from stages.etl import checks
+from stages.etl.checks import (InputNotFoundError, OutputExistsError, check_apart, check_output,  # noqa: F401 (API)
+                               preflight)
 from stages.etl import layout as layouts
 from stages.etl import publish as publishing
 from stages.etl import shards
 from stages.etl import sources
 
 __all__ = ["run", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
-           "root_cause", "check_apart", "preflight"]
+           "root_cause", "check_apart", "preflight", "check_output"]
 
 log = logging.getLogger(__name__)
 
 
 class EtlError(RuntimeError):
     """The ETL job failed; nothing was published."""
-
-
-class OutputExistsError(ConfigError):
-    """The output already holds a published dataset and overwrite was not asked for."""
-
-
-class InputNotFoundError(ConfigError):
-    """The input path does not exist, or is not what the stage reads (a file, another stage's output)."""
 
 
 @dataclass(frozen=True)
@@ -56,14 +51,19 @@ class Listing:
     unlabelled_files: int = 0  # files in a split folder without class folders: left out
 
 
+_WARNED: set[tuple[str, ...]] = set()
+
+
 def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source",
              layout: str = "auto") -> Listing:
     """List an ImageFolder tree: the class is the first folder under `source`, or the second in a
     tree split by its folders (`<split>/<class>/`, stages.etl.layout; `layout`: etl.layout)."""
     fs, root = storage.filesystem(source, s3)
-    _check_input_folder(fs, root, source)
+    checks.input_folder(fs, root, source)
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
-    if linked := sources.skipped_linked_folders(fs, root, entries):
+    linked = sources.skipped_linked_folders(fs, root, entries)
+    if linked and (source, *linked) not in _WARNED:  # `raymill run` lists twice: fingerprint, then ETL
+        _WARNED.add((source, *linked))
         log.warning("etl: %s in '%s' link(s) to folders that etl.follow_symlinks=%s does not follow: not read as "
                     "classes; set etl.follow_symlinks=always to read them", linked, source, follow_symlinks)
     tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
@@ -93,14 +93,6 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     empty = sorted(set(folders) - classes)
     return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty),
                    tree, left_out)
-
-
-def _check_input_folder(fs, root: str, source: str) -> None:
-    if not fs.exists(root) or not fs.isdir(root):
-        what = "is a file, not a folder" if fs.exists(root) else "does not exist"
-        raise InputNotFoundError(f"input '{source}' {what}; pass --input (run.source for `raymill run`) "
-                                 f"with a folder or s3:// prefix laid out as <input>/<class_name>/<image file> (or "
-                                 f"<input>/<split>/<class_name>/<image file>)")
 
 
 def sample_key(relpath: str) -> str:
@@ -150,32 +142,6 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
         return _run_locked(cfg, source, out, s3, overwrite)
 
 
-def preflight(source: str, out: str, s3: Any | None = None, overwrite: bool = False) -> None:
-    """The checks that need no Ray, so `raymill etl` runs them before Ray's start (~10 s on 2 cores):
-    the input is an image folder apart from the output, and a published output is replaced only
-    when asked. `run` repeats them: the output may have changed while Ray started."""
-    check_apart(source, out)
-    fs, root = storage.filesystem(source, s3)
-    _check_input_folder(fs, root, source)
-    if (kind := manifest_kind(fs, root)) is not None:  # once "100% bad files"
-        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
-    out_fs, out_root = storage.filesystem(out, s3)
-    if not overwrite and out_fs.exists(storage.join(out_root, "manifest.json")):
-        raise OutputExistsError(PUBLISHED.format(out=out))
-
-
-def check_apart(source: str, out: str, key: str = "--output") -> None:
-    """Refuse an output inside the input (or the input itself): its files would become images of a
-    class named after it on the next run, and --overwrite would write into the source (ETL, infer).
-    `key` is what the user set the output with (`run.dir` for the pipeline)."""
-    def norm(uri: str) -> str:
-        return (uri.rstrip("/") if storage.is_remote(uri) else storage.local_path(uri).rstrip("/")) + "/"
-
-    if norm(out).startswith(norm(source)):
-        raise ConfigError(f"output '{out}' is inside the input '{source}'; choose a {key} outside the "
-                          "input folder")
-
-
 def _check_task_fits(cfg: EtlConfig) -> None:
     """Refuse a task size no node can run: Ray Data would wait for it forever."""
     import ray
@@ -196,7 +162,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
                                       cfg.layout, listing.unlabelled_files):
         log.log(level, "etl: %s", line)
     out_fs, out_root = storage.filesystem(out, s3)
-    previous = _check_output(out_fs, out_root, out, overwrite)
+    previous = checks.used_output(out_fs, out_root, out, overwrite)
     run_id = new_run_id()
     tasks = plan_tasks(listing, cfg, parallelism=cfg.min_shards)
     refused = f" (and {len(listing.rejected)} refused while listing)" if listing.rejected else ""
@@ -219,29 +185,6 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     publishing.remove_stale(out_fs, out_root, manifest, previous)
     _log_summary(manifest)
     return Artifact("etl", str(out).rstrip("/"), manifest)
-
-
-PUBLISHED = ("output '{out}' already holds a published dataset; pass --overwrite to replace it (atomically), "
-             "or choose another --output")
-
-
-def _check_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | None:
-    """Refuse a used output unless overwriting; return the manifest being replaced, if any."""
-    manifest_path = storage.join(root, "manifest.json")
-    if fs.exists(manifest_path):
-        if not overwrite:
-            raise OutputExistsError(PUBLISHED.format(out=out))
-        return storage.read_json(fs, manifest_path)
-    ours = [p for p in fs.find(root) if not p.endswith("/" + LOCK_NAME)] if fs.exists(root) else []
-    if ours and not overwrite:
-        raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
-                                f"--output so two runs' shards never mix")
-    # --overwrite replaces an ETL output (a killed run's shards included), never someone's files:
-    # written into an image tree, the tree was then refused as an input ("is a raymill.etl output")
-    if ours and (foreign := foreign_files(out, publishing.is_shard_file, listed=ours)):
-        raise OutputExistsError(f"output '{out}' holds files that raymill etl did not write (e.g. '{foreign[0]}'); "
-                                f"--overwrite replaces only an ETL output: choose an empty or new --output")
-    return None
 
 
 # A shard task whose worker died (its node lost, a decoder that crashed the process) runs again this
@@ -326,9 +269,14 @@ def _check_bad_fraction(cfg: EtlConfig, quarantine: list, files_in: int, out: st
     fraction = len(quarantine) / max(1, files_in)
     if fraction > cfg.max_bad_fraction:
         reasons = Counter(q["reason"] for q in quarantine).most_common()
-        raise EtlError(f"{len(quarantine)} of {files_in} files ({fraction:.0%}) are bad, over "
+        raise EtlError(f"{len(quarantine)} of {files_in} files ({_percent(fraction)}) are bad, over "
                        f"etl.max_bad_fraction={cfg.max_bad_fraction}; reasons: {dict(reasons)}. "
                        f"Fix the input or raise etl.max_bad_fraction; nothing was published to '{out}'")
+
+
+def _percent(fraction: float) -> str:
+    """'0.5%' where '.0%' printed '0%' for 1 bad file of 201 (a refusal that read as no reason)."""
+    return f"{fraction:.0%}" if fraction >= 0.095 or fraction == 0 else f"{fraction:.1%}" if fraction >= 0.001 else "<0.1%"
 
 
 def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dict[str, Any]:
