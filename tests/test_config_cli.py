@@ -34,12 +34,13 @@ def test_every_shipped_config_loads(path):
     ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
     ("run.dir=s3://bucket//runs", "config key 'run.dir'"),  # S3 would keep the key '/runs'
     ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
-    ("run.dir=s3:/bucket/runs", "is not an s3:// URI"),  # was a local folder './s3:/bucket/runs'
+    ("run.dir=s3:/bucket/runs", "looks like a URI with a slash missing"),  # was a local folder './s3:/bucket/runs'
     ("run.source=S3://bucket/images", "write it in lower case: s3://"),
     ("train.init_from=gs://bucket/w.pt", "unsupported scheme 'gs://'"),
     ("etl.formats=parquet", "takes a list"),
     ("etl.allowed_formats=gif", "write etl.allowed_formats=[gif], items separated by commas"),
     ("run.source=", "config key 'run.source': Value error, is empty"),
+    ("train.init_from=", "null for random weights"),  # had started Ray, then looked for '/model.json'
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
@@ -74,8 +75,12 @@ def test_help_and_usage_errors():
     assert _cli("nonsense").returncode == 2
     proc = _cli("train", "--data", "s3://bucket/data", "--output", "s3://bucket//out")
     assert proc.returncode == 2 and "argument --output" in proc.stderr and "single slashes" in proc.stderr
-    proc = _cli("etl", "--input", "data/demo", "--output", "s3:/bucket/x")
-    assert proc.returncode == 2 and "is not an s3:// URI" in proc.stderr and not (REPO / "s3:").exists()
+    for args in (["etl", "--input", "data/demo", "--output", "s3:/bucket/x"], ["demo-data", "gs:/bucket/x"]):
+        proc = _cli(*args)
+        assert proc.returncode == 2 and "a slash missing" in proc.stderr, proc.stderr
+    proc = _cli("demo-data", "s3://bucket/x")
+    assert proc.returncode == 2 and "demo-data writes a local folder" in proc.stderr, proc.stderr
+    assert not (REPO / "s3:").exists() and not (REPO / "gs:").exists()
 
 
 def _serve_before_ray(model: Path) -> tuple[list[str], str]:
@@ -243,10 +248,18 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
     # and into a folder of someone's files, and from inside an ETL output (both had waited for Ray)
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "a.txt").write_text("mine")
-    for args, fragment in [(["--input", str(src), "--output", str(tmp_path / "notes")], "is not empty"),
-                           (["--input", str(ds / "shards"), "--output", str(tmp_path / "e2")],
+    (tmp_path / "killed" / "shards").mkdir(parents=True)
+    (tmp_path / "killed" / "shards" / "train-00000-x.parquet").write_bytes(b"half a shard")
+    for args, fragment in [(["--input", str(src), "--output", str(tmp_path / "notes")], "did not write (e.g. 'a.txt')"),
+                           (["--input", str(src), "--output", str(tmp_path / "killed")], "is not empty; pass --overwrite"),
+                           (["--input", str(ds / "shards"), "--output", str(tmp_path / "e2" / "deep")],
                             f"is inside the raymill.etl output '{ds}'")]:
         run = subprocess.run([sys.executable, "-m", "workflow", "etl", *args], env=env, capture_output=True,
                              text=True, timeout=300, cwd=REPO)
         assert run.returncode == 2 and fragment in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
-    assert (tmp_path / "notes" / "a.txt").read_text() == "mine" and not (tmp_path / "e2").exists()
+    assert (tmp_path / "notes" / "a.txt").read_text() == "mine" and (tmp_path / "killed" / "shards").exists()
+    assert not (tmp_path / "e2").exists()  # nor the folders the lock had made on the way
+    run = subprocess.run([sys.executable, "-m", "workflow", "run", "--set", f"run.source={ds}", "--set",
+                          f"run.dir={tmp_path / 'r2'}"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2 and "is a raymill.etl output" in run.stderr, run.stderr
+    assert "[raymill] ray:" not in run.stderr and not (tmp_path / "r2").exists(), run.stderr

@@ -393,3 +393,13 @@ def test_one_class_name_in_two_unicode_forms_is_one_class(tmp_path, ray_session,
     for folder in (nfc, nfd):
         item = {"path": f"{folder}/x.jpg", "name_hex": "", "size": 1, "reason": None, "detail": None}
         assert reader.samples(item)[0]["true_class"] == nfd  # the model's own spelling
+
+
+def test_a_folder_named_manifest_json_is_not_an_output(tmp_path):
+    """Above the input or as a class folder: it had failed ETL's preflight with IsADirectoryError, exit 1."""
+    from stages.etl import checks
+
+    (tmp_path / "manifest.json").mkdir()
+    make_tree(tmp_path / "data", per_class=2, bad=False)
+    (tmp_path / "data" / "manifest.json").mkdir()
+    checks.image_input(str(tmp_path / "data"))

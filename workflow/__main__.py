@@ -41,6 +41,14 @@ def _output(value: str) -> str:
     return _location(value, storage.check_output_place)
 
 
+def _local_output(value: str) -> str:
+    """demo-data writes with pathlib: an s3:// URI had become a local folder './s3:/b/x', exit 0."""
+    if storage.is_remote(_output(value)):
+        raise argparse.ArgumentTypeError(f"'{value}' is remote; demo-data writes a local folder (copy it to S3 "
+                                         "afterwards, e.g. with `aws s3 sync`)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raymill", description="Ray-based ETL -> train -> tune -> serve")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -48,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo-data", help="write the built-in demo ImageFolder dataset")
-    p.add_argument("out")
+    p.add_argument("out", type=_local_output)
     p.add_argument("--images", type=int, default=1500)
     p.add_argument("--seed", type=int, default=0)
 
@@ -256,7 +264,8 @@ def cmd_infer(args) -> int:
 
     if ignored := sorted({o.split("=")[0] for o in args.overrides} & {f"etl.{k}" for k in READ_KEYS}):
         log.warning("infer reads image files with the rules of the model's own ETL (model.json `read`), so "
-                    "%s does nothing here; retrain on data read that way to change them", ", ".join(ignored))
+                    "%s %s nothing here; retrain on data read that way to change them", ", ".join(ignored),
+                    "does" if len(ignored) == 1 else "do")
 
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process

@@ -18,6 +18,7 @@ import yaml
 from stages import etl
 from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
+from stages.etl.checks import image_input
 from stages.model import init_source
 from stages.model.sizes import check_image_size
 
@@ -47,6 +48,7 @@ def start(cfg: Config) -> dict[str, Any]:
     check_image_size(cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model], cfg.etl.image_size)
     check_init_source(cfg)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
+    image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     listing = _listing(cfg)  # a missing or unreadable run.source fails here, before anything is written
     needed_splits(cfg, given=set(listing.layout.splits.values()))
     sources = {"source": cfg.run.source, "source_listing": listing.fingerprint}

@@ -178,13 +178,17 @@ def ensure_held(out: str, s3: Any | None = None) -> None:
 class _LocalLock:
     def __init__(self, path: str, out: str, kind: str):
         self.path, self.out, self.kind, self.fd = path, out, kind, -1
-        self.created_folder = False
+        self.created: list[str] = []
 
     def acquire(self) -> None:
         import fcntl
 
         folder = os.path.dirname(self.path)
-        self.created_folder = not os.path.isdir(folder)
+        missing, up = [], folder
+        while not os.path.isdir(up) and os.path.dirname(up) != up:
+            missing.append(up)
+            up = os.path.dirname(up)
+        self.created = missing  # deepest first
         os.makedirs(folder, exist_ok=True)
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -216,9 +220,11 @@ class _LocalLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still locked: a waiter that opened it re-checks the inode
         os.close(self.fd)  # closing releases the flock
-        if self.created_folder:  # a run that failed before writing anything leaves no empty folder
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.path))
+        for folder in self.created:  # a run that failed before writing anything leaves no empty folders
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty (the run wrote there), or gone
+                break
 
 
 def _read_json_fd(fd: int, tries: int = 5) -> dict[str, Any] | None:

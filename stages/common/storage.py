@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", 
 MANIFEST = "manifest.json"
 
 CHUNK_BYTES = 4 * 1024 * 1024
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")  # RFC 3986's scheme: 'x://' of a local '/tmp/x://y' is none
 
 
 def is_remote(uri: str) -> bool:
@@ -27,15 +29,17 @@ def is_remote(uri: str) -> bool:
 def check_location(uri: str) -> str:
     """`uri`, or ValueError: an s3:// URI needs a bucket and no empty path segment. S3 keeps
     `s3://b//x` as the key '/x', so a run's lock and files would land apart from what was named.
-    A near miss of s3:// ('s3:/b/x', 'S3://b/x') is refused too: the first was a local folder
-    './s3:/b/x' (exit 0), the second failed after Ray's start."""
-    scheme, sep, _ = str(uri).partition("://")
-    if sep and scheme != "s3" and scheme != "file":
+    A near miss of a URI ('s3:/b/x', 'gs:/b', 'S3://b/x', 'gs://b') is refused too: the first was a
+    local folder './s3:/b/x' (exit 0), the others failed after Ray's start."""
+    text = str(uri)
+    scheme, sep, _ = text.partition("://")
+    if sep and _SCHEME.fullmatch(scheme) and scheme not in ("s3", "file"):
         fix = "write it in lower case: s3://" if scheme.lower() == "s3" else "use a local path or s3://bucket/prefix"
         raise ValueError(f"'{uri}' has the unsupported scheme '{scheme}://'; {fix}")
-    if not sep and str(uri)[:3].lower() == "s3:":
-        raise ValueError(f"'{uri}' is not an s3:// URI (it would be a local folder named '{str(uri).split('/')[0]}'); "
-                         "write s3://bucket/prefix, or ./" + str(uri) + " for a local folder")
+    first = text.split("/")[0]
+    if not sep and first.endswith(":") and _SCHEME.fullmatch(first[:-1]) or not sep and text[:3].lower() == "s3:":
+        raise ValueError(f"'{uri}' looks like a URI with a slash missing (it would be a local path starting "
+                         f"with a folder named '{first}'); write s3://bucket/prefix, or ./{uri} for a local path")
     if str(uri).startswith("s3://"):
         bucket, _, key = str(uri)[len("s3://"):].partition("/")
         if not bucket or "//" in "/" + key.rstrip("/"):

@@ -11,7 +11,7 @@ from stages.common.config import ConfigError
 from stages.common.locks import LOCK_NAME, foreign_files
 from stages.etl import publish as publishing
 
-__all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
+__all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder", "image_input",
            "used_output", "PUBLISHED"]
 
 
@@ -36,18 +36,32 @@ def preflight(source: str, out: str, s3: Any | None = None, overwrite: bool = Fa
     the input is an image folder apart from the output, and a published output is replaced only
     when asked. `run` repeats them: the output may have changed while Ray started."""
     check_apart(source, out)
-    fs, root = storage.filesystem(source, s3)
-    input_folder(fs, root, source)
-    if (kind := manifest_kind(fs, root)) is not None:  # once "100% bad files"
-        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
-    if not storage.is_remote(source):  # a folder of one (its shards/): had been "no image files found"
-        for parent in Path(root).parents:
-            if (kind := manifest_kind(fs, str(parent))) is not None:
-                raise ConfigError(f"input '{source}' is inside the {kind} output '{parent}', not an image "
-                                  "folder; pass the <class>/<image> tree")
+    image_input(source, s3)
     out_fs, out_root = storage.filesystem(out, s3)
     if not overwrite and out_fs.exists(storage.join(out_root, storage.MANIFEST)):
         raise OutputExistsError(PUBLISHED.format(out=out))
+
+
+def image_input(source: str, s3: Any | None = None) -> None:
+    """The input is a folder, and not another stage's output or a folder inside one (its shards/:
+    that had been "no image files found", or "100% bad files", after Ray's start)."""
+    fs, root = storage.filesystem(source, s3)
+    input_folder(fs, root, source)
+    if (kind := _kind(fs, root)) is not None:
+        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
+    if storage.is_remote(source):  # a request per parent prefix: the local case is the common one
+        return
+    for parent in Path(root).parents:
+        if (kind := _kind(fs, str(parent))) is not None:
+            raise ConfigError(f"input '{source}' is inside the {kind} output '{parent}', not an image "
+                              "folder; pass the <class>/<image> tree")
+
+
+def _kind(fs, folder: str) -> str | None:
+    try:
+        return manifest_kind(fs, folder)
+    except OSError:  # a folder named manifest.json (a class of that name), or one this user may not read
+        return None
 
 
 def check_apart(source: str, out: str, key: str = "--output") -> None:
@@ -80,12 +94,12 @@ def used_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | No
             raise OutputExistsError(PUBLISHED.format(out=out))
         return storage.read_json(fs, manifest_path)
     ours = [p for p in fs.find(root) if not p.endswith("/" + LOCK_NAME)] if fs.exists(root) else []
-    if ours and not overwrite:
-        raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
-                                f"--output so two runs' shards never mix")
     # --overwrite replaces an ETL output (a killed run's shards included), never someone's files:
     # written into an image tree, the tree was then refused as an input ("is a raymill.etl output")
     if ours and (foreign := foreign_files(out, publishing.is_shard_file, listed=ours)):
         raise OutputExistsError(f"output '{out}' holds files that raymill etl did not write (e.g. '{foreign[0]}'); "
                                 f"--overwrite replaces only an ETL output: choose an empty or new --output")
+    if ours and not overwrite:
+        raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
+                                f"--output so two runs' shards never mix")
     return None

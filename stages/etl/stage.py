@@ -62,8 +62,8 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     checks.input_folder(fs, root, source)
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     linked = sources.skipped_linked_folders(fs, root, entries)
-    if linked and (source, *linked) not in _WARNED:  # `raymill run` lists twice: fingerprint, then ETL
-        _WARNED.add((source, *linked))
+    if linked and (key := (source, follow_symlinks, *linked)) not in _WARNED:  # `raymill run` lists twice
+        _WARNED.add(key)
         log.warning("etl: %s in '%s' link(s) to folders that etl.follow_symlinks=%s does not follow: not read as "
                     "classes; set etl.follow_symlinks=always to read them", linked, source, follow_symlinks)
     tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
@@ -275,8 +275,11 @@ def _check_bad_fraction(cfg: EtlConfig, quarantine: list, files_in: int, out: st
 
 
 def _percent(fraction: float) -> str:
-    """'0.5%' where '.0%' printed '0%' for 1 bad file of 201 (a refusal that read as no reason)."""
-    return f"{fraction:.0%}" if fraction >= 0.095 or fraction == 0 else f"{fraction:.1%}" if fraction >= 0.001 else "<0.1%"
+    """'0.5%' where '.0%' printed '0%' for 1 bad file of 201 (a refusal that read as no reason),
+    and '100%' for 995 of 1000."""
+    if fraction in (0, 1):
+        return f"{fraction:.0%}"
+    return "<0.1%" if fraction < 0.001 else ">99.9%" if fraction > 0.999 else f"{fraction:.1%}"
 
 
 def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dict[str, Any]:
