@@ -11,8 +11,8 @@ from stages.common.config import ConfigError
 from stages.common.locks import LOCK_NAME, foreign_files
 from stages.etl import publish as publishing
 
-__all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder", "image_input",
-           "used_output", "PUBLISHED"]
+__all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
+           "image_input", "used_output", "PUBLISHED"]
 
 
 class OutputExistsError(ConfigError):
