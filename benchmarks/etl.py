@@ -500,29 +500,34 @@ def _notes(result: dict[str, Any]) -> list[str]:
                  f"and which is blind to idle cores): ours {fmt(ratios.get('ours_vs_c_per_cpu_s'), 2)} x c, "
                  f"{fmt(ratios.get('ours_vs_a_per_cpu_s'), 2)} x (a), "
                  f"{fmt(ratios.get('ours_vs_b_per_cpu_s'), 2)} x (b).")
-    s = result.get("scaling")
-    if s:
-        matched = "ours_large_tasks" in methods
-        if matched:
-            big, tasks = methods["ours_large"], methods["ours_large_tasks"]
-            lines.append(f"- At {s['input_ratio']} x N the default run ({big['shards']} shards) is on Ray Data "
-                         f"(etl.ray_data_min_files=20,000): {fmt(big['seconds'], 2)} s against "
-                         f"{fmt(tasks['seconds'], 2)} s as plain Ray tasks, x{fmt(ratio(big['seconds'], tasks['seconds']), 2)}"
-                         f" (one run each; Ray Data's first execution in a process starts its own actors).")
-        lines.append(f"- Scaling (ours{', Ray tasks at both sizes' if matched else ''}, {s['input_ratio']}x input): "
-                     f"{s['large_seconds']} s vs {s['base_seconds']} s "
-                     f"(median of the N runs): time x{fmt(s['time_ratio'], 2)}, "
-                     f"peak memory x{fmt(s['memory_ratio'], 2)} (x{fmt(s['memory_ratio_tree'], 2)} incl. "
-                     f"Ray daemons); slope {fmt(s['slope_images_per_s'])} images/s "
-                     f"({fmt(ratios.get('slope_vs_c'), 2)} x c), fixed cost per call "
-                     + (f"about {fmt(s['fixed_cost_s'], 2)} s." if (s['fixed_cost_s'] or 0) > 0 else
-                        "not measurable here (the estimate is negative: the load changed between the runs)."))
-        cs = s if "cpu_ratio" in s else _cpu_scaling(methods["ours"], methods.get("ours_large_tasks") or
-                                                    methods["ours_large"])
-        lines.append(f"- CPU time (whole process tree) at {s['input_ratio']}x input: {fmt(cs['cpu_s_large'], 2)} "
-                     f"CPU-s vs {fmt(cs['cpu_s_per_n_run'], 2)} per N run, x{fmt(cs['cpu_ratio'], 2)}; "
-                     f"load average before/after the large run {methods['ours_large'].get('loadavg_before')}"
-                     f" / {methods['ours_large'].get('loadavg_after')}.")
+    if s := result.get("scaling"):
+        lines += _scaling_notes(s, methods, ratios)
+    return lines
+
+
+def _scaling_notes(s: dict[str, Any], methods: dict[str, dict], ratios: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    matched = "ours_large_tasks" in methods
+    if matched:
+        big, tasks = methods["ours_large"], methods["ours_large_tasks"]
+        lines.append(f"- At {s['input_ratio']} x N the default run ({big['shards']} shards) is on Ray Data "
+                     f"(etl.ray_data_min_files=20,000): {fmt(big['seconds'], 2)} s against "
+                     f"{fmt(tasks['seconds'], 2)} s as plain Ray tasks, x{fmt(ratio(big['seconds'], tasks['seconds']), 2)}"
+                     f" (one run each; Ray Data's first execution in a process starts its own actors).")
+    lines.append(f"- Scaling (ours{', Ray tasks at both sizes' if matched else ''}, {s['input_ratio']}x input): "
+                 f"{s['large_seconds']} s vs {s['base_seconds']} s "
+                 f"(median of the N runs): time x{fmt(s['time_ratio'], 2)}, "
+                 f"peak memory x{fmt(s['memory_ratio'], 2)} (x{fmt(s['memory_ratio_tree'], 2)} incl. "
+                 f"Ray daemons); slope {fmt(s['slope_images_per_s'])} images/s "
+                 f"({fmt(ratios.get('slope_vs_c'), 2)} x c), fixed cost per call "
+                 + (f"about {fmt(s['fixed_cost_s'], 2)} s." if (s['fixed_cost_s'] or 0) > 0 else
+                    "not measurable here (the estimate is negative: the load changed between the runs)."))
+    big_run = methods.get("ours_large_tasks") or methods["ours_large"]  # the one the ratios use
+    cs = s if "cpu_ratio" in s else _cpu_scaling(methods["ours"], big_run)
+    lines.append(f"- CPU time (whole process tree) at {s['input_ratio']}x input: {fmt(cs['cpu_s_large'], 2)} "
+                 f"CPU-s vs {fmt(cs['cpu_s_per_n_run'], 2)} per N run, x{fmt(cs['cpu_ratio'], 2)}; "
+                 f"load average before/after the large run {big_run.get('loadavg_before')}"
+                 f" / {big_run.get('loadavg_after')}.")
     return lines
 
 

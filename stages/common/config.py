@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_va
 
 from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, default_search_space
 from stages.common.overrides import ConfigError, merge, parse_overrides
-from stages.common.storage import check_location, check_named, check_output_place
+from stages.common.storage import check_init_from, check_location, check_named, check_output_place
 
 __all__ = [
     "ConfigError", "Config", "RayConfig", "S3Config", "RunSection", "EtlConfig", "TrainConfig",
@@ -115,21 +115,13 @@ class AugmentConfig(Section):
     std: tuple[float, float, float] = (0.25, 0.25, 0.25)
 
 
-def _init_source(value: str) -> str:
-    """`check_location`, and not blank: `--set train.init_from=` had started Ray, then looked for
-    '/model.json'."""
-    if not value.strip():
-        raise ValueError("is empty; name a weights file or a raymill train output, or null for random weights")
-    return check_location(value)
-
-
 class TrainConfig(Section):
     model: str = "small_cnn"
     width: int = Field(32, ge=4)  # base channel width (small_cnn only)
     # The weights a run starts from (README "Fine-tuning"): a raymill train/tune output folder
     # (model.pt + model.json), a torchvision-format ResNet state dict (.pth/.pt) or a .safetensors
     # file; local or s3://. Never unpickled. None: random weights.
-    init_from: Annotated[str, AfterValidator(_init_source)] | None = None
+    init_from: Annotated[str, AfterValidator(check_init_from)] | None = None
     freeze_epochs: int = Field(0, ge=0)  # the first N epochs train the head only (backbone and its BN frozen)
     backbone_lr_scale: float = Field(1.0, gt=0)  # after the freeze: backbone lr = this x the head's
     dropout: float = Field(0.0, ge=0, lt=1)

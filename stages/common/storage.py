@@ -13,7 +13,7 @@ import fsspec
 
 __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
-           "check_named", "check_output_place"]
+           "check_named", "check_output_place", "check_init_from"]
 
 # Every output folder's publish marker (stages.common.artifacts writes it; locks reads its kind).
 MANIFEST = "manifest.json"
@@ -53,6 +53,14 @@ def check_named(uri: str) -> str:
     a dataset into it, `--input ""` read it)."""
     if not str(uri).strip():
         raise ValueError("is empty; name a folder or an s3:// prefix ('.' for the current folder)")
+    return check_location(uri)
+
+
+def check_init_from(uri: str) -> str:
+    """train.init_from: `check_location`, and not blank: `--set train.init_from=` had started Ray,
+    then looked for '/model.json'."""
+    if not str(uri).strip():
+        raise ValueError("is empty; name a weights file or a raymill train output, or null for random weights")
     return check_location(uri)
 
 
