@@ -260,9 +260,11 @@ def cmd_infer(args) -> int:
     from stages import infer
     from stages.common import session, tracking
     from stages.common.locks import output_lock
+    from stages.common.overrides import parse_overrides
     from stages.etl.sources import READ_KEYS
 
-    if ignored := sorted({o.split("=")[0] for o in args.overrides} & {f"etl.{k}" for k in READ_KEYS}):
+    set_etl = parse_overrides(args.overrides).get("etl")  # as load_config read them: 'etl.k =v', 'etl={k: v}'
+    if ignored := sorted(f"etl.{k}" for k in set(set_etl if isinstance(set_etl, dict) else ()) & set(READ_KEYS)):
         log.warning("infer reads image files with the rules of the model's own ETL (model.json `read`), so "
                     "%s %s nothing here; retrain on data read that way to change them", ", ".join(ignored),
                     "does" if len(ignored) == 1 else "do")
