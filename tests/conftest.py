@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -270,23 +271,47 @@ def lock_held(out: Path, kind: str, timeout_s: float = 60.0):
         holder.wait()
 
 
-def kill_one_train_worker(killed: list, actor: str = "ray::RayTrainWorker") -> bool:
+def kill_train_worker_when(ready, killed: list, actor: str = "ray::RayTrainWorker", timeout_s: float = 240) -> None:
     """SIGKILL one `actor` process (a Train worker; `ray::ImplicitFunc`: the one-worker host's Tune
-    trial actor) of this test session's Ray (our descendants only, never another session's
-    workers); its pid goes into `killed`. False when none is running yet."""
+    trial actor) started after this call, at the first moment `ready()` is true; its pid goes into
+    `killed`. Only our descendants, never another session's workers.
+
+    Run in a thread beside the run. On a fast box the rest of a small run took less than one poll
+    of the process table, and it finished before the kill (CI, 2026-11-28). So the process is held
+    in short slices: SIGSTOP, ask `ready()`, SIGCONT for 10 ms. It progresses in every slice (and a
+    DDP group with it), and the kill lands while it is stopped, mid-run."""
     import signal
 
     import psutil
 
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if actor in " ".join(proc.cmdline()):
-                os.kill(proc.pid, signal.SIGKILL)
-                killed.append(proc.pid)
-                return True
-        except psutil.NoSuchProcess:
+    started = time.time()
+    deadline, pid = started + timeout_s, None
+    while time.time() < deadline:
+        if pid is None:  # not the processes of an earlier run that are still exiting
+            pid = next((p.pid for p in psutil.Process().children(recursive=True)
+                        if _started_since(p, actor, started - 1)), None)
+            time.sleep(0.01)
             continue
-    return False
+        try:
+            os.kill(pid, signal.SIGSTOP)
+            if ready():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:  # it exited: look again (the deadline ends the watch)
+            pid = None
+        time.sleep(0.01)
+
+
+def _started_since(proc, text: str, since: float) -> bool:
+    """`proc` runs `text` and was started at or after `since` (a time.time())."""
+    import psutil
+
+    try:
+        return text in " ".join(proc.cmdline()) and proc.create_time() >= since
+    except psutil.Error:  # gone, or not ours to read
+        return False
 
 
 def started_by_this_worker(proc) -> bool:

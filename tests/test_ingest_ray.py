@@ -9,7 +9,6 @@ import logging
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from stages.feed import streaming
 from stages.train import stage as train
 from stages.feed.meters import EpochTimes, StartWaits, verdict
 from stages.common.config import ConfigError, load_config
-from tests.conftest import REPO, demo_dataset, kill_one_train_worker
+from tests.conftest import REPO, demo_dataset, kill_train_worker_when
 
 BASE = ["train.ingest=ray_data", "train.epochs=2", "train.batch_size=8", "train.shuffle_buffer_rows=32",
         "etl.shard_max_rows=40", "train.num_workers=2"]  # two ranks: Train's split of Ray Data
@@ -48,10 +47,9 @@ def _kill_a_worker_once_registered(run_dir: Path, name: str, killed: list) -> No
     """SIGKILL one training worker once Ray Train has *registered* checkpoint `name` (listed in its
     checkpoint manager snapshot), so the restart must resume from it; a kill while the folder is
     still being written would restart from scratch and prove nothing."""
-    snapshot, deadline = run_dir / "checkpoint_manager_snapshot.json", time.time() + 300
-    while time.time() < deadline and not (snapshot.exists() and name in snapshot.read_text(errors="ignore")):
-        time.sleep(0.05)
-    kill_one_train_worker(killed)
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+    kill_train_worker_when(lambda: snapshot.exists() and name in snapshot.read_text(errors="ignore"), killed,
+                           timeout_s=300)
 
 
 def test_killed_worker_repeats_only_the_interrupted_epoch_and_counts_it(dataset, tmp_path):

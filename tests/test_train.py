@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from stages.model.predict import to_batch
 from stages.train.loop import precision_plan
 from stages.common import session
 from stages.common.config import ConfigError, S3Config, TrainConfig, load_config
-from tests.conftest import REPO, demo_dataset, kill_one_train_worker, stray_decode_processes
+from tests.conftest import REPO, demo_dataset, kill_train_worker_when, stray_decode_processes
 
 # DDP: two workers (the planner gives a one-node CPU cluster one); tests of one worker set it
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
@@ -85,11 +84,7 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
 
 
 def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
-    deadline = time.time() + 240
-    while time.time() < deadline and not killed:
-        if any(checkpoint_dir.glob("checkpoint-e000-s000004-*")) and kill_one_train_worker(killed):
-            return
-        time.sleep(0.05)
+    kill_train_worker_when(lambda: any(checkpoint_dir.glob("checkpoint-e000-s000004-*")), killed)
 
 
 def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_path, capfd):
@@ -277,11 +272,7 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
 
 # ---- one worker on one node: the loop in a Tune trial actor (stages/train/solo.py) --------------
 def _kill_the_trial_after_its_first_checkpoint(folder: Path, killed: list) -> None:
-    deadline = time.time() + 240
-    while time.time() < deadline and not killed:
-        if any(folder.glob("checkpoint_000000")) and kill_one_train_worker(killed, "ray::ImplicitFunc"):
-            return
-        time.sleep(0.05)
+    kill_train_worker_when(lambda: any(folder.glob("checkpoint_000000")), killed, "ray::ImplicitFunc")
 
 
 def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_model(dataset, tmp_path):

@@ -32,9 +32,26 @@ def setup(verbose: bool = False) -> None:
     if _is_the_cli():  # not when a program (a test, a notebook) calls workflow.__main__.main itself
         benign.install(verbose)  # fd 2 itself: Python, Ray's forwarded lines and C++ all pass the filter
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="[raymill] %(message)s",
-                        stream=sys.stderr, force=True)
+                        handlers=[_Stderr()], force=True)
     for name in _OURS:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+class _Stderr(logging.StreamHandler):
+    """sys.stderr as it is at each record, not as it was at setup: a program that calls `main`
+    itself (pytest's capture) closes and swaps the stream it had, and the next record printed
+    "--- Logging error --- ValueError: I/O operation on closed file" (CI, 2026-11-28)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
 
 
 def before_exit() -> None:
