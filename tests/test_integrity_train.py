@@ -238,12 +238,12 @@ def test_ctrl_c_during_training_says_interrupted_and_exits_130(dataset, tmp_path
     from tests.conftest import interruptible
 
     proc = subprocess.Popen(interruptible("workflow", "train", "--data", dataset.path, "--output",
-                                          str(tmp_path / "out"), "--config", str(SMOKE), "--set", "train.epochs=50",
+                                          str(tmp_path / "out"), "--config", str(SMOKE), "--set", "train.epochs=500",
                                           "--set", f"train.num_workers={workers}"),
                             cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     lines, deadline = [], time.time() + 180
-    while time.time() < deadline and not any("epoch 1/50" in line for line in lines):
+    while time.time() < deadline and not any("epoch 1/500" in line for line in lines):
         lines.append(proc.stdout.readline())
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=120)[0]
