@@ -97,6 +97,9 @@ def test_rerun_is_deterministic_and_refuses_existing_output(tree, published, tmp
         warnings.simplefilter("always")
         again = etl.run(CFG.model_copy(update={"ray_data_min_files": 0}), str(tree[0]), str(tmp_path / "again"))
     assert not [w for w in caught if "ray_remote_args" in str(w.message)], [str(w.message) for w in caught]
+    import ray.data  # ETL's own dataset runs without per-operator reservation; later ones are not told so
+
+    assert ray.data.DataContext.get_current().op_resource_reservation_enabled, "ETL's Ray Data setting leaked"
     digest = lambda a: sorted((s["split"], s["format"], s["first_key"], s["sha256"]) for s in a.manifest["shards"])
     assert digest(again) == digest(published)
     assert again.manifest["run_id"] != published.manifest["run_id"]

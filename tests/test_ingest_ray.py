@@ -112,6 +112,7 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
     cfg = _cfg("train.epochs=3").train
     datasets, _ = ingest_ray.build_train_datasets(cfg, shards, seed=0, image_size=32, raw=False, s3=None)
     assert sorted(datasets) == sorted(ingest_ray.SPLITS)
+    assert not any(ds.context.op_resource_reservation_enabled for ds in datasets.values())  # 1.7x the decode rate
     splits = {name: ds.streaming_split(1, equal=True)[0] for name, ds in datasets.items()}
     asked: list[str] = []
     keys = _train_keys(dataset)

@@ -53,6 +53,14 @@ FUSED_BLOCK_BYTES = 192 * 2**20
 # shards of 200 rows became 50-row blocks that each decode task bundled and re-sliced into 64-row
 # batches. One block per 256 rows fed an input-bound step 1,168-1,246 -> 1,263-1,344 img/s.
 BLOCK_ROWS = 4 * MAP_BATCH_ROWS
+# Ray Data's per-operator reservation (DataContext.op_resource_reservation_enabled, on by default)
+# held the decode to fewer tasks than the CPUs run: the train dataset alone made 1,110-1,550 img/s
+# with it and 2,080-2,290 without, alternated in one process (6,392 images at 224 px, 0.5 CPU a
+# task, 2-core box, 2026-11-29). The plan has one map operator (two with object_store_cache),
+# so there is nothing to share fairly; the streaming split's consumer still bounds what runs
+# ahead: a slow consumer (50 ms a batch of 32) saw a peak of 545 MB in the object store with it
+# and 631 MB without, for an epoch of 960 MB decoded.
+RESERVE_PER_OPERATOR = False
 
 
 def decode_rows(shards: list[dict], image_size: int) -> int | None:
@@ -154,6 +162,7 @@ def build_train_datasets(cfg: TrainConfig, shards: list[dict], *, seed: int, ima
         # Every epoch runs this dataset inside Train's split coordinator actor, whose stdout reaches
         # the terminal: its progress bars would print a screen per epoch. --verbose brings them back.
         ds.context.enable_progress_bars = console.verbose()
+        ds.context.op_resource_reservation_enabled = RESERVE_PER_OPERATOR
     return datasets, info
 
 
