@@ -107,6 +107,23 @@ def test_rerun_is_deterministic_and_refuses_existing_output(tree, published, tmp
     assert data_fingerprint(again.manifest) == data_fingerprint(published.manifest)
 
 
+def test_a_given_listing_is_the_one_etl_reads_and_records(tree, tmp_path, ray_session):
+    """`raymill run` lists its source once (workflow.preflight) and hands the listing to ETL, which
+    must shard exactly those files and record that listing's fingerprint, not list the tree again."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tree[0], src)
+    listing = etl.discover(str(src), None, CFG.follow_symlinks, CFG.layout)
+    first = next(p for p in sorted(src.rglob("*")) if p.is_file() and p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    shutil.copy(first, first.with_name("added-after-the-listing" + first.suffix))  # ETL is not told of it
+    artifact = etl.run(CFG, str(src), str(tmp_path / "out"), listing=listing)
+    m = artifact.manifest
+    rows = sum(n for split in m["counts"].values() for n in split.values())
+    assert rows + m["quarantine"]["count"] == len(listing.files) + len(listing.rejected)
+    assert etl.discover(str(src), None, CFG.follow_symlinks, CFG.layout).fingerprint != listing.fingerprint
+
+
 def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_session):
     out = tmp_path / "ds"
     first = etl.run(CFG, str(tree[0]), str(out))

@@ -325,12 +325,12 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, overrides)
     from workflow import preflight
 
-    sources = preflight.start(cfg)  # before the stages' imports: torch loads while Ray starts
+    inputs = preflight.start(cfg)  # before the stages' imports: torch loads while Ray starts
     import ray
 
     from workflow import pipeline, report
 
-    summary = report.summary(pipeline.run(cfg, serve=args.serve, sources=sources, started=started))
+    summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))
     ray.shutdown()  # flushes Ray's last worker lines now, so the summary is the last thing printed
     print(f"\n{summary}", flush=True)
     return 0

@@ -101,15 +101,15 @@ def _clear(fs, root: str, ours: bool) -> None:
         fs.rm(path, recursive=True)
 
 
-def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
+def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None,
         started: float | None = None) -> dict[str, Any]:
     """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report.
-    `sources`: what `preflight.start(cfg)` returned, when the caller ran it (the CLI does, before
+    `inputs`: what `preflight.start(cfg)` returned, when the caller ran it (the CLI does, before
     this module's imports); else it runs here. `started`: the caller's perf_counter() at its
     start, so that the report's total is the wait the caller saw."""
     started = time.perf_counter() if started is None else started
-    if sources is None:
-        sources = preflight.start(cfg)
+    if inputs is None:
+        inputs = preflight.start(cfg)
     resources = session.start(cfg.ray)  # started already: its resources
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
         both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
@@ -121,9 +121,9 @@ def run(cfg: Config, serve: bool = False, sources: dict[str, Any] | None = None,
 
     t = time.perf_counter()
     before = t - started  # the command's start to ETL's: checks, Ray's start with torch's import beside it
-    data, reused["etl"] = stage("etl", cfg, cfg.etl, sources,
-                                lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True),
-                                stale=unread_files)
+    data, reused["etl"] = stage("etl", cfg, cfg.etl, inputs.sources,
+                                lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True,
+                                                    listing=inputs.listing), stale=unread_files)
     timings["etl"] = time.perf_counter() - t
     needed_splits(cfg, data.manifest.get("counts", {}))
     fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -22,7 +22,7 @@ from stages.etl.checks import image_input
 from stages.model import init_source
 from stages.model.sizes import check_image_size
 
-__all__ = ["start", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
+__all__ = ["Inputs", "start", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,18 @@ _SHARED = ("numpy", "ray", "argparse", "cmath", "email.parser", "gettext", "grp"
 _BESIDE_RAY = ("torch", "ray.train.torch")
 
 
-def start(cfg: Config) -> dict[str, Any]:
+class Inputs(NamedTuple):
+    """What ETL reads. `sources` keys the ETL stage (the source and its listing fingerprint);
+    `listing` is the listing that fingerprint was taken from, handed to ETL so that a run lists its
+    source once: `raymill run` had listed it twice (here, then in ETL), I/O that grows with the data,
+    and could record one listing's fingerprint beside shards made from another."""
+    sources: dict[str, Any]
+    listing: etl.Listing
+
+
+def start(cfg: Config) -> Inputs:
     """Check the run's config and inputs, write config.yaml, then start Ray (and MLflow's store)
-    with torch imported beside it. Returns ETL's inputs: the source and its listing fingerprint."""
+    with torch imported beside it. Returns ETL's inputs."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
     check_image_size(cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model], cfg.etl.image_size)
     check_init_source(cfg)
@@ -55,7 +64,7 @@ def start(cfg: Config) -> dict[str, Any]:
     _check_run_dir(cfg)
     _write_config(cfg)
     beside_ray(cfg, cfg.run.dir)
-    return sources
+    return Inputs(sources, listing)
 
 
 def check_init_source(cfg: Config) -> None:

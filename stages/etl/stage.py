@@ -131,15 +131,17 @@ def plan_tasks(listing: Listing, cfg: EtlConfig, parallelism: int = 8) -> list[d
 
 
 def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
-        overwrite: bool = False) -> Artifact:
+        overwrite: bool = False, listing: Listing | None = None) -> Artifact:
     """Run ETL from `source` into `out` and return the published artifact.
 
     The output is locked for the run (stages.common.locks): a second run on it exits 2 naming this one.
+    `listing`: discover(source, ...) with this cfg's follow_symlinks and layout, when the caller has
+    it (`raymill run` keys the stage by its fingerprint); else ETL lists the source itself.
     """
     preflight(source, out, s3, overwrite)
     _check_task_fits(cfg)
     with output_lock(out, "etl", s3):
-        return _run_locked(cfg, source, out, s3, overwrite)
+        return _run_locked(cfg, source, out, s3, overwrite, listing)
 
 
 def _check_task_fits(cfg: EtlConfig) -> None:
@@ -155,9 +157,10 @@ def _check_task_fits(cfg: EtlConfig) -> None:
                           f"largest has {largest:g}): its tasks would wait forever; lower etl.cpus_per_task")
 
 
-def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool) -> Artifact:
+def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite: bool,
+                listing: Listing | None) -> Artifact:
     started = time.perf_counter()
-    listing = discover(source, s3, cfg.follow_symlinks, cfg.layout)
+    listing = listing if listing is not None else discover(source, s3, cfg.follow_symlinks, cfg.layout)
     for level, line in layouts.advice(listing.layout, source, [rel for rel, _ in listing.files], listing.classes,
                                       cfg.layout, listing.unlabelled_files):
         log.log(level, "etl: %s", line)
