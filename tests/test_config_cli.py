@@ -17,6 +17,18 @@ from tests.conftest import BAD_FILES, REPO, lock_held, make_tree
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
+def run_like(tmp_path: Path, ds: Path) -> Path:
+    """A folder laid out as `raymill run` leaves one: a stage's output per sub-folder."""
+    import shutil
+
+    run = tmp_path / "run-like"
+    (run / "etl").mkdir(parents=True)
+    shutil.copy(ds / "manifest.json", run / "etl" / "manifest.json")
+    (run / "train").mkdir()
+    (run / "report.md").write_text("# a run")
+    return run
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     cfg = load_config(path)
@@ -253,12 +265,18 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
     for args, fragment in [(["--input", str(src), "--output", str(tmp_path / "notes")], "did not write (e.g. 'a.txt')"),
                            (["--input", str(src), "--output", str(tmp_path / "killed")], "is not empty; pass --overwrite"),
                            (["--input", str(ds / "shards"), "--output", str(tmp_path / "e2" / "deep")],
-                            f"is inside the raymill.etl output '{ds}'")]:
+                            f"is inside the raymill.etl output '{ds}'"),
+                           # into another stage's output, and from a run folder (both had run, exit 0 / 1)
+                           (["--input", str(src), "--output", str(ds / "sub")],
+                            f"output '{ds / 'sub'}' is inside the raymill.etl output '{ds}'"),
+                           (["--input", str(run_like(tmp_path, ds)), "--output", str(tmp_path / "e3")],
+                            "('etl' is a raymill.etl output): it is a run folder")]:
         run = subprocess.run([sys.executable, "-m", "workflow", "etl", *args], env=env, capture_output=True,
                              text=True, timeout=300, cwd=REPO)
         assert run.returncode == 2 and fragment in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
     assert (tmp_path / "notes" / "a.txt").read_text() == "mine" and (tmp_path / "killed" / "shards").exists()
-    assert not (tmp_path / "e2").exists()  # nor the folders the lock had made on the way
+    assert not (tmp_path / "e2").exists() and not (tmp_path / "e3").exists()  # nor folders the lock made
+    assert not (ds / "sub").exists()
     run = subprocess.run([sys.executable, "-m", "workflow", "run", "--set", f"run.source={ds}", "--set",
                           f"run.dir={tmp_path / 'r2'}"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 2 and "is a raymill.etl output" in run.stderr, run.stderr

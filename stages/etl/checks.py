@@ -12,7 +12,7 @@ from stages.common.locks import LOCK_NAME, foreign_files
 from stages.etl import publish as publishing
 
 __all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
-           "image_input", "used_output", "PUBLISHED"]
+           "image_input", "output_outside_outputs", "used_output", "PUBLISHED"]
 
 
 class OutputExistsError(ConfigError):
@@ -37,6 +37,7 @@ def preflight(source: str, out: str, s3: Any | None = None, overwrite: bool = Fa
     when asked. `run` repeats them: the output may have changed while Ray started."""
     check_apart(source, out)
     image_input(source, s3)
+    output_outside_outputs(out, s3)
     out_fs, out_root = storage.filesystem(out, s3)
     if not overwrite and out_fs.exists(storage.join(out_root, storage.MANIFEST)):
         raise OutputExistsError(PUBLISHED.format(out=out))
@@ -51,10 +52,39 @@ def image_input(source: str, s3: Any | None = None) -> None:
         raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
     if storage.is_remote(source):  # a request per parent prefix: the local case is the common one
         return
+    if (parent := _inside_an_output(fs, root)) is not None:
+        raise ConfigError(f"input '{source}' is inside the {parent[1]} output '{parent[0]}', not an image "
+                          "folder; pass the <class>/<image> tree")
+    # a `raymill run` folder (etl/, train/, ... each a stage's output) had been read as an image tree
+    # of classes 'etl' and 'train': "143 of 145 files (99%) are bad", after Ray's start
+    try:
+        children = [c for c in sorted(Path(root).iterdir()) if c.is_dir()]
+    except OSError:  # unreadable: the listing names it
+        children = []
+    for child in children:
+        if (kind := _kind(fs, str(child))) is not None:
+            raise ConfigError(f"input '{source}' holds raymill outputs ('{child.name}' is a {kind} output): "
+                              "it is a run folder, not an image folder; pass the <class>/<image> tree")
+
+
+def output_outside_outputs(out: str, s3: Any | None = None) -> None:
+    """Refuse an ETL output inside another stage's output (`--output ETL/sub`, `RUN/train/sub`): its
+    shards would sit among that output's files, and an --overwrite of either could delete the other's.
+    Local paths only (a request per parent prefix on S3)."""
+    if storage.is_remote(out):
+        return
+    fs, root = storage.filesystem(out, s3)
+    if (parent := _inside_an_output(fs, root)) is not None:
+        raise ConfigError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose an --output "
+                          "outside it")
+
+
+def _inside_an_output(fs, root: str) -> tuple[str, str] | None:
+    """(folder, kind) of the nearest parent of local `root` that is a raymill output, if any."""
     for parent in Path(root).parents:
         if (kind := _kind(fs, str(parent))) is not None:
-            raise ConfigError(f"input '{source}' is inside the {kind} output '{parent}', not an image "
-                              "folder; pass the <class>/<image> tree")
+            return str(parent), kind
+    return None
 
 
 def _kind(fs, folder: str) -> str | None:
