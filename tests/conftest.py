@@ -290,17 +290,21 @@ def kill_train_worker_when(ready, killed: list, actor: str = "ray::RayTrainWorke
         if pid is None:  # not the processes of an earlier run that are still exiting
             pid = next((p.pid for p in psutil.Process().children(recursive=True)
                         if _started_since(p, actor, started - 1)), None)
-            time.sleep(0.01)
+            time.sleep(0.05)  # a scan of the process table costs a core's milliseconds
             continue
         try:
             os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:  # it exited: look again (the deadline ends the watch)
+            pid = None
+            continue
+        try:
             if ready():
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
                 return
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:  # it exited: look again (the deadline ends the watch)
-            pid = None
+        finally:  # never leave it stopped: a `ready()` that raised would hang the run
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # after a SIGKILL: harmless
         time.sleep(0.01)
 
 
