@@ -17,6 +17,15 @@ from tests.conftest import BAD_FILES, REPO, lock_held, make_tree
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
+def killed_runs(tmp_path: Path) -> Path:
+    """A folder of `raymill run` folders, one killed before its ETL published (stage.json, no manifest)."""
+    runs = tmp_path / "runs"
+    (runs / "a" / "etl").mkdir(parents=True)
+    (runs / "a" / "etl" / "stage.json").write_text('{"key": "k"}')
+    (runs / "a" / "config.yaml").write_text("run: {}")
+    return runs
+
+
 def run_like(tmp_path: Path, ds: Path) -> Path:
     """A folder laid out as `raymill run` leaves one: a stage's output per sub-folder."""
     import shutil
@@ -270,7 +279,9 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
                            (["--input", str(src), "--output", str(ds / "sub")],
                             f"output '{ds / 'sub'}' is inside the raymill.etl output '{ds}'"),
                            (["--input", str(run_like(tmp_path, ds)), "--output", str(tmp_path / "e3")],
-                            "('etl' is a raymill.etl output): it is a run folder")]:
+                            "holds raymill's own files ('etl' is a raymill.etl output)"),
+                           (["--input", str(killed_runs(tmp_path)), "--output", str(tmp_path / "e3")],
+                            "('a' is a `raymill run` folder)")]:
         run = subprocess.run([sys.executable, "-m", "workflow", "etl", *args], env=env, capture_output=True,
                              text=True, timeout=300, cwd=REPO)
         assert run.returncode == 2 and fragment in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
@@ -281,3 +292,8 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
                           f"run.dir={tmp_path / 'r2'}"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 2 and "is a raymill.etl output" in run.stderr, run.stderr
     assert "[raymill] ray:" not in run.stderr and not (tmp_path / "r2").exists(), run.stderr
+    # a run.dir inside an ETL output: refused before config.yaml, MLflow's store or Ray (named run.dir)
+    run = subprocess.run([sys.executable, "-m", "workflow", "run", "--set", f"run.source={src}", "--set",
+                          f"run.dir={ds / 'run'}"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2 and f"is inside the raymill.etl output '{ds}'; choose a run.dir" in run.stderr, run.stderr
+    assert "[raymill] ray:" not in run.stderr and not (ds / "run").exists(), run.stderr

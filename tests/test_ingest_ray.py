@@ -112,7 +112,15 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
     cfg = _cfg("train.epochs=3").train
     datasets, _ = ingest_ray.build_train_datasets(cfg, shards, seed=0, image_size=32, raw=False, s3=None)
     assert sorted(datasets) == sorted(ingest_ray.SPLITS)
-    assert not any(ds.context.op_resource_reservation_enabled for ds in datasets.values())  # 1.7x the decode rate
+    # small epochs run without Ray Data's per-operator reservation (1.7x the decode rate); an epoch
+    # that would not fit in a quarter of the object store keeps it (its run-ahead budget)
+    assert not any(ds.context.op_resource_reservation_enabled for ds in datasets.values())
+    import ray
+
+    store = ray.cluster_resources()["object_store_memory"]
+    rows = int(store * ingest_ray.RUN_AHEAD_SHARE / (224 * 224 * 3)) + 1
+    assert ingest_ray.reserve_per_operator([{"rows": rows}], 224, 1)
+    assert not ingest_ray.reserve_per_operator([{"rows": rows // 3}], 224, 2)
     splits = {name: ds.streaming_split(1, equal=True)[0] for name, ds in datasets.items()}
     asked: list[str] = []
     keys = _train_keys(dataset)

@@ -18,7 +18,7 @@ import yaml
 from stages import etl
 from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
-from stages.etl.checks import image_input
+from stages.etl.checks import image_input, output_outside_outputs
 from stages.model import init_source
 from stages.model.sizes import check_image_size
 
@@ -58,6 +58,7 @@ def start(cfg: Config) -> Inputs:
     check_init_source(cfg)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
+    output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first
     listing = _listing(cfg)  # a missing or unreadable run.source fails here, before anything is written
     needed_splits(cfg, given=set(listing.layout.splits.values()))
     sources = {"source": cfg.run.source, "source_listing": listing.fingerprint}

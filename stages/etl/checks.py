@@ -8,7 +8,7 @@ from typing import Any
 from stages.common import storage
 from stages.common.artifacts import manifest_kind
 from stages.common.config import ConfigError
-from stages.common.locks import LOCK_NAME, foreign_files
+from stages.common.locks import LOCK_NAME, STAGE_RECORD, foreign_files
 from stages.etl import publish as publishing
 
 __all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
@@ -45,37 +45,57 @@ def preflight(source: str, out: str, s3: Any | None = None, overwrite: bool = Fa
 
 def image_input(source: str, s3: Any | None = None) -> None:
     """The input is a folder, and not another stage's output or a folder inside one (its shards/:
-    that had been "no image files found", or "100% bad files", after Ray's start)."""
+    that had been "no image files found", or "100% bad files", after Ray's start), nor a `raymill
+    run` folder or a folder of them (read as classes 'etl', 'train': "99% of files are bad")."""
     fs, root = storage.filesystem(source, s3)
     input_folder(fs, root, source)
     if (kind := _kind(fs, root)) is not None:
-        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; pass the <class>/<image> tree")
+        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; {_PASS_TREE}")
     if storage.is_remote(source):  # a request per parent prefix: the local case is the common one
         return
     if (parent := _inside_an_output(fs, root)) is not None:
         raise ConfigError(f"input '{source}' is inside the {parent[1]} output '{parent[0]}', not an image "
-                          "folder; pass the <class>/<image> tree")
-    # a `raymill run` folder (etl/, train/, ... each a stage's output) had been read as an image tree
-    # of classes 'etl' and 'train': "143 of 145 files (99%) are bad", after Ray's start
-    try:
-        children = [c for c in sorted(Path(root).iterdir()) if c.is_dir()]
+                          f"folder; {_PASS_TREE}")
+    try:  # class folders only: a linked one is ETL's to follow or skip (etl.follow_symlinks)
+        folders = [Path(root)] + [c for c in sorted(Path(root).iterdir()) if c.is_dir() and not c.is_symlink()]
     except OSError:  # unreadable: the listing names it
-        children = []
-    for child in children:
-        if (kind := _kind(fs, str(child))) is not None:
-            raise ConfigError(f"input '{source}' holds raymill outputs ('{child.name}' is a {kind} output): "
-                              "it is a run folder, not an image folder; pass the <class>/<image> tree")
+        folders = []
+    for folder in folders:
+        if (what := _raymill_folder(fs, folder)) is not None:
+            name = "it" if folder == Path(root) else f"'{folder.name}'"
+            raise ConfigError(f"input '{source}' holds raymill's own files ({name} is {what}), not an image "
+                              f"folder; {_PASS_TREE}")
 
 
-def output_outside_outputs(out: str, s3: Any | None = None) -> None:
-    """Refuse an ETL output inside another stage's output (`--output ETL/sub`, `RUN/train/sub`): its
-    shards would sit among that output's files, and an --overwrite of either could delete the other's.
+_PASS_TREE = "pass the <class>/<image> tree as --input (run.source for `raymill run`)"
+_RUN_STAGES = ("etl", "train", "tune", "infer", "export")  # workflow.pipeline's stage folders
+
+
+def _raymill_folder(fs, folder: Path) -> str | None:
+    """What marks a local `folder` as raymill's: a stage's output (its manifest's kind), a `raymill
+    run` stage folder (its stage.json, published or not: a killed run's), or a run folder (one of
+    those inside)."""
+    if (kind := _kind(fs, str(folder))) is not None:
+        return f"a {kind} output"
+    try:
+        if (folder / STAGE_RECORD).is_file():
+            return "a `raymill run` stage folder"
+        if any((folder / stage / STAGE_RECORD).is_file() for stage in _RUN_STAGES):
+            return "a `raymill run` folder"
+    except OSError:
+        return None
+    return None
+
+
+def output_outside_outputs(out: str, s3: Any | None = None, key: str = "--output") -> None:
+    """Refuse an output inside another stage's output (`--output ETL/sub`, `run.dir=RUN/train/sub`):
+    its files would sit among that output's, and an --overwrite of either could delete the other's.
     Local paths only (a request per parent prefix on S3)."""
     if storage.is_remote(out):
         return
     fs, root = storage.filesystem(out, s3)
     if (parent := _inside_an_output(fs, root)) is not None:
-        raise ConfigError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose an --output "
+        raise ConfigError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose a {key} "
                           "outside it")
 
 

@@ -30,8 +30,8 @@ from stages.common import console, session, storage
 from stages.common.artifacts import Artifact, write_manifest
 from stages.common.config import ConfigError, TrainConfig
 
-__all__ = ["RESUME", "SPLITS", "check_plan", "decode_rows", "build_train_dataset", "build_train_datasets",
-           "equal_rows", "ShardBatches", "WarmEpochs"]
+__all__ = ["RESUME", "SPLITS", "check_plan", "decode_rows", "reserve_per_operator", "build_train_dataset",
+           "build_train_datasets", "equal_rows", "ShardBatches", "WarmEpochs"]
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,20 @@ BLOCK_ROWS = 4 * MAP_BATCH_ROWS
 # Ray Data's per-operator reservation (DataContext.op_resource_reservation_enabled, on by default)
 # held the decode to fewer tasks than the CPUs run: the train dataset alone made 1,110-1,550 img/s
 # with it and 2,080-2,290 without, alternated in one process (6,392 images at 224 px, 0.5 CPU a
-# task, 2-core box, 2026-11-29). The plan has one map operator (two with object_store_cache),
-# so there is nothing to share fairly; the streaming split's consumer still bounds what runs
-# ahead: a slow consumer (50 ms a batch of 32) saw a peak of 545 MB in the object store with it
-# and 631 MB without, for an epoch of 960 MB decoded.
-RESERVE_PER_OPERATOR = False
+# task, 2-core box, 2026-11-29). But without it Ray 2.60 also drops its object-store budget: ahead
+# of a slow consumer (50 ms a batch of 32) it filled a 400 MB store to 316-345 MB, against 173-200
+# MB with it, and a big epoch would spill to disk. So the reservation is left off only when every
+# dataset's decoded epoch fits in this share of the object store (Ray's own limit without it).
+RUN_AHEAD_SHARE = 0.25
+
+
+def reserve_per_operator(shards: list[dict], image_size: int, datasets: int) -> bool:
+    """Whether the train datasets keep Ray Data's per-operator reservation: unless `datasets`
+    decoded epochs (uint8 pixels) fit in RUN_AHEAD_SHARE of the cluster's object store."""
+    import ray
+
+    decoded = sum(s["rows"] for s in shards) * image_size * image_size * 3
+    return datasets * decoded > RUN_AHEAD_SHARE * ray.cluster_resources().get("object_store_memory", 0)
 
 
 def decode_rows(shards: list[dict], image_size: int) -> int | None:
@@ -158,11 +167,12 @@ def build_train_datasets(cfg: TrainConfig, shards: list[dict], *, seed: int, ima
         datasets = {name: _read(shards, seed + i * 1_000_003, cpus, s3, rows).map_batches(
             udfs.decode_augment_batch, fn_kwargs={**decode, **augment}, batch_size=rows, num_cpus=cpus)
             for i, name in enumerate(names)}
+    info["reserve_per_operator"] = reserve = reserve_per_operator(shards, image_size, len(datasets))
     for ds in datasets.values():
         # Every epoch runs this dataset inside Train's split coordinator actor, whose stdout reaches
         # the terminal: its progress bars would print a screen per epoch. --verbose brings them back.
         ds.context.enable_progress_bars = console.verbose()
-        ds.context.op_resource_reservation_enabled = RESERVE_PER_OPERATOR
+        ds.context.op_resource_reservation_enabled = reserve
     return datasets, info
 
 
