@@ -51,9 +51,6 @@ class Listing:
     unlabelled_files: int = 0  # files in a split folder without class folders: left out
 
 
-_WARNED: set[tuple[str, ...]] = set()
-
-
 def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_source",
              layout: str = "auto") -> Listing:
     """List an ImageFolder tree: the class is the first folder under `source`, or the second in a
@@ -62,8 +59,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     checks.input_folder(fs, root, source)
     entries, hidden = sources.list_tree(fs, root, follow_symlinks)
     linked = sources.skipped_linked_folders(fs, root, entries)
-    if linked and (key := (source, follow_symlinks, *linked)) not in _WARNED:  # `raymill run` lists twice
-        _WARNED.add(key)
+    if linked:  # once a run: `raymill run` hands its one listing to ETL
         log.warning("etl: %s in '%s' link(s) to folders that etl.follow_symlinks=%s does not follow: not read as "
                     "classes; set etl.follow_symlinks=always to read them", linked, source, follow_symlinks)
     tree = layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root), layout)
