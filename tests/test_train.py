@@ -84,7 +84,11 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
 
 
 def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
-    kill_train_worker_when(lambda: any(checkpoint_dir.glob("checkpoint-e000-s000004-*")), killed)
+    """Once Ray Train has registered step 4's checkpoint (in its manager's snapshot), not when its
+    folder appears: the restart must resume from it."""
+    snapshot = checkpoint_dir / "checkpoint_manager_snapshot.json"
+    kill_train_worker_when(lambda: snapshot.exists() and "checkpoint-e000-s000004" in snapshot.read_text(errors="ignore"),
+                           killed)
 
 
 def test_worker_killed_mid_epoch_recovers_exactly_once(reference, dataset, tmp_path, capfd):
@@ -271,8 +275,10 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
 
 
 # ---- one worker on one node: the loop in a Tune trial actor (stages/train/solo.py) --------------
-def _kill_the_trial_after_its_first_checkpoint(folder: Path, killed: list) -> None:
-    kill_train_worker_when(lambda: any(folder.glob("checkpoint_000000")), killed, "ray::ImplicitFunc")
+def _kill_the_trial_after_its_first_checkpoint(state: Path, killed: list) -> None:
+    """Once Tune has committed a checkpoint (listed in result.json), not when its folder appears:
+    a kill while the folder is still being written leaves nothing to resume from."""
+    kill_train_worker_when(lambda: bool(solo.committed(str(state), "train")), killed, "ray::ImplicitFunc")
 
 
 def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_model(dataset, tmp_path):
@@ -293,8 +299,7 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
     assert not list(trial.glob("events.out.tfevents*")), "Tune's TensorBoard logger ran (console.no_tensorboard)"
 
     out, killed = tmp_path / "killed", []
-    watcher = threading.Thread(target=_kill_the_trial_after_its_first_checkpoint,
-                               args=(out / "ray/train/attempt-000/solo", killed))
+    watcher = threading.Thread(target=_kill_the_trial_after_its_first_checkpoint, args=(out / "ray", killed))
     watcher.start()
     with pytest.raises(train.TrainError, match="rerun the same command to resume"):
         train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
