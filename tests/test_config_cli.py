@@ -57,6 +57,8 @@ def test_every_shipped_config_loads(path):
     ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
     ("run.dir=s3:/bucket/runs", "looks like a URI with a slash missing"),  # was a local folder './s3:/bucket/runs'
     ("run.source=S3://bucket/images", "write it in lower case: s3://"),
+    ("run.source=s3//bucket/images", "colon missing"),  # was a local folder './s3/bucket/images'
+    ("run.dir=FILE:///tmp/runs", "write it in lower case: file://"),
     ("train.init_from=gs://bucket/w.pt", "unsupported scheme 'gs://'"),
     ("etl.formats=parquet", "takes a list"),
     ("etl.allowed_formats=gif", "write etl.allowed_formats=[gif], items separated by commas"),

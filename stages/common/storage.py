@@ -34,12 +34,17 @@ def check_location(uri: str) -> str:
     text = str(uri)
     scheme, sep, _ = text.partition("://")
     if sep and _SCHEME.fullmatch(scheme) and scheme not in ("s3", "file"):
-        fix = "write it in lower case: s3://" if scheme.lower() == "s3" else "use a local path or s3://bucket/prefix"
+        lower = scheme.lower()
+        fix = (f"write it in lower case: {lower}://" if lower in ("s3", "file")
+               else "use a local path or s3://bucket/prefix")
         raise ValueError(f"'{uri}' has the unsupported scheme '{scheme}://'; {fix}")
     first = text.split("/")[0]
     if not sep and first.endswith(":") and _SCHEME.fullmatch(first[:-1]) or not sep and text[:3].lower() == "s3:":
         raise ValueError(f"'{uri}' looks like a URI with a slash missing (it would be a local path starting "
                          f"with a folder named '{first}'); write s3://bucket/prefix, or ./{uri} for a local path")
+    if not sep and text[:4].lower() == "s3//":
+        raise ValueError(f"'{uri}' looks like an s3:// URI with its colon missing (it would be a local folder "
+                         f"'{text[:2]}'); write s3://{text[4:]}, or ./{uri} for a local path")
     if str(uri).startswith("s3://"):
         bucket, _, key = str(uri)[len("s3://"):].partition("/")
         if not bucket or "//" in "/" + key.rstrip("/"):
