@@ -236,6 +236,7 @@ def test_a_model_whose_data_is_elsewhere_is_checked_on_data_given_with_data(trai
     assert "pass --data with an ETL output or a folder of images" in capsys.readouterr().err
     assert main(["export", "--model", str(moved), "--output", str(tmp_path / "b"), "--config", SMOKE,
                  "--data", str(run_dir / "etl")]) == 0
+    assert "nothing here" not in capsys.readouterr().err  # the config the model was trained with
     check = json.loads((tmp_path / "b" / "manifest.json").read_text())["check"]
     assert check["data"] == str(run_dir / "etl") and check["split"] == "test" and check["class_agreement"] == 1.0
     photos = tmp_path / "photos" / "some" / "where"
@@ -244,7 +245,9 @@ def test_a_model_whose_data_is_elsewhere_is_checked_on_data_given_with_data(trai
         Image.fromarray(image).save(photos / f"{i}.png")
     (photos / "notes.txt").write_text("not an image")
     assert main(["export", "--model", str(moved), "--output", str(tmp_path / "c"), "--config", SMOKE,
-                 "--data", str(tmp_path / "photos")]) == 0
+                 "--data", str(tmp_path / "photos"), "--set", "etl.max_file_mb=7"]) == 0
+    assert "export --data reads image files with the rules of the model's own ETL" in (err := capsys.readouterr().err)
+    assert "etl.max_file_mb does nothing here" in err, err
     check = json.loads((tmp_path / "c" / "manifest.json").read_text())["check"]
     assert (check["data"], check["split"], check["images"]) == (str(tmp_path / "photos"), "folder", 5)
     assert main(["export", "--model", str(moved), "--output", str(tmp_path / "d"), "--config", SMOKE,

@@ -266,12 +266,14 @@ def test_a_small_job_on_the_command_line_never_starts_ray(setup, tmp_path):
 
     data, model_path = setup
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
+    (tmp_path / "c.yaml").write_text("etl: {allowed_formats: [gif], image_size: 16}\n")  # a read key, and not
     run = subprocess.run([sys.executable, "-m", "workflow", "infer", "--model", model_path, "--data", data.path,
-                          "--output", str(tmp_path / "cli"), "--set", "etl.allowed_formats=[gif]"], env=env,
+                          "--output", str(tmp_path / "cli"), "--config", str(tmp_path / "c.yaml"),
+                          "--set", "etl.max_file_mb=7"], env=env,
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "in this process" in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
-    assert "etl.allowed_formats does nothing here" in run.stderr, run.stderr  # read with the model's rules
+    assert "etl.allowed_formats, etl.max_file_mb do nothing here" in run.stderr, run.stderr  # the model's rules
     rows, metrics = _outputs(load_artifact(str(tmp_path / "cli"), "infer"))
     here, _ = _outputs(infer.run(InferConfig(), model_path, data.path, str(tmp_path / "here")))
     assert [r["class_name"] for r in rows] == [r["class_name"] for r in here] and metrics["decode"] == "in-process"

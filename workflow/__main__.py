@@ -260,15 +260,9 @@ def cmd_infer(args) -> int:
     from stages import infer
     from stages.common import session, tracking
     from stages.common.locks import output_lock
-    from stages.common.overrides import parse_overrides
-    from stages.etl.sources import READ_KEYS
+    from workflow.preflight import warn_unused_read_keys
 
-    set_etl = parse_overrides(args.overrides).get("etl")  # as load_config read them: 'etl.k =v', 'etl={k: v}'
-    if ignored := sorted(f"etl.{k}" for k in set(set_etl if isinstance(set_etl, dict) else ()) & set(READ_KEYS)):
-        log.warning("infer reads image files with the rules of the model's own ETL (model.json `read`), so "
-                    "%s %s nothing here; retrain on data read that way to change them", ", ".join(ignored),
-                    "does" if len(ignored) == 1 else "do")
-
+    warn_unused_read_keys(cfg, args.model, "infer")
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
@@ -348,7 +342,10 @@ def cmd_export(args) -> int:
     overrides = list(args.overrides) + ([f"export.format={args.format}"] if args.format else [])
     cfg = load_config(args.config, overrides)
     from stages.model import export
+    from workflow.preflight import warn_unused_read_keys
 
+    if args.data:
+        warn_unused_read_keys(cfg, args.model, "export --data")
     artifact = export.run(cfg.export, args.model, args.output, name=cfg.export.name or cfg.tracking.model_name,
                           s3=cfg.s3, data=args.data)
     m, check = artifact.manifest, artifact.manifest["check"]

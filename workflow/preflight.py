@@ -152,3 +152,22 @@ def _write_config(cfg: Config) -> None:
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     storage.write_bytes_atomic(fs, storage.join(root, "config.yaml"), text.encode())
+
+
+def warn_unused_read_keys(cfg: Config, model_path: str, command: str) -> None:
+    """Log which ETL read keys of this config (--set or --config) `command` ignores: it reads image
+    files with the model's own rules (model.json `read`). Quiet when model.json cannot be read: the
+    command's own check says why."""
+    import json
+
+    from stages.etl.sources import unused_read_settings
+
+    try:
+        fs, root = storage.filesystem(model_path, cfg.s3)
+        info = json.loads(fs.cat_file(storage.join(root, "model.json")))
+    except (OSError, ValueError):
+        return
+    if ignored := unused_read_settings(cfg.etl.model_dump(mode="json"), info):
+        log.warning("%s reads image files with the rules of the model's own ETL (model.json `read`), so %s %s "
+                    "nothing here; retrain on data read that way to change them", command, ", ".join(ignored),
+                    "does" if len(ignored) == 1 else "do")

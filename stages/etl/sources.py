@@ -24,7 +24,7 @@ from stages.common import storage
 from stages.common.config import ConfigError, EtlConfig
 from stages.etl.images import BadImage
 
-__all__ = ["READ_KEYS", "read_rules", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown",
+__all__ = ["READ_KEYS", "read_rules", "unused_read_settings", "Entry", "list_tree", "hidden_name", "check_spellings", "read_capped", "shown",
            "name_bytes", "tree_fingerprint", "skipped_linked_folders", "top_folders", "class_name", "class_of",
            "entry_row"]
 
@@ -49,6 +49,14 @@ def read_rules(info: dict) -> dict[str, Any]:
     way its ETL did; a model published before `read` existed reads with ETL's defaults."""
     defaults = EtlConfig().model_dump(mode="json", include=set(READ_KEYS))
     return {**defaults, **(info.get("read") or {})}
+
+
+def unused_read_settings(etl: dict[str, Any], info: dict) -> list[str]:
+    """`etl.<key>` for each read key whose value in `etl` (a config's etl section, as JSON) differs
+    from the model's own (`read_rules`): infer, and export's --data, read files with the model's
+    rules, so such a key, from --set or a --config file, does nothing there."""
+    rules = read_rules(info)
+    return [f"etl.{k}" for k in READ_KEYS if k in etl and etl[k] != rules[k]]
 
 
 def name_bytes(rel: str) -> bytes:
