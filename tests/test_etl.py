@@ -124,7 +124,7 @@ def test_a_given_listing_is_the_one_etl_reads_and_records(tree, tmp_path, ray_se
     assert etl.discover(str(src), None, CFG.follow_symlinks, CFG.layout).fingerprint != listing.fingerprint
 
 
-def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_session):
+def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_session, caplog):
     out = tmp_path / "ds"
     first = etl.run(CFG, str(tree[0]), str(out))
     (out / "notes.txt").write_text("the user's, not ours")
@@ -136,6 +136,7 @@ def test_overwrite_publishes_new_run_and_removes_old_shards(tree, tmp_path, ray_
     (out / "manifest.json").write_text(json.dumps(planted))
     second = etl.run(CFG.model_copy(update={"image_size": 16}), str(tree[0]), str(out), overwrite=True)
     assert victim.exists()
+    assert "were not written by raymill etl and are left in place (notes.txt)" in caplog.text  # kept, and said
     files = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     expected = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"],
                                                                   "manifest.json", "notes.txt"}

@@ -8,6 +8,7 @@ from typing import Any
 
 from stages.common import storage
 from stages.common.artifacts import write_manifest
+from stages.common.locks import STAGE_RECORD
 
 __all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "is_shard_file"]
 
@@ -66,11 +67,17 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
         if is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
             fs.rm_file(storage.join(root, relative))
     fs.invalidate_cache(root)
-    leftovers = [p for p in fs.find(root) if is_shard_file(p[len(root):].lstrip("/"))
-                 and p[len(root):].lstrip("/") not in keep | named]
+    listed = [p[len(root):].lstrip("/") for p in fs.find(root)]
+    leftovers = [p for p in listed if is_shard_file(p) and p not in keep | named]
     if leftovers:
         log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
                     len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
+    # someone's files beside a published output (a new output with them is refused before it starts)
+    if foreign := [p for p in listed if not (is_shard_file(p) or p in (storage.MANIFEST, STAGE_RECORD)
+                                             or p.rsplit("/", 1)[-1].startswith("."))]:
+        log.warning("etl: %d file(s) in '%s' were not written by raymill etl and are left in place (%s); they "
+                    "are no part of the dataset, which manifest.json lists", len(foreign), root,
+                    ", ".join(foreign[:3]))
 
 
 def is_shard_file(relative: str) -> bool:
