@@ -114,7 +114,12 @@ def test_a_raymill_folder_keeps_its_head_for_the_same_classes_and_replaces_it_ot
     assert list(chosen.mean) == [0.4, 0.4, 0.4] and list(chosen.std) == [0.3, 0.3, 0.3]
     with pytest.raises(ConfigError, match="is a small_cnn model; set train.model=small_cnn"):
         init_weights.prepare(TrainConfig(model="resnet18", init_from=str(folder)), CLASSES)
-    init_source.check(str(folder))
+    init_source.check(str(folder), models=("small_cnn",), width=8)
+    # before Ray, by its model.json: another architecture or width (the shapes said it after Ray's start)
+    with pytest.raises(ConfigError, match="is a small_cnn model; set train.model=small_cnn"):
+        init_source.check(str(folder), models=("resnet18",), width=8)
+    with pytest.raises(ConfigError, match="is a small_cnn of width 8; set train.width=8"):
+        init_source.check(str(folder), models=("small_cnn",), width=16)
     named = folder.rename(tmp_path / "run.ckpt")  # an output folder whose name says "torch file"
     init_source.check(str(named))
     assert init_weights.prepare(cfg.model_copy(update={"init_from": str(named)}), CLASSES).record["kind"] == "raymill"
@@ -198,7 +203,16 @@ def test_files_that_need_unpickling_or_are_unreadable_or_missing_are_refused(tmp
     (tmp_path / "empty.pt").write_bytes(b"")
     cfg = TrainConfig(model="small_cnn", width=8)
     (tmp_path / "photo.pth").write_bytes(b"\xff\xd8\xff\xe0" + b"\0" * 64)  # a JPEG named .pth
-    for name, fragment in [("custom.pth", "not plain tensors"), ("plain.pth", "not plain tensors"),
+    whole = io.BytesIO()
+    torch.save(build_model("small_cnn", 3, 8).state_dict(), whole)
+    (tmp_path / "cut.pth").write_bytes(whole.getvalue()[:len(whole.getvalue()) // 2])  # a half-copied download
+    from safetensors.torch import save as save_safetensors
+
+    tensors = save_safetensors(build_model("small_cnn", 3, 8).state_dict())
+    (tmp_path / "cut.safetensors").write_bytes(tensors[:-100])
+    for name, fragment in [("custom.pth", "not plain tensors"), ("plain.pth", "a pickle that torch.save did not write"),
+                           ("cut.pth", r"is incomplete \(its zip archive has no readable directory"),
+                           ("cut.safetensors", r"is incomplete \(\d+ bytes, where its header describes \d+\)"),
                            ("junk.safetensors", "not a readable .safetensors"), ("empty.pt", "not a readable torch.save"),
                            ("photo.pth", r"neither the zip archive torch.save writes nor a pickle: it starts with"),
                            ("missing.pth", "does not exist"), ("no-folder", "does not exist")]:
@@ -324,7 +338,7 @@ def test_raymill_train_continues_from_a_run_and_exits_2_for_a_bad_init_file(smok
     assert smoke_run.returncode == 0, smoke_run.stderr[-3000:]
     data, source = smoke_run.run_dir / "etl", smoke_run.run_dir / "train"
     common = ["--data", str(data), "--config", str(REPO / "configs/smoke.yaml"), "--set", "tracking.enabled=false"]
-    (tmp_path / "bad.pth").write_bytes(pickle.dumps({"conv1.weight": Payload()}))
+    torch.save({"conv1.weight": torch.zeros(1), "extra": Payload()}, tmp_path / "bad.pth")  # only torch can tell
     code = _cli_main("train", *common, "--output", str(tmp_path / "bad"), "--set", f"train.init_from={tmp_path / 'bad.pth'}")
     err = capsys.readouterr().err
     assert code == 2 and "train.init_from:" in err and "not plain tensors" in err, err

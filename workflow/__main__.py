@@ -231,7 +231,7 @@ def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models:
     from workflow import preflight
 
     check_image_size(models, data.manifest["config"]["image_size"])
-    preflight.check_init_source(cfg)
+    preflight.check_init_source(cfg, models)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:

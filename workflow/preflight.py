@@ -54,8 +54,9 @@ def start(cfg: Config) -> Inputs:
     """Check the run's config and inputs, write config.yaml, then start Ray (and MLflow's store)
     with torch imported beside it. Returns ETL's inputs."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
-    check_image_size(cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model], cfg.etl.image_size)
-    check_init_source(cfg)
+    models = cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
+    check_image_size(models, cfg.etl.image_size)
+    check_init_source(cfg, models)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first
@@ -68,11 +69,13 @@ def start(cfg: Config) -> Inputs:
     return Inputs(sources, listing)
 
 
-def check_init_source(cfg: Config) -> None:
-    """train.init_from's path, checksum and file kind, before Ray starts (no torch needed): a
-    wrong path had been refused ~20 s later, once Ray and the trainer were up (2-core box)."""
+def check_init_source(cfg: Config, models: list[str]) -> None:
+    """train.init_from's path, checksum, file kind and wholeness, and a raymill model's architecture
+    against `models` (those that will train), before Ray starts (no torch needed): a wrong path had
+    been refused ~20 s later, once Ray and the trainer were up (2-core box)."""
     if cfg.train.init_from:
-        init_source.check(cfg.train.init_from, cfg.s3)
+        width = None if "width" in cfg.tune.search_space else cfg.train.width  # a search's own widths
+        init_source.check(cfg.train.init_from, cfg.s3, tuple(models), width)
 
 
 def beside_ray(cfg: Config, store: str) -> None:

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Iterator
 
 from stages.common import storage
 from stages.common.config import ConfigError
 
-__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "TORCH_SUFFIXES"]
+__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "whole", "TORCH_SUFFIXES"]
 
 _HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
-_SNIFF_BYTES = 16
+_SNIFF_BYTES = 32
+# torch.save's legacy (pickle) format opens with this number, pickled: a LONG1 of 10 bytes
+_TORCH_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on its JSON header
 
 
 # torch.save files by the names they go by: .pt/.pth, Lightning's .ckpt, the PyTorch tutorial's
@@ -43,6 +46,8 @@ def _reading(uri: str, what: str) -> Iterator[None]:
     """Every way a read of `uri` fails, as a ConfigError naming the fix."""
     try:
         yield
+    except ConfigError:
+        raise
     except FileNotFoundError:
         raise ConfigError(f"train.init_from: {what} '{uri}' does not exist; pass a raymill train/tune output "
                           f"folder, a .pth/.pt/.ckpt state dict or checkpoint, or a .safetensors file") from None
@@ -140,15 +145,58 @@ def sniff(head: bytes, kind: str, uri: str) -> None:
         raise ConfigError(f"train.init_from: '{uri}' is not a readable torch.save file (neither the zip archive "
                           f"torch.save writes nor a pickle: {seen}); check the file, or name a .safetensors file "
                           f"by that suffix")
+    elif head.startswith(b"\x80") and not _legacy_torch(head):
+        raise ConfigError(f"train.init_from: '{uri}' is a pickle that torch.save did not write (pickle.dump?), and "
+                          f"loading it would run its code; refused. Save the weights alone: "
+                          f"torch.save(model.state_dict(), path), or safetensors.torch.save_file")
 
 
-def check(uri: str, s3: Any | None = None) -> None:
+def _legacy_torch(head: bytes) -> bool:
+    """Whether a pickle opens as torch.save's legacy format does: its magic number first (after the
+    protocol, and protocol 4+'s frame)."""
+    at = 11 if head[2:3] == b"\x95" else 2
+    return head[at:at + len(_TORCH_MAGIC)] == _TORCH_MAGIC
+
+
+def whole(f: BinaryIO, size: int, kind: str, uri: str) -> None:
+    """Refuse a weights file `f` of `size` bytes cut short (a half-copied download): a torch.save
+    zip archive must end in its directory, and a .safetensors file must be as long as its header
+    says. Reads the ends, not the tensors."""
+    import zipfile
+
+    cut = f"train.init_from: '{uri}' is incomplete ({{}}): a truncated or half-copied file; copy it again"
+    if kind == "torch":
+        if f.read(4) != b"PK\x03\x04":
+            return  # the legacy pickle format: only torch's loader can tell
+        f.seek(0)
+        try:
+            names = zipfile.ZipFile(f).namelist()
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            raise ConfigError(cut.format(f"its zip archive has no readable directory: {e}")) from None
+        if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+            raise ConfigError(f"train.init_from: '{uri}' is a zip archive that torch.save did not write (no "
+                              f"data.pkl in it); name a torch.save or .safetensors weights file")
+        return
+    length = int.from_bytes(f.read(8), "little")
+    try:
+        header = json.loads(f.read(length)) if length <= _MAX_HEADER else None
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise ConfigError(f"train.init_from: '{uri}' is not a readable .safetensors file (its header is not "
+                          f"the JSON of tensors it should be); check the file") from None
+    if size < 8 + length + end:
+        raise ConfigError(cut.format(f"{size} bytes, where its header describes {8 + length + end}"))
+
+
+def check(uri: str, s3: Any | None = None, models: tuple[str, ...] = (), width: int | None = None) -> None:
     """The checks that need no torch, for the CLI to run before Ray starts: the source exists and
-    is readable; a local raymill folder's model.pt matches its model.json; a file's first bytes fit
-    its kind. ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
+    is readable; a raymill folder is a model of `models` (and a small_cnn of `width`) and, locally,
+    its model.pt matches its model.json; a file's first bytes fit its kind and it is whole. A
+    ConfigError (exit 2) naming the fix; the tensors are checked later (init_weights.prepare)."""
     kind = kind_of(uri, s3, look=True)
     if kind == "raymill":
         info = _model_json(uri, s3)
+        _fits(uri, info, models, width)
         weights = storage.join(uri, "model.pt")
         if storage.is_remote(uri):  # its checksum waits for the one download the run makes (prepare)
             read(weights, s3, "model.pt of", head=_SNIFF_BYTES)
@@ -156,3 +204,19 @@ def check(uri: str, s3: Any | None = None) -> None:
             raise _mismatch(uri)
         return
     sniff(read(uri, s3, "file", head=_SNIFF_BYTES), kind, uri)
+    with _reading(uri, "file"):
+        fs, path = storage.filesystem(uri, s3)
+        with fs.open(path, "rb") as f:
+            whole(f, fs.info(path)["size"], kind, uri)
+
+
+def _fits(uri: str, info: dict, models: tuple[str, ...], width: int | None) -> None:
+    """A raymill model of another architecture or small_cnn width cannot start this training:
+    said by its model.json, before Ray (it had been said by the shapes, 11 s later on 2 cores)."""
+    arch = info.get("architecture")
+    if models and arch not in models:
+        raise ConfigError(f"train.init_from: '{uri}' is a {arch} model; set train.model={arch}, or start "
+                          f"{models[0]} from other weights")
+    if width is not None and arch == "small_cnn" and info.get("width", width) != width:
+        raise ConfigError(f"train.init_from: '{uri}' is a small_cnn of width {info['width']}; set "
+                          f"train.width={info['width']}, or start width {width} from other weights")

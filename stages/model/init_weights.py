@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -30,8 +31,11 @@ import torch
 
 from stages.common import storage
 from stages.common.config import AugmentConfig, ConfigError, TrainConfig
-from stages.model.init_source import read_source, sniff, source_sha256
+from stages.model.init_source import read_source, sniff, source_sha256, whole
 from stages.model.zoo import build_model
+
+# torch.save's legacy format pickled with protocol 4+ loads fine; torch's loader still warns of it
+warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "HEAD_PREFIX", "CHECKPOINT_KEYS", "WRAPPER_PREFIXES", "InitPlan",
            "prepare", "source_sha256", "read_source", "parse", "unwrap", "check_keys", "apply"]
@@ -68,7 +72,8 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 def parse(payload: bytes, kind: str, uri: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """A flat {name: tensor} state dict from `payload`, and what was unwrapped to get it (a
     checkpoint's entry, a wrapper's key prefix); nothing is unpickled."""
-    sniff(payload[:16], kind, uri)
+    sniff(payload[:32], kind, uri)
+    whole(io.BytesIO(payload), len(payload), kind, uri)
     if kind == "safetensors":
         from safetensors.torch import load as load_safetensors  # only this path needs it
 
@@ -88,8 +93,18 @@ def parse(payload: bytes, kind: str, uri: str) -> tuple[dict[str, torch.Tensor],
                 f"alone: torch.save(model.state_dict(), path), or safetensors.torch.save_file") from None
         except Exception as e:
             raise ConfigError(f"train.init_from: '{uri}' is not a readable torch.save file ({type(e).__name__}"
-                              f"{': ' + str(e).splitlines()[0][:200] if str(e) else ''}); check the file") from None
+                              f"{': ' + _sentence(str(e)) if str(e) else ''}); check the file") from None
     return unwrap(state, uri)
+
+
+def _sentence(text: str, limit: int = 200) -> str:
+    """The first line of `text`, cut at its last whole sentence within `limit` characters: torch's
+    zip errors run on ("... your checkpoint file is" had ended a message)."""
+    line = (text.splitlines() or [""])[0]
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rfind(". ")
+    return line[:cut + 1] if cut > 0 else line[:limit] + "..."
 
 
 def _flat(state: Any) -> bool:
