@@ -243,6 +243,9 @@ def test_s3_round_trip(tree, s3_bucket, ray_session):
     assert art.manifest["totals"]["quarantined"] == len(BAD_FILES)  # markers are no files, not bad ones
     assert art.manifest["totals"]["files_in"] == len(tree[1])
     assert verify(f"s3://{bucket}/ds", s3) == []
+    rows = fs.cat_file(f"{bucket}/ds/{art.manifest['quarantine']['path']}").decode().splitlines()
+    # the same reasons as from a local tree: an empty object too (S3 refuses its ranged read: 416)
+    assert {q["path"]: q["reason"] for q in map(json.loads, rows)} == {k: v[1] for k, v in BAD_FILES.items()}
     shard = next(s for s in art.manifest["shards"] if s["format"] == "parquet")
     with fs.open(f"{bucket}/ds/{shard['path']}", "rb") as f:
         assert pq.read_table(f).num_rows == shard["rows"]

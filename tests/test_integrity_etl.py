@@ -138,6 +138,7 @@ def hostile_tree(tmp_path):
     os.symlink("/dev/zero", root / "cat" / "zero.jpg")
     os.symlink(root / "dog" / "dog_000.jpg", root / "cat" / "inside.jpg")  # inside the tree: followed
     os.mkfifo(root / "dog" / "pipe.jpg")
+    os.symlink(root / "dog" / "gone.jpg", root / "dog" / "dangling.jpg")  # a link to nothing
     os.symlink(outside, root / "lion")  # a class folder that is a link out of the tree
     (root / os.fsdecode(b"bird/caf\xe9.jpg")).write_bytes(image_bytes(7))  # not UTF-8
     return root
@@ -151,7 +152,8 @@ def test_links_fifos_devices_and_bad_names_are_quarantined_not_read(hostile_tree
     rows = (Path(art.path) / m["quarantine"]["path"]).read_text().splitlines()
     reasons = {q["path"]: q["reason"] for q in map(json.loads, rows)}
     assert reasons == {"cat/escape.jpg": "symlink_outside_source", "cat/zero.jpg": "symlink_outside_source",
-                       "dog/pipe.jpg": "not_a_regular_file", "lion": "symlink_outside_source"}
+                       "dog/pipe.jpg": "not_a_regular_file", "lion": "symlink_outside_source",
+                       "dog/dangling.jpg": "symlink_broken"}
     assert m["classes"] == ["bird", "cat", "dog"]  # the linked class folder is a row, not silently gone
     assert m["totals"]["rows_out"] == 3 * 4 + 2  # + cat/inside.jpg + the non-UTF-8 name, keyed by bytes
     import pyarrow.parquet as pq

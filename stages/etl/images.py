@@ -25,7 +25,8 @@ warnings.filterwarnings("ignore", message="(possibly )?corrupt exif", category=U
 
 REASONS = ("empty_file", "too_large", "not_an_image", "unsupported_format", "truncated",
            "decompression_bomb", "corrupt", "read_error", "outside_class_folder", "decode_error",
-           "not_a_regular_file", "symlink_outside_source", "symlink_not_followed", "symlink_loop")
+           "not_a_regular_file", "symlink_outside_source", "symlink_not_followed", "symlink_loop",
+           "symlink_broken")
 
 
 # Scans a JPEG may hold. Decode time grows with scans x pixels, not with file size: a 435 KB

@@ -227,7 +227,7 @@ def _follow(path: str, real_root: str, policy: str, link_info: os.stat_result):
     try:
         info = os.stat(path)
     except OSError as e:
-        reason = "symlink_loop" if e.errno == errno.ELOOP else "read_error"
+        reason = {errno.ELOOP: "symlink_loop", errno.ENOENT: "symlink_broken"}.get(e.errno, "read_error")
         return (reason, f"-> {target}: {e.strerror}"), link_info
     if policy == "inside_source" and not _inside(os.path.realpath(path), real_root):
         # infer reads with its model's ETL rules: a hint to set the key there did nothing
@@ -262,7 +262,12 @@ def read_capped(fs, root: str, rel: str, cap_bytes: int, policy: str) -> bytes:
     if _is_local(fs):
         data = _read_local(path, root, cap_bytes, policy)
     else:
-        data = fs.cat_file(path, start=0, end=cap_bytes + 1)
+        try:
+            data = fs.cat_file(path, start=0, end=cap_bytes + 1)
+        except OSError:  # S3 answers a ranged read of an empty object with 416 (range not satisfiable)
+            if fs.info(path).get("size") != 0:
+                raise
+            data = b""  # the decoder's empty_file, as for a local one (it had been a read_error)
     if len(data) > cap_bytes:
         raise BadImage("too_large", f"more than {cap_bytes} bytes (etl.max_file_mb)")
     return data
