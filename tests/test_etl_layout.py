@@ -216,3 +216,23 @@ def test_a_damaged_exif_block_decodes_without_a_warning_line(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "bad.jpg")], capture_output=True, text=True,
                          cwd=REPO)
     assert out.stdout.strip() == "(32, 32, 3)" and not out.stderr, out.stderr[-500:]
+
+
+def test_a_class_missing_from_train_and_an_empty_val_are_warned_with_the_fix_that_applies(tmp_path, ray_session,
+                                                                                           caplog):
+    """In a split tree the etl.split share of a split with a folder is not used: the fix for a class
+    with no train image is that folder; val, carved from train/ here, takes its share."""
+    from stages.common.config import SplitFractions
+
+    _split_tree(tmp_path / "src", {"train": 4, "test": 2})
+    (tmp_path / "src" / "test" / "bird").mkdir()
+    for i in range(2):
+        (tmp_path / "src" / "test" / "bird" / f"b{i}.jpg").write_bytes(image_bytes(900 + i, size=(40, 30)))
+    cfg = CFG.model_copy(update={"split": SplitFractions(train=1.0, val=0.0, test=0.0)})
+    m = etl.run(cfg, str(tmp_path / "src"), str(tmp_path / "ds")).manifest
+    assert m["counts"]["val"] == {} and "bird" not in m["counts"]["train"]
+    assert "['bird'] have images but none in the train split, so a model never learns them: add images to " \
+           "train/bird/" in caplog.text
+    assert "the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints by val_acc): " \
+           "add images to those class folders, or raise etl.split.val (the val split is hashed from its train/ " \
+           "folder)" in caplog.text

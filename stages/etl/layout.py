@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from stages.common.config import ConfigError
 from stages.etl.sources import shown
 
-__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "advice", "wrapper_hint", "split_named_classes"]
+__all__ = ["Layout", "SPLIT_FOLDERS", "detect", "advice", "wrapper_hint", "split_named_classes", "more_rows_fix"]
 
 # Folder names (any case) that name a split, and the split they name.
 SPLIT_FOLDERS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
@@ -164,3 +164,17 @@ def split_named_classes(classes: list[str], layout: Layout, asked: str = "auto")
         return None
     return (f"the classes {', '.join(named)} are named like splits: a model trained on this data tells those "
             "folders apart. If they are splits, lay the images out as <split>/<class_name>/<image>")
+
+
+def more_rows_fix(recorded: dict | None, split: str, classes: list[str]) -> str:
+    """How to give `split` rows of `classes`, from a manifest's `layout` record: a split tree's
+    own folder takes images (its etl.split share is not used); any other split is hashed from the
+    files at its etl.split share."""
+    folders = (recorded or {}).get("folders") or {}
+    folder = next((shown(name) for name, given in sorted(folders.items()) if given == split), None)
+    if folder is not None:
+        return f"add images to {', '.join(f'{folder}/{c}/' for c in classes)}"
+    train = next((shown(name) for name, given in sorted(folders.items()) if given == "train"), None)
+    source = f"its {train}/ folder" if train else "the files"
+    return f"add images to those class folders, or raise etl.split.{split} (the {split} split is hashed from {source})"
+

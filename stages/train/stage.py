@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from stages.train import capacity
 from stages.etl import integrity
+from stages.etl.layout import more_rows_fix
 from stages.feed import ray_data as ingest_ray
 from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
@@ -64,7 +65,8 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
         raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
     learned = sorted(c for c, n in manifest.get("counts", {}).get("train", {}).items() if n)
     if len(learned) < 2:  # it would train to accuracy 1.000 and answer that class for any image
-        fix = ("add images to the other classes' folders, or raise etl.split.train" if len(manifest["classes"]) > 1
+        others = [c for c in manifest["classes"] if c not in learned]
+        fix = (more_rows_fix(manifest.get("layout"), "train", others) if len(manifest["classes"]) > 1
                else "give each class its own folder (ETL's log names the folder to read when they sit one "
                     "level lower)")
         raise ConfigError(f"'{data.path}' has train rows of one class only ({', '.join(learned)}); a classifier "
@@ -72,7 +74,8 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
     if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
         # ranked the checkpoints, and the first epoch's model was published
         raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
-                          "val_acc: re-run ETL with a larger etl.split.val, or add images")
+                          f"val_acc: {more_rows_fix(manifest.get('layout'), 'val', manifest['classes'])}, then "
+                          "re-run ETL")
     return shards
 
 
