@@ -29,7 +29,7 @@ import pandas as pd
 model = mlflow.pyfunc.load_model(sys.argv[1])
 import stages  # imported by the model's code: from its code_paths copy (cwd elsewhere, no PYTHONPATH)
 images = [Path(p).read_bytes() for p in sys.argv[2:]]
-rows = lambda out: out.astype(object).where(out.notna(), None).to_dict("records")  # NaN, None: null
+rows = lambda out: out.to_dict("records")  # as the frame holds them: None is null, NaN stays NaN
 frame = model.predict(pd.DataFrame({"image": images}, index=[10 * (i + 1) for i in range(len(images))]))
 listed = model.predict(images[:2])
 try:  # MLflow hands an unnamed signature only the first column: 'image' second must be refused
@@ -71,6 +71,7 @@ def _check_rows(rows: list[dict], expected: list[dict], bad: dict[int, str]) -> 
     assert all(r["error"] is None for r in good)
     for index, reason in bad.items():
         assert rows[index]["class_index"] == -1 and rows[index]["error"].startswith(reason), rows[index]
+        assert rows[index]["class_name"] is None  # None, not the NaN pandas makes of it beside a string
 
 
 def test_a_logged_model_loads_in_a_fresh_process_and_answers_per_image(tmp_path):

@@ -94,7 +94,10 @@ class Classifier(PythonModel):
         for start in range(0, len(images), BATCH):
             rows += self._predict_batch(images[start:start + BATCH])
         index = model_input.index if isinstance(model_input, (pd.DataFrame, pd.Series)) else None
-        return pd.DataFrame(rows, columns=list(OUTPUT_COLUMNS), index=index)  # a row per input row, its label kept
+        frame = pd.DataFrame(rows, columns=list(OUTPUT_COLUMNS), index=index)  # a row per input row, its label kept
+        for name in ("class_name", "error"):  # None stays None: pandas had made it NaN beside a string
+            frame[name] = pd.Series([row[name] for row in rows], dtype=object, index=frame.index)
+        return frame
 
     def _predict_batch(self, images: list[Any]) -> list[dict[str, Any]]:
         decoded = [decode(data, self.info) for data in images]
