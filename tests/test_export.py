@@ -171,12 +171,12 @@ def test_torchscript_loads_and_predicts_in_a_process_without_raymill(trained, tm
               "m = torch.jit.load(sys.argv[1])\n"
               "logits = m(torch.from_numpy(numpy.load(sys.argv[2])))\n"
               "assert not {'stages', 'workflow'} & set(sys.modules), 'raymill was imported'\n"
-              "numpy.save(sys.argv[3], logits.detach().numpy())\n"
+              "numpy.save(sys.argv[3], logits.numpy())\n"  # no grad to detach: an inference graph
               "for bad in (torch.zeros((2, 64, 64, 3), dtype=torch.uint8), torch.zeros((2, 32, 32, 3))):\n"
               "    try:\n"
               "        m(bad)\n"
               "    except Exception as e:\n"
-              "        assert 'expected' in str(e), e\n"
+              "        assert 'expected' in str(e) and 'dtype code' not in str(e), e\n"
               "    else:\n"
               "        raise SystemExit(f'the TorchScript model answered {bad.dtype} {list(bad.shape)}')\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -129,7 +129,7 @@ def test_a_raymill_folder_keeps_its_head_for_the_same_classes_and_replaces_it_ot
         with pytest.raises(ConfigError, match="does not match its model.json's weights_sha256"):
             check()
     (folder / "model.pt").unlink()
-    with pytest.raises(ConfigError, match=r"model.pt of '.*' does not exist"):
+    with pytest.raises(ConfigError, match=r"the folder's model.pt '.*' does not exist"):
         init_source.check(str(folder))
 
 
@@ -389,3 +389,12 @@ def test_a_weights_file_is_hashed_once_until_it_changes(tmp_path):
     weights.write_bytes(b"b" * 64)  # same size: the modification stamp tells them apart
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     assert init_weights.source_sha256(str(weights)) == hashlib.sha256(b"b" * 64).hexdigest()
+
+
+def test_a_freeze_as_long_as_the_run_is_warned_of(caplog):
+    from stages.train.stage import check_init
+
+    assert check_init(TrainConfig(freeze_epochs=1, epochs=2), None, None) is None
+    assert "freeze_epochs" not in caplog.text
+    check_init(TrainConfig(freeze_epochs=5, epochs=1), None, None)
+    assert "train.freeze_epochs=5 >= train.epochs=1: the backbone stays frozen for the whole run" in caplog.text

@@ -9,9 +9,8 @@ or one per raw file, a few hundred to a block). Two plans (`infer.decode`, sessi
   cross the object store, and the GPU no longer waits for JPEG decoding on its actor's few CPUs.
 Both report the device's busy time (CUDA events around the forward pass, stages.feed.meters).
 
-Preprocessing is the project's one eval transform: `transform.preprocess` for raw files (what ETL
-stores for training) and `data.decode_sample` for shards, so batch inference, serving and the
-train stage's test evaluation agree prediction for prediction.
+Preprocessing is the one eval transform: `transform.preprocess` for raw files (what ETL stores) and
+`data.decode_sample` for shards, so infer, serve and train's test evaluation agree prediction for prediction.
 """
 from __future__ import annotations
 
@@ -67,6 +66,10 @@ class Plan:
     reader: dict[str, Any]  # how the actors read the items (Predictor kwargs)
     inputs: dict[str, Any]  # provenance for the manifest
 
+    def counted(self) -> str:
+        where = "file(s)" if self.kind == "images" else f"row(s) in {len(self.items)} shard(s)"
+        return f"{self.rows} image {where}"
+
 
 def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None,
         start_ray: Callable[[], Any] | None = None, cpus: float | None = None) -> Artifact:
@@ -94,8 +97,8 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     plan = _plan(cfg, source, info, s3)
     if here := _in_process(cfg, plan):
         decode = {"decode": "in-process", "num_actors": 1, "decode_tasks": 0}
-        log.info("infer: %d %s item(s), %d image(s): in this process (at most infer.local_max_rows=%d; "
-                 "Ray Data's start would outweigh them)", len(plan.items), plan.kind, plan.rows, cfg.local_max_rows)
+        log.info("infer: %s in this process (at most infer.local_max_rows=%d; Ray Data's start would outweigh "
+                 "them)", plan.counted(), cfg.local_max_rows)
     else:  # infer.engine=onnxruntime that cannot run this model: exit 2 here, before Ray or an actor starts
         runtime.check_engine(model, info, cfg.engine, "infer.engine")
         if start_ray is not None:  # Ray's start is not the stage's work: metrics' seconds leave it out
@@ -106,7 +109,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
         plan = _spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
         at_a_time = f" ({decode['decode_tasks']} at a time)" if decode["decode_tasks"] else ""
-        log.info("infer: %d %s item(s) in %d block(s), %d actor(s), decode in %s%s", len(plan.items), plan.kind,
+        log.info("infer: %s in %d block(s), %d actor(s), decode in %s%s", plan.counted(),
                  plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
     del model  # the driver's copy: the job's workers load their own
     if here:

@@ -79,7 +79,9 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
     model, info = predict.load_model(model_path, s3)
     images, split = check_images(info, cfg.check_images, s3, data)
     lay = triton.layout(cfg.format, cfg.probabilities)
-    wrapper = Pixels(model, info["mean"], info["std"], cfg.probabilities).eval()
+    # no parameter asks for a gradient: a TorchScript model's answers had required one (a user's
+    # .numpy() of them failed without torch.no_grad())
+    wrapper = Pixels(model, info["mean"], info["std"], cfg.probabilities).eval().requires_grad_(False)
     with _staging(out) as stage_dir:
         folder = stage_dir / name
         model_file = folder / triton.VERSION / lay.model_file
@@ -234,8 +236,10 @@ class _CheckedInput(torch.nn.Module):
         self.traced, self.size = traced, size
 
     def forward(self, pixels: torch.Tensor):
-        if pixels.dtype != torch.uint8:
-            raise ValueError(f"expected uint8 pixels (0-255, NHWC RGB), got dtype code {pixels.dtype}")
+        if pixels.dtype != torch.uint8:  # TorchScript shows a dtype as its number: named by kind instead
+            kind = "floating-point" if pixels.is_floating_point() else "integer but not uint8"
+            raise ValueError("expected uint8 pixels (0-255, NHWC RGB), got " + kind + " ones; convert them "
+                             "with .to(torch.uint8)")
         if pixels.dim() != 4 or pixels.size(1) != self.size or pixels.size(2) != self.size or pixels.size(3) != 3:
             raise ValueError(f"expected pixels [N, {self.size}, {self.size}, 3] (NHWC RGB), got {list(pixels.shape)}")
         return self.traced(pixels)

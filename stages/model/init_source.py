@@ -82,7 +82,7 @@ def read(uri: str, s3: Any | None, what: str, head: int | None = None) -> bytes:
 
 def _model_json(uri: str, s3: Any | None) -> dict:
     try:
-        info = json.loads(read(storage.join(uri, "model.json"), s3, "model.json of"))
+        info = json.loads(read(storage.join(uri, "model.json"), s3, "the folder's model.json"))
     except ConfigError as e:
         raise ConfigError(f"{e} (a path not ending in {', '.join(TORCH_SUFFIXES)} or .safetensors is read as a "
                           f"raymill train or tune output folder, which holds model.json + model.pt)") from None
@@ -104,7 +104,7 @@ def read_source(uri: str, s3: Any | None = None) -> tuple[str, bytes, dict | Non
     if kind != "raymill":
         return kind, read(uri, s3, "file"), None
     info = _model_json(uri, s3)
-    payload = read(storage.join(uri, "model.pt"), s3, "model.pt of")
+    payload = read(storage.join(uri, "model.pt"), s3, "the folder's model.pt")
     if storage.sha256_bytes(payload) != info["weights_sha256"]:
         raise _mismatch(uri)
     return kind, payload, info
@@ -199,8 +199,8 @@ def check(uri: str, s3: Any | None = None, models: tuple[str, ...] = (), width: 
         _fits(uri, info, models, width)
         weights = storage.join(uri, "model.pt")
         if storage.is_remote(uri):  # its checksum waits for the one download the run makes (prepare)
-            read(weights, s3, "model.pt of", head=_SNIFF_BYTES)
-        elif _file_sha256(weights, s3, "model.pt of") != info["weights_sha256"]:
+            read(weights, s3, "the folder's model.pt", head=_SNIFF_BYTES)
+        elif _file_sha256(weights, s3, "the folder's model.pt") != info["weights_sha256"]:
             raise _mismatch(uri)
         return
     sniff(read(uri, s3, "file", head=_SNIFF_BYTES), kind, uri)

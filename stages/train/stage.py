@@ -83,6 +83,10 @@ def check_init(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
     """train.init_from read and checked against every model that will train on `data` (a search's
     `model_names`, train.model when empty), before any worker starts: a ConfigError (exit 2) names
     the keys and the fix. None without init weights. The train stage and every search call it."""
+    if cfg.freeze_epochs >= cfg.epochs:  # allowed (a linear probe), but easy to set by mistake
+        log.warning("train: train.freeze_epochs=%d >= train.epochs=%d: the backbone stays frozen for the whole run "
+                    "and only the head trains; lower train.freeze_epochs to fine-tune the backbone too",
+                    cfg.freeze_epochs, cfg.epochs)
     if cfg.init_from is None:
         return None
     return init_weights.prepare(cfg, data.manifest["classes"], s3, model_names or [cfg.model])
