@@ -236,3 +236,18 @@ def test_a_class_missing_from_train_and_an_empty_val_are_warned_with_the_fix_tha
     assert "the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints by val_acc): " \
            "add images to those class folders, or raise etl.split.val (the val split is hashed from its train/ " \
            "folder)" in caplog.text
+
+
+def test_copies_of_an_image_are_counted_and_one_across_splits_is_warned_of(tmp_path, ray_session, caplog):
+    """The same bytes under two names are two rows; a copy in test/ of a train/ image lets the test
+    score count an image the model trained on."""
+    _split_tree(tmp_path / "src", {"train": 4, "test": 2})
+    src = tmp_path / "src"
+    (src / "test" / "cat" / "again.jpg").write_bytes((src / "train" / "cat" / "cat_001.jpg").read_bytes())
+    (src / "train" / "dog" / "twin.jpg").write_bytes((src / "train" / "dog" / "dog_002.jpg").read_bytes())
+    m = etl.run(CFG, str(src), str(tmp_path / "ds")).manifest
+    assert (m["duplicates"]["copies"], m["duplicates"]["across_splits"]) == (2, 1)
+    assert "test/cat/again.jpg = train/cat/cat_001.jpg" in m["duplicates"]["examples"]
+    assert "etl: 2 image(s) repeat another's bytes" in caplog.text
+    assert "1 of them in another split than their copy, so val/test scores count images the model trained on" \
+           in caplog.text

@@ -300,6 +300,7 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
         "shards": shard_list,
         "totals": {"files_in": len(listing.files) + len(listing.rejected), "rows_out": rows_out,
                    "quarantined": len(quarantine), "hidden_skipped": listing.hidden},
+        "duplicates": _duplicates(results),
         "metrics": {"seconds": round(seconds, 3), "images_per_s": round(rows_out / seconds, 1),
                     "mb_written": round(sum(s["bytes"] for s in shard_list) / 1e6, 3)},
     })
@@ -308,6 +309,22 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
         raise EtlError(f"files_in={totals['files_in']} != rows_out={totals['rows_out']} + quarantined="
                        f"{totals['quarantined']}: a file was lost; nothing was published. Please report this")
     return manifest
+
+
+def _duplicates(results) -> dict[str, Any]:
+    """Rows whose source bytes another row's repeat (the same sha256): each is a row of its own, and
+    a copy in another split than its first lets val/test score images the model trained on."""
+    first: dict[str, tuple[str, str]] = {}
+    copies, across, examples = 0, 0, []
+    for r in sorted(results, key=lambda r: ("train", "val", "test").index(r["split"])):  # stable: train first
+        for digest, path in r.get("digests", ()):
+            if digest not in first:
+                first[digest] = (r["split"], path)
+                continue
+            copies, across = copies + 1, across + (first[digest][0] != r["split"])
+            if len(examples) < 3:
+                examples.append(f"{path} = {first[digest][1]}")
+    return {"copies": copies, "across_splits": across, "examples": examples}
 
 
 def _write_quarantine(fs, root: str, relative: str, quarantine: list) -> dict[str, Any]:
@@ -325,6 +342,11 @@ def _log_summary(m: dict[str, Any]) -> None:
     if empty:  # still a class (the label space is the folders), but a model never sees one of it
         log.warning("etl: class(es) %s have no usable image (the folder is empty or every file was quarantined); "
                     "a model trained on this data never learns them: fix or remove those folders", empty)
+    if (dup := m.get("duplicates") or {}).get("copies"):
+        log.warning("etl: %d image(s) repeat another's bytes (e.g. %s)%s", dup["copies"], "; ".join(dup["examples"]),
+                    f"; {dup['across_splits']} of them in another split than their copy, so val/test scores count "
+                    "images the model trained on: remove the copies" if dup["across_splits"] else
+                    ": each is a row of its own (remove the copies to weigh each image once)")
     if len(m["classes"]) == 1:  # it trains to accuracy 1.000 and answers that class for any image
         log.warning("etl: one class (%s): a classifier needs at least two class folders", m["classes"][0])
     untrained = [c for c in m["classes"] if c not in empty and not m["counts"]["train"].get(c)]
