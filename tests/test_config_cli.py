@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,20 @@ def test_config_error_exits_2_with_key_path():
     proc = _cli("run", "--config", "configs/smoke.yaml", "--set", "etl.image_sise=3")
     assert proc.returncode == 2
     assert "etl.image_sise" in proc.stderr and "valid keys" in proc.stderr
+
+
+def test_config_files_that_say_less_than_they_seem_to(tmp_path, caplog):
+    """A key twice (YAML keeps the last silently), a tab, a list, an empty file."""
+    cases = {"dup.yaml": ("train:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n", "'lr' is set twice in one section (line 4)"),
+             "tab.yaml": ("train:\n\tlr: 0.1\n", "indent with spaces, not tabs"),
+             "list.yaml": ("- train\n", "must hold a mapping of sections")}
+    for name, (text, fragment) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            load_config(tmp_path / name)
+    (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
+    assert load_config(tmp_path / "empty.yaml") == load_config(None)
+    assert "config file" in caplog.text and "is empty: every key has its default" in caplog.text
 
 
 def test_help_and_usage_errors():

@@ -9,11 +9,10 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
 from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, default_search_space
-from stages.common.overrides import ConfigError, merge, parse_overrides
+from stages.common.overrides import ConfigError, merge, parse_overrides, read_config_file
 from stages.common.storage import check_init_from, check_location, check_named, check_output_place
 
 __all__ = [
@@ -377,17 +376,7 @@ def _section_at(loc: tuple) -> type[BaseModel] | None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Load a YAML config (or defaults when `path` is None) and apply `a.b=value` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' not found; pass --config with an existing YAML file")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping of sections (ray, etl, train, ...)")
+    data = read_config_file(Path(path)) if path is not None else {}
     data = merge(data, parse_overrides(overrides))
     try:
         return Config.model_validate(data)
