@@ -106,6 +106,17 @@ def test_config_files_that_say_less_than_they_seem_to(tmp_path, caplog):
     assert "config file" in caplog.text and "is empty: every key has its default" in caplog.text
 
 
+def test_a_search_that_cannot_work_is_refused_before_ray(tmp_path, capsys):
+    """Its check needs the config only: `raymill run` had started Ray and run ETL first (13 s)."""
+    smoke, search = str(REPO / "configs/smoke.yaml"), ["--set", "tune.grace_period=5", "--set", "tune.max_epochs=2"]
+    assert main(["run", "--config", smoke, "--set", "run.source=data/none", "--set", f"run.dir={tmp_path / 'run'}",
+                 "--set", "tune.enabled=true", *search]) == 2
+    assert "tune.grace_period=5 exceeds tune.max_epochs=2" in capsys.readouterr().err
+    assert main(["tune", "--data", str(tmp_path / "no-data"), "--output", str(tmp_path / "t"), *search]) == 2
+    assert "tune.grace_period=5 exceeds tune.max_epochs=2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "t").exists()
+
+
 def test_help_and_usage_errors():
     for cmd in ("demo-data", "etl", "verify", "run"):
         assert _cli(cmd, "--help").returncode == 0

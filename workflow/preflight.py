@@ -21,6 +21,7 @@ from stages.common.config import Config, ConfigError
 from stages.etl.checks import image_input, output_outside_outputs
 from stages.model import init_source
 from stages.model.sizes import check_image_size
+from stages.tune.checks import check_search
 
 __all__ = ["Inputs", "start", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
 
@@ -57,6 +58,8 @@ def start(cfg: Config) -> Inputs:
     models = cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
     check_image_size(models, cfg.etl.image_size)
     check_init_source(cfg, models)
+    if cfg.tune.enabled:  # a search that cannot work: refused before Ray and ETL (it had been 13 s later)
+        check_search(cfg.tune, cfg.train)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first

@@ -19,10 +19,11 @@ from stages.model.publish import (curves, init_inputs, init_lineage, model_info,
                                   state_hash, test_metrics)
 from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
-from stages.common.config import ConfigError, TrainConfig, TuneConfig, section_dict
+from stages.common.config import TrainConfig, TuneConfig, section_dict
 from stages.common.trials import OUTCOMES, outcome
+from stages.tune.checks import searched_keys, trial_train_config
 
-__all__ = ["EXPERIMENT", "PBT_KEYS", "searched_keys", "trial_train_config", "summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -320,43 +321,3 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
-PBT_KEYS = ("lr", "momentum", "weight_decay")  # what PBT explores: the optimiser's knobs
-
-
-def searched_keys(cfg: TuneConfig) -> list[str]:
-    """The train.* keys a trial's config sets: the search space, plus PBT's explored knobs."""
-    return list(cfg.search_space) + [k for k in PBT_KEYS if cfg.scheduler == "pbt" and k not in cfg.search_space]
-
-
-class _InvalidTrialConfig(ConfigError):
-    def __init__(self, params: dict, problems: str):
-        super().__init__(f"sampled params {params} make an invalid train config: {problems}")
-        self.problems = problems
-
-
-# ---- what a trial was ---------------------------------------------------------------------------
-def _set_nested(data: dict, key: str, value: Any) -> None:
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-    node[leaf] = value
-
-
-def trial_train_config(train_cfg: TrainConfig, params: dict[str, Any], cfg: TuneConfig) -> TrainConfig:
-    """The train config of one trial: `train_cfg` + sampled params; `tune.max_epochs` epochs
-    unless train.epochs is itself searched."""
-    from pydantic import ValidationError
-
-    data = section_dict(train_cfg)
-    data["epochs"] = cfg.max_epochs
-    for key, value in params.items():
-        _set_nested(data, key, value)
-    data.update(num_workers=cfg.workers_per_trial, min_workers=None)
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as e:
-        bad = "; ".join(f"train.{'.'.join(map(str, i['loc']))}: {i['msg']} (got {i.get('input')!r})"
-                        for i in e.errors())
-        raise _InvalidTrialConfig(params, bad) from None
-

@@ -37,10 +37,11 @@ from stages.tune import results as tune_results
 from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
 from stages.model.publish import init_inputs
-from stages.tune.results import EXPERIMENT, PBT_KEYS, _InvalidTrialConfig, searched_keys, trial_train_config
+from stages.tune.checks import PBT_KEYS, check_search, searched_keys, trial_train_config  # noqa: F401 (API)
+from stages.tune.results import EXPERIMENT
 from stages.common import console, fingerprint, session, storage, tracking_model
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
-from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
+from stages.common.config import RayConfig, TrainConfig, TuneConfig, section_dict
 from stages.common.locks import output_lock
 
 __all__ = ["run", "published", "searched_models", "TuneError", "TuneInterrupted", "param_space", "trial_train_config", "check_search",
@@ -48,8 +49,6 @@ __all__ = ["run", "published", "searched_models", "TuneError", "TuneInterrupted"
 
 log = logging.getLogger(__name__)
 
-METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
-_SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
 
 
 class TuneError(RuntimeError):
@@ -61,46 +60,6 @@ class TuneInterrupted(RuntimeError):
 
 
 # ---- config -------------------------------------------------------------------------------------
-
-
-def _probe_values(dist) -> list[Any]:
-    if dist.type == "choice":
-        return list(dist.values)
-    if dist.type == "randint":
-        return [int(dist.lower), int(dist.upper)]
-    return [dist.lower, dist.upper]
-
-
-def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
-    """Reject a search that cannot work before any trial starts; messages name the tune.* key."""
-    if cfg.metric not in METRICS:
-        raise ConfigError(f"tune.metric={cfg.metric!r} is not reported by every epoch of a trial; "
-                          f"use one of {list(METRICS)}")
-    if cfg.scheduler == "asha" and cfg.grace_period > cfg.max_epochs:
-        raise ConfigError(f"tune.grace_period={cfg.grace_period} exceeds tune.max_epochs={cfg.max_epochs}: "
-                          f"ASHA could never stop a trial early; lower grace_period")
-    if cfg.scheduler == "pbt" and cfg.perturbation_interval >= cfg.max_epochs:
-        raise ConfigError(f"tune.perturbation_interval={cfg.perturbation_interval} is not below "
-                          f"tune.max_epochs={cfg.max_epochs}: PBT would never exploit; lower it")
-    if cfg.scheduler == "pbt" and "epochs" in cfg.search_space:
-        raise ConfigError("tune.search_space.epochs: PBT compares trials and clones one into another at "
-                          "the same epoch, so every trial runs tune.max_epochs; remove it from the space")
-    for key, dist in cfg.search_space.items():
-        if key in _SET_BY_TUNE:
-            raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "
-                              f"search; remove it from the search space")
-        if dist.type == "randint" and (dist.lower != int(dist.lower) or dist.upper != int(dist.upper)):
-            raise ConfigError(f"tune.search_space.{key}: randint needs integer lower/upper, got "
-                              f"{dist.lower:g}..{dist.upper:g}")
-        for value in _probe_values(dist):  # the range ends (or every choice) must be valid values
-            if key == "epochs" and isinstance(value, (int, float)) and value > cfg.max_epochs:
-                raise ConfigError(f"tune.search_space.epochs: value {value!r} exceeds tune.max_epochs="
-                                  f"{cfg.max_epochs}, the budget of a trial; lower it or raise tune.max_epochs")
-            try:
-                trial_train_config(train_cfg, {key: value}, cfg)
-            except _InvalidTrialConfig as e:
-                raise ConfigError(f"tune.search_space.{key}: value {value!r} is not a valid train.{key} "
-                                  f"({e.problems})") from None
 
 
 def param_space(cfg: TuneConfig, train_cfg: TrainConfig | None = None) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""A search's config checked against itself and the train config it varies: no torch, no Ray, so
+that `raymill run` and `raymill tune` refuse a search that cannot work before Ray starts (the
+pipeline had run ETL first: 13 s on 2 cores). Also the train config of one trial."""
+from __future__ import annotations
+
+from typing import Any
+
+from stages.common.config import ConfigError, TrainConfig, TuneConfig, section_dict
+
+__all__ = ["check_search", "trial_train_config", "searched_keys", "METRICS", "PBT_KEYS"]
+
+METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
+_SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
+PBT_KEYS = ("lr", "momentum", "weight_decay")  # what PBT explores: the optimiser's knobs
+
+
+def searched_keys(cfg: TuneConfig) -> list[str]:
+    """The train.* keys a trial's config sets: the search space, plus PBT's explored knobs."""
+    return list(cfg.search_space) + [k for k in PBT_KEYS if cfg.scheduler == "pbt" and k not in cfg.search_space]
+
+
+class _InvalidTrialConfig(ConfigError):
+    def __init__(self, params: dict, problems: str):
+        super().__init__(f"sampled params {params} make an invalid train config: {problems}")
+        self.problems = problems
+
+
+def _set_nested(data: dict, key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def trial_train_config(train_cfg: TrainConfig, params: dict[str, Any], cfg: TuneConfig) -> TrainConfig:
+    """The train config of one trial: `train_cfg` + sampled params; `tune.max_epochs` epochs
+    unless train.epochs is itself searched."""
+    from pydantic import ValidationError
+
+    data = section_dict(train_cfg)
+    data["epochs"] = cfg.max_epochs
+    for key, value in params.items():
+        _set_nested(data, key, value)
+    data.update(num_workers=cfg.workers_per_trial, min_workers=None)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        bad = "; ".join(f"train.{'.'.join(map(str, i['loc']))}: {i['msg']} (got {i.get('input')!r})"
+                        for i in e.errors())
+        raise _InvalidTrialConfig(params, bad) from None
+
+
+def _probe_values(dist) -> list[Any]:
+    if dist.type == "choice":
+        return list(dist.values)
+    if dist.type == "randint":
+        return [int(dist.lower), int(dist.upper)]
+    return [dist.lower, dist.upper]
+
+
+def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
+    """Reject a search that cannot work before any trial starts; messages name the tune.* key."""
+    if cfg.metric not in METRICS:
+        raise ConfigError(f"tune.metric={cfg.metric!r} is not reported by every epoch of a trial; "
+                          f"use one of {list(METRICS)}")
+    if cfg.scheduler == "asha" and cfg.grace_period > cfg.max_epochs:
+        raise ConfigError(f"tune.grace_period={cfg.grace_period} exceeds tune.max_epochs={cfg.max_epochs}: "
+                          f"ASHA could never stop a trial early; lower grace_period")
+    if cfg.scheduler == "pbt" and cfg.perturbation_interval >= cfg.max_epochs:
+        raise ConfigError(f"tune.perturbation_interval={cfg.perturbation_interval} is not below "
+                          f"tune.max_epochs={cfg.max_epochs}: PBT would never exploit; lower it")
+    if cfg.scheduler == "pbt" and "epochs" in cfg.search_space:
+        raise ConfigError("tune.search_space.epochs: PBT compares trials and clones one into another at "
+                          "the same epoch, so every trial runs tune.max_epochs; remove it from the space")
+    for key, dist in cfg.search_space.items():
+        if key in _SET_BY_TUNE:
+            raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "
+                              f"search; remove it from the search space")
+        if dist.type == "randint" and (dist.lower != int(dist.lower) or dist.upper != int(dist.upper)):
+            raise ConfigError(f"tune.search_space.{key}: randint needs integer lower/upper, got "
+                              f"{dist.lower:g}..{dist.upper:g}")
+        for value in _probe_values(dist):  # the range ends (or every choice) must be valid values
+            if key == "epochs" and isinstance(value, (int, float)) and value > cfg.max_epochs:
+                raise ConfigError(f"tune.search_space.epochs: value {value!r} exceeds tune.max_epochs="
+                                  f"{cfg.max_epochs}, the budget of a trial; lower it or raise tune.max_epochs")
+            try:
+                trial_train_config(train_cfg, {key: value}, cfg)
+            except _InvalidTrialConfig as e:
+                raise ConfigError(f"tune.search_space.{key}: value {value!r} is not a valid train.{key} "
+                                  f"({e.problems})") from None
