@@ -366,6 +366,8 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     # stream trials share what is left: 2 trials x 7.74 CPUs, each decoding in 8 processes
     assert big.concurrent_trials == cfg.tune.num_samples and big.workers.cpus_per_worker == 7.74
     assert big.workers.decode_processes == 8
+    with pytest.raises(ConfigError, match=r"only 0.49 CPUs are free of 1 .*: give Ray more CPUs \(ray.num_cpus"):
+        session.plan_trials(cfg.tune, cfg.train, {"CPU": 1.0, "GPU": 0.0}, 0.5)  # one trial worker already
 
 
 def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build():

@@ -207,10 +207,14 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
     concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
     if concurrent < 1:
         cpus = per_trial.cpus_per_worker or MIN_TRIAL_CPUS_PER_WORKER
+        fixes = (["lower tune.workers_per_trial"] if workers > 1 else []) + (
+            ["lower train.cpus_per_worker"] if per_trial.cpus_per_worker else []) + [
+            "give Ray more CPUs (ray.num_cpus, or a bigger node)", "lower ray.data_reserved_cpus",
+            "or set tune.enabled=false"]
         raise ConfigError(
-            f"one trial needs tune.workers_per_trial={workers} x {cpus:g} CPU but only "
-            f"{free(1):g} CPUs are free after ray.data_reserved_cpus={data_reserved_cpus:g}; lower "
-            f"tune.workers_per_trial or train.cpus_per_worker")
+            f"one trial needs tune.workers_per_trial={workers} x {cpus:g} CPU (and {TRIAL_DRIVER_CPUS:g} for its "
+            f"driver) but only {max(0.0, free(1)):g} CPUs are free of {resources['CPU']:g} after "
+            f"ray.data_reserved_cpus={data_reserved_cpus:g}: {', '.join(fixes)}")
     plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
                         data_reserved_cpus, slots=concurrent, keep_reserve=True)
     in_function = workers == 1 and train.ingest == "stream"
