@@ -201,3 +201,32 @@ def test_benign_lines_are_dropped_at_the_descriptor_and_shown_with_a_note_when_v
     assert quiet.stderr == "an ordinary line\na progress bar without its newline"
     assert "max_restarts > 0" in loud.stderr and "[raymill] note: the line above is benign" in loud.stderr
     assert loud.stderr.endswith("an ordinary line\na progress bar without its newline")
+
+
+def test_a_workers_sigterm_traceback_at_shutdown_is_dropped_only_when_it_ends_so():
+    """The one multi-line benign block (stages.common.benign.SHUTDOWN_START): held whole, dropped only
+    when Ray's sigterm_handler raised SystemExit: 1; any other ending shows every line."""
+    import io
+
+    from stages.common.benign import BenignFilter
+
+    head = "(raymill_train pid=7) Exception ignored in: <function WeakSet.__init__.<locals>._remove at 0x7f>\n" \
+           "(raymill_train pid=7) Traceback (most recent call last):\n"
+    benign = head + '(raymill_train pid=7)   File "ray/_private/worker.py", line 1, in sigterm_handler\n' \
+                    "(raymill_train pid=7) SystemExit: 1\n"
+    other = head + '(raymill_train pid=7)   File "x.py", line 2, in f\n(raymill_train pid=7) ValueError: real\n'
+    for text, verbose, shown in [(benign, False, "after\n"), (other, False, other + "after\n")]:
+        out = io.StringIO()
+        f = BenignFilter(out, verbose)
+        f.write("before\n" + text + "after\n")
+        f.flush(final=True)
+        assert out.getvalue() == "before\n" + shown
+    out = io.StringIO()
+    f = BenignFilter(out, verbose=True)
+    f.write(benign)
+    assert "SystemExit: 1" in out.getvalue() and "the traceback above is benign" in out.getvalue()
+    out = io.StringIO()
+    f = BenignFilter(out)
+    f.write(head)  # cut off by the stream's end: shown, unjudged
+    f.flush(final=True)
+    assert out.getvalue() == head

@@ -141,7 +141,8 @@ class WorkerFeeds:
                 raise self._starting.pop("error")
             self.pool = self._starting.pop("pool")
             if self.rank == 0:
-                log.info("train: %d decode processes per worker, started in %.2f s",
+                # a Train worker's line: its handler adds no "[raymill]"
+                log.info("[raymill] train: %d decode process(es) per worker, started in %.2f s",
                          self.decode_processes, self.pool.start_s)
         return self.pool
 

@@ -134,7 +134,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
              "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
              metrics["device_busy_s"], 100 * metrics["device_utilisation"], DECODE_WHERE[metrics["decode"]],
-             metrics["errors"], metrics.get("accuracy"))
+             metrics["errors"], console.score(metrics.get("accuracy")))
     return Artifact("infer", str(out).rstrip("/"), manifest)
 
 
