@@ -102,7 +102,7 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
         doctor = subprocess.run([sys.executable, "-m", "workflow", "doctor", "--pid", str(proc.pid)], cwd=REPO,
                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # as systemd and Kubernetes stop it (Ctrl-C takes the same path)
         try:
             output = proc.communicate(timeout=120)[0]
         except subprocess.TimeoutExpired:  # fail, but leave no endpoint (and its Ray) behind for later tests
@@ -110,6 +110,9 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
             output = proc.communicate()[0]
             pytest.fail(f"raymill serve did not stop within 120 s of Ctrl-C:\n{output[-3000:]}")
     assert ready, output[-4000:]
+    assert proc.returncode == 143 and "Traceback" not in output, output[-3000:]
+    with pytest.raises(OSError):  # closed with the process: no proxy left answering 404 without routes
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
     assert any(r["port"] == port and r["kind"] == "loopback" for r in seen.values()), seen
     assert not _off_loopback(seen), _off_loopback(seen)
     assert doctor.returncode == 0 and " 0 exposed" in doctor.stdout, doctor.stdout + doctor.stderr

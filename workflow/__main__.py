@@ -299,13 +299,13 @@ def cmd_serve(args) -> int:
 
     serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
+    # SIGTERM (systemd, Kubernetes, kill) ends it like Ctrl-C, from here: after ray.init, whose core
+    # worker installs its own handler (a "*** SIGTERM received" dump, exit 15), and before Serve starts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
     record = endpoint.record_endpoint(cfg.serve)
     print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
           f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)
-    # SIGTERM (systemd, Kubernetes, kill) ends the serve loop like Ctrl-C: the endpoint record is
-    # removed (and the app deleted on a shared cluster), so the next start on this port begins clean.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         while True:
             time.sleep(3600)
