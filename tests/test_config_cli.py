@@ -214,9 +214,11 @@ def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_ses
     shares = ["--set", "etl.split.train=0.9", "--set", "etl.split.val=0", "--set", "etl.split.test=0.1"]
     assert main(["etl", "--input", str(src), "--output", str(ds), *shares]) == 0
     assert "the val split is empty, and `raymill train` refuses such data" in capsys.readouterr().err  # said first
-    assert main(["train", "--data", str(ds), "--output", str(tmp_path / "m"), "--config", smoke]) == 2
+    assert main(["train", "--data", str(ds), "--output", str(tmp_path / "m"), "--config", smoke,
+                 "--set", "train.batch_size=500"]) == 2
     err = capsys.readouterr().err
     assert "no val rows" in err and "or raise etl.split.val (the val split is hashed from the files)" in err, err
+    assert re.search(r"train.batch_size=500 is more than the \d+ train rows: each epoch is one step", err), err
     assert not (tmp_path / "m" / "model.pt").exists()
     # the pipeline refuses before ETL; after ETL, a split its tree left empty is refused before training
     assert main(["run", "--config", smoke, "--set", f"run.source={src}", "--set", f"run.dir={tmp_path / 'run'}",

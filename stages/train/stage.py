@@ -71,6 +71,10 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
                     "level lower)")
         raise ConfigError(f"'{data.path}' has train rows of one class only ({', '.join(learned)}); a classifier "
                           f"needs two or more: {fix}")
+    rows = sum(manifest.get("counts", {}).get("train", {}).values())
+    if cfg.batch_size > rows:  # one step an epoch, of all rows: allowed, but rarely meant
+        log.warning("train: train.batch_size=%d is more than the %d train rows: each epoch is one step of them "
+                    "all; set train.batch_size to %d or less", cfg.batch_size, rows, max(1, rows // 4))
     if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
         # ranked the checkpoints, and the first epoch's model was published
         raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
