@@ -124,16 +124,17 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 def request_deadline(headers: Any, default_s: Optional[float]) -> Optional[float]:
-    """The proxy's timeout for this request, read as Serve 2.60 reads it: the header when it is a
-    number (> 0: seconds; <= 0 or NaN: none), else `default_s`."""
-    value = headers.get(_TIMEOUT_HEADER)
-    if value is None:
-        return default_s
+    """The ingress's deadline for this request: `default_s` (serve.request_timeout_s), or the
+    client's header when it is a finite number > 0 that shortens it. Serve's proxy honours any
+    value (0, NaN or 1e9: no limit), so a client had turned the server's timeout off; the ingress
+    keeps it, and answers in JSON."""
     try:
-        seconds = float(value)
+        seconds = float(headers.get(_TIMEOUT_HEADER, "nan"))
     except ValueError:
         return default_s
-    return seconds if seconds > 0 else None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        return default_s
+    return seconds if default_s is None else min(seconds, default_s)
 
 
 async def within(work: Awaitable[Response], request: Request, default_s: Optional[float]) -> Response:
@@ -150,8 +151,9 @@ async def within(work: Awaitable[Response], request: Request, default_s: Optiona
             raise HTTPError(504, "model_timeout", f"the model did not answer within this request's {limit:g} s "
                             f"(serve.request_timeout_s or the {_TIMEOUT_HEADER} header); retry later",
                             RETRY_AFTER) from None
+        # the rest of its body may still come: the connection is closed after the answer (RFC 9110)
         raise HTTPError(408, "request_timeout", f"the request body did not arrive within this request's {limit:g} s "
-                        f"(serve.request_timeout_s or the {_TIMEOUT_HEADER} header)") from None
+                        f"(serve.request_timeout_s or the {_TIMEOUT_HEADER} header)", {"Connection": "close"}) from None
 
 
 class _Local:
