@@ -77,6 +77,8 @@ def test_v2_tritonclient_ready_metadata_and_infer(app):
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
     meta = client.get_model_metadata(MODEL)
     assert meta["inputs"] == [{"name": "images", "datatype": "BYTES", "shape": [-1]}]
+    engine = httpx.get(f"{url}/metadata", timeout=30).json()["engine"]  # the platform that answers, named alike
+    assert meta["platform"] == {"onnxruntime": "onnxruntime_onnx", "torch": "pytorch_libtorch"}[engine]
     assert {o["name"]: o["shape"] for o in meta["outputs"]}["top_k_probability"] == [-1, 3]
     images = [image_bytes(400 + i) for i in range(3)]
     alone = [httpx.post(f"{url}/predict", content=data, headers={"content-type": "image/jpeg"}, timeout=30).json()

@@ -407,6 +407,7 @@ def test_bad_request(client, name):
 def test_unknown_route_and_method(client, method, path, status, error):
     r = client.request(method, path)
     assert r.status_code == status and r.json()["error"] == error
+    assert "POST /predict" in r.json()["detail"] and "/v2/models/{name}" in r.json()["detail"]  # every route
     if status == 405:
         assert r.headers["allow"]
 

@@ -112,8 +112,8 @@ async def _route_error(request: Request, exc: StarletteHTTPException) -> JSONRes
         return JSONResponse({"error": f"{where}; this server's Open Inference Protocol routes: {_V2_ROUTES}"},
                             exc.status_code, exc.headers)
     error = _ROUTE_ERRORS.get(exc.status_code, "http_error")
-    return HTTPError(exc.status_code, error, f"{where}; try POST /predict, GET /healthz, GET /metadata, GET /docs",
-                     exc.headers).response()
+    return HTTPError(exc.status_code, error, f"{where}; try POST /predict, GET /healthz, GET /metadata, GET /docs, "
+                     f"or the Open Inference Protocol: {_V2_ROUTES}", exc.headers).response()
 
 
 @app.exception_handler(RequestValidationError)

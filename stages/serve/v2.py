@@ -60,7 +60,9 @@ def model_metadata(name: str, meta: dict[str, Any]) -> dict[str, Any]:
     """The model's v2 metadata from the replica's /metadata dict (classes, version, top_k, ...)."""
     k = meta["top_k"]
     shapes = {"class_name": [-1], "class_index": [-1], "top_k_index": [-1, k], "top_k_probability": [-1, k]}
-    return {"name": name, "versions": [str(meta.get("version") or "")], "platform": "pytorch",
+    # the platform that answers, as Triton names it: /metadata's engine (onnxruntime on a CPU by default)
+    platform = "onnxruntime_onnx" if meta.get("engine") == "onnxruntime" else "pytorch_libtorch"
+    return {"name": name, "versions": [str(meta.get("version") or "")], "platform": platform,
             "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
             "outputs": [{"name": n, "datatype": OUTPUTS[n][0], "shape": s} for n, s in shapes.items()],
             "parameters": {"classes": meta["classes"], "image_size": meta["image_size"],
