@@ -322,7 +322,8 @@ def test_config_errors_name_the_key(dataset, tmp_path):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "b"), ray_cfg=cfg.ray)
     # 2 workers x 1 CPU per trial cannot fit beside the Ray Data reserve on 2 CPUs
     cfg = _cfg("tune.workers_per_trial=2", "train.cpus_per_worker=1")
-    with pytest.raises(ConfigError, match=r"tune\.workers_per_trial=2 x 1 CPU but only 1\.49 CPUs"):
+    with pytest.raises(ConfigError, match=r"tune\.workers_per_trial=2 x 1 CPU \(and 0\.01 for its driver\) but only "
+                                          r"1\.49 CPUs.*: lower tune\.workers_per_trial, lower train\.cpus_per_worker"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "c"), ray_cfg=cfg.ray)
     assert not (tmp_path / "c" / "ray").exists()
     cfg = _cfg("tune.search_space={epochs: {type: choice, values: [2, 5]}}")
