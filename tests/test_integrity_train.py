@@ -249,6 +249,8 @@ def test_ctrl_c_during_training_says_interrupted_and_exits_130(dataset, tmp_path
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, "".join(lines)[-2000:] + out[-2000:]
     assert "raymill train: interrupted; rerun the same command" in out and "Tuner.restore" not in out
+    after = out[out.index("raymill train: interrupted"):]
+    assert "train: epoch" not in after, after[:2000]  # Ray's last worker lines came before it
 
 
 def test_an_output_that_is_a_file_or_another_tools_is_refused_before_anything_starts(dataset, tmp_path, capsys):

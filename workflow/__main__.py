@@ -151,6 +151,7 @@ def _command(args) -> int:
         print(f"raymill {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        console.worker_lines_first()  # an epoch line in flight had followed this one
         print(f"raymill {args.command}: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
     except Exception as e:  # the message carries the fix; --verbose adds the traceback
@@ -335,8 +336,7 @@ def cmd_run(args) -> int:
 
 
 def _process_started() -> float:
-    """This process's start on the perf_counter clock: the report's total then counts Python's own
-    start and the CLI's imports, as the person who typed the command waited for them."""
+    """This process's start on the perf_counter clock: the report's total counts Python's start and imports too."""
     import psutil
 
     return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())

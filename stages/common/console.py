@@ -18,7 +18,7 @@ from stages.common import benign
 
 __all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity",
            "tune_result_loggers", "no_tensorboard", "epoch_lines_here", "train_logging_config", "quiet_train_worker", "epoch",
-           "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp"]
+           "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp", "worker_lines_first"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
 _OURS = ("raymill", "workflow", "stages", "benchmarks")  # loggers that speak at INFO by default
@@ -249,3 +249,10 @@ def epoch(row: dict[str, Any], epochs: int) -> None:
              f"input wait {row['wait_s']:.1f}s, device busy {row['compute_s']:.1f}s of "
              f"{row.get('wall_s', 0):.1f}s ({row.get('device_utilisation', 0):.0%}), "
              f"stall {row['stall_fraction']:.1%}, tier {row.get('tier', '-')} | {row['verdict']}")
+
+
+def worker_lines_first() -> None:
+    """Shut down the Ray this process runs, if any, so that its workers' last forwarded lines reach
+    the terminal before the line the caller prints next (Ray's exit would do it after)."""
+    if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():
+        ray.shutdown()
