@@ -118,6 +118,8 @@ def test_a_raymill_folder_keeps_its_head_for_the_same_classes_and_replaces_it_ot
     # before Ray, by its model.json: another architecture or width (the shapes said it after Ray's start)
     with pytest.raises(ConfigError, match="is a small_cnn model; set train.model=small_cnn"):
         init_source.check(str(folder), models=("resnet18",), width=8)
+    with pytest.raises(ConfigError, match="or start resnet18 from other weights"):  # a search over both: each must fit
+        init_source.check(str(folder), models=("small_cnn", "resnet18"), width=8)
     with pytest.raises(ConfigError, match="is a small_cnn of width 8; set train.width=8"):
         init_source.check(str(folder), models=("small_cnn",), width=16)
     named = folder.rename(tmp_path / "run.ckpt")  # an output folder whose name says "torch file"

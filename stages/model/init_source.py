@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from stages.common import storage
 from stages.common.config import ConfigError
 
-__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "whole", "TORCH_SUFFIXES"]
+__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "whole", "fits", "TORCH_SUFFIXES"]
 
 _HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
 _SNIFF_BYTES = 32
@@ -196,7 +196,7 @@ def check(uri: str, s3: Any | None = None, models: tuple[str, ...] = (), width: 
     kind = kind_of(uri, s3, look=True)
     if kind == "raymill":
         info = _model_json(uri, s3)
-        _fits(uri, info, models, width)
+        fits(uri, info, models, width)
         weights = storage.join(uri, "model.pt")
         if storage.is_remote(uri):  # its checksum waits for the one download the run makes (prepare)
             read(weights, s3, "the folder's model.pt", head=_SNIFF_BYTES)
@@ -210,13 +210,14 @@ def check(uri: str, s3: Any | None = None, models: tuple[str, ...] = (), width: 
             whole(f, fs.info(path)["size"], kind, uri)
 
 
-def _fits(uri: str, info: dict, models: tuple[str, ...], width: int | None) -> None:
-    """A raymill model of another architecture or small_cnn width cannot start this training:
-    said by its model.json, before Ray (it had been said by the shapes, 11 s later on 2 cores)."""
+def fits(uri: str, info: dict, models: Sequence[str], width: int | None = None) -> None:
+    """A raymill model (its model.json `info`) cannot start any of `models` of another architecture,
+    nor a small_cnn of another `width`: said before Ray by the CLI's check (it had been said by the
+    shapes, 11 s later on 2 cores), and by init_weights.prepare."""
     arch = info.get("architecture")
-    if models and arch not in models:
+    if other := next((name for name in models if name != arch), None):
         raise ConfigError(f"train.init_from: '{uri}' is a {arch} model; set train.model={arch}, or start "
-                          f"{models[0]} from other weights")
+                          f"{other} from other weights")
     if width is not None and arch == "small_cnn" and info.get("width", width) != width:
         raise ConfigError(f"train.init_from: '{uri}' is a small_cnn of width {info['width']}; set "
                           f"train.width={info['width']}, or start width {width} from other weights")

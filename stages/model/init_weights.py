@@ -31,7 +31,7 @@ import torch
 
 from stages.common import storage
 from stages.common.config import AugmentConfig, ConfigError, TrainConfig
-from stages.model.init_source import read_source, sniff, source_sha256, whole
+from stages.model.init_source import fits, read_source, sniff, source_sha256, whole
 from stages.model.zoo import build_model
 
 # torch.save's legacy format pickled with protocol 4+ loads fine; torch's loader still warns of it
@@ -199,9 +199,8 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
     state, unwrapped = parse(payload, "torch" if kind == "raymill" else kind, uri)
     heads_fit = []
     for name in dict.fromkeys(model_names or [cfg.model]):
-        if info is not None and info.get("architecture") != name:
-            raise ConfigError(f"train.init_from: '{uri}' is a {info.get('architecture')} model; set "
-                              f"train.model={info.get('architecture')}, or start {name} from other weights")
+        if info is not None:
+            fits(uri, info, (name,))
         heads_fit.append(check_keys(state, name, classes, cfg.width, uri))
     same_classes = info is not None and list(info.get("classes", [])) == list(classes)
     head = "kept" if all(heads_fit) and same_classes else "replaced"
