@@ -17,6 +17,7 @@ import pytest
 
 from tests.conftest import REPO
 from stages.common import tracking
+from workflow import report
 
 MAX_LINES = 60  # the issue's target for `make run` after pip's own output
 # what a person takes for an error: glog's "E <pid> <tid>]" (Ray's C++), a traceback, any warning
@@ -55,7 +56,8 @@ def test_run_console_is_short_and_tracked(smoke_run):
     # ... and where the whole run's went: before the first stage, each stage, the rest
     whole = saved["run_seconds_split"]
     assert sum(whole.values()) == pytest.approx(saved["seconds"], abs=0.1) and min(whole.values()) > -0.05, whole
-    assert list(whole)[1:4] == ["etl", "train", "infer"] and list(whole)[0].startswith("before the first stage")
+    assert list(whole)[:5] == [next(iter(whole)), report.RAY_START, "etl", "train", "infer"], whole
+    assert list(whole)[0].startswith("before the first stage") and whole[report.RAY_START] > 0.5
     assert "\x1b[" not in output  # a pipe gets no colour codes around Ray's worker prefixes
     assert "(raymill_train pid=" in output or "(RayTrainWorker pid=" in output  # ... and the prefixes stay
     looks_bad = [line for line in lines if ERRORISH.search(line)]
@@ -74,6 +76,22 @@ def test_run_console_is_short_and_tracked(smoke_run):
     assert 0 <= run.data.metrics["infer_accuracy"] <= 1
     assert client.get_model_version(found["model_name"], found["model_version"]).run_id == run.info.run_id
     _printed_ui_command_serves_on_loopback(stdout[-1].split("browse with: ", 1)[1])
+
+
+@pytest.mark.slow
+def test_a_rerun_whose_stages_are_all_reused_starts_no_ray(smoke_run):
+    """The smoke run's command again: every stage is reused, so neither Ray nor torch starts (the
+    rerun had spent 7.7 s of its 7.7 s starting Ray on the 2-core demo)."""
+    run_dir = smoke_run.run_dir
+    done = _cli("run", "--config", "configs/smoke.yaml", "--set", f"run.source={run_dir.parent / 'src'}", "--set",
+                f"run.dir={run_dir}", "--set", "train.num_workers=2", "-v", timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert [s for s in ("etl", "train", "infer") if f"{s}: reusing {run_dir / s}" in output] == ["etl", "train", "infer"]
+    assert not re.search(r"\bray: [\d.]+ CPUs", output), output[-4000:]  # -v would show Ray's start line
+    saved = json.loads((run_dir / "report.json").read_text())
+    assert report.RAY_START not in saved["run_seconds_split"] and all(s["reused"] for s in saved["stages"])
+    assert sum(saved["run_seconds_split"].values()) == pytest.approx(saved["seconds"], abs=0.1)
 
 
 def _printed_ui_command_serves_on_loopback(command: str) -> None:

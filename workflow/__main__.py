@@ -5,7 +5,6 @@ The console shows raymill's own lines; Ray's chatter stays in Ray's log files un
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -16,110 +15,11 @@ import time
 
 from stages.common import console, storage
 from stages.common.config import ConfigError, load_config
+from workflow.cli_args import build_parser
 
 __all__ = ["main"]
 
 log = logging.getLogger("raymill")
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML config file (default: built-in defaults)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set etl.image_size=64 (repeatable)")
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help="also show Ray's own log lines and full tracebacks")
-
-
-def _location(value: str, check=storage.check_named) -> str:
-    try:
-        return check(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _output(value: str) -> str:
-    return _location(value, storage.check_output_place)
-
-
-def _local_output(value: str) -> str:
-    """demo-data writes with pathlib: an s3:// URI had become a local folder './s3:/b/x', exit 0."""
-    if storage.is_remote(_output(value)):
-        raise argparse.ArgumentTypeError(f"'{value}' is remote; demo-data writes a local folder (copy it to S3 "
-                                         "afterwards, e.g. with `aws s3 sync`)")
-    return value
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raymill", description="Ray-based ETL -> train -> tune -> serve")
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="also show Ray's own log lines and full tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("demo-data", help="write the built-in demo ImageFolder dataset")
-    p.add_argument("out", type=_local_output)
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--seed", type=int, default=0)
-
-    p = sub.add_parser("etl", help="images (folder or s3://) -> parquet/tar shards + manifest")
-    p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>, or <input>/<split>/<class>/<image>")
-    p.add_argument("--output", required=True, type=_output, help="output folder or s3:// prefix")
-    p.add_argument("--format", choices=["parquet", "tar", "both"], default=None,
-                   help="shard format(s) (default: etl.formats from config)")
-    p.add_argument("--overwrite", action="store_true", help="replace a published output atomically")
-    _common(p)
-
-    p = sub.add_parser("verify", help="recheck shard sizes, checksums and row counts")
-    p.add_argument("dst", type=_location)
-    _common(p)
-
-    p = sub.add_parser("train", help="DDP training on an ETL output; exports model.pt + model.json")
-    p.add_argument("--data", required=True, type=_location, help="ETL output folder or s3:// prefix")
-    p.add_argument("--output", required=True, type=_output, help="run folder for the model, metrics and checkpoints")
-    p.add_argument("--overwrite", action="store_true",
-                   help="discard the output's checkpoints (Ray run state) and train from scratch")
-    _common(p)
-
-    p = sub.add_parser("tune", help="hyperparameter search (ASHA, PBT or FIFO) over the trainer")
-    p.add_argument("--data", required=True, type=_location)
-    p.add_argument("--output", required=True, type=_output)
-    _common(p)
-
-    p = sub.add_parser("infer", help="batch inference with Ray Data -> predictions.parquet + metrics.json")
-    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--data", required=True, type=_location, help="ETL output (uses infer.split) or a raw image folder")
-    p.add_argument("--output", required=True, type=_output)
-    _common(p)
-
-    p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
-    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; other interfaces only when asked)")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--replicas", type=int, default=None)
-    _common(p)
-
-    _export_parser(sub)
-
-    p = sub.add_parser("doctor", help="what the Ray sessions on this machine expose: every listening port, classified")
-    p.add_argument("--pid", type=int, default=None, help="only this process and its descendants (a raymill command)")
-
-    p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer -> (export)")
-    p.add_argument("--serve", action="store_true", help="then serve the model and send test requests")
-    p.add_argument("--force", action="store_true", help="recompute stages even if unchanged")
-    _common(p)
-    return parser
-
-
-def _export_parser(sub) -> None:
-    p = sub.add_parser("export", help="a model -> ONNX (or TorchScript) in a Triton/KServe model repository, checked")
-    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--output", required=True, type=_output,
-                   help="model repository folder: new, empty, or an earlier export (replaced)")
-    p.add_argument("--format", choices=["onnx", "torchscript"], default=None,
-                   help="default: export.format from config (onnx)")
-    p.add_argument("--data", default=None, type=_location,
-                   help="what the export is checked on: an ETL output, or a folder of images (default: the "
-                        "model's own ETL output, model.json's data)")
-    _common(p)
 
 
 def _object_store_hint(e: Exception) -> str:
@@ -324,22 +224,31 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, overrides)
     from workflow import preflight
 
-    inputs = preflight.start(cfg)  # before the stages' imports: torch loads while Ray starts
-    import ray
-
+    inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
     from workflow import pipeline, report
 
     summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))
-    ray.shutdown()  # flushes Ray's last worker lines now, so the summary is the last thing printed
+    if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():  # a stage computed: flush
+        ray.shutdown()  # Ray's last worker lines now, so the summary is the last thing printed
     print(f"\n{summary}", flush=True)
     return 0
 
 
 def _process_started() -> float:
-    """This process's start on the perf_counter clock: the report's total counts Python's start and imports too."""
-    import psutil
+    """This process's start on the perf_counter clock: the report's total counts Python's start and
+    imports too. On Linux its age comes from the kernel's clock since boot (/proc): psutil's
+    create_time adds the boot time as recorded, which drifts from time.time() (1.0 s on this VM)
+    and had made every run's total a second long."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            age = float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # not Linux
+        import psutil
 
-    return time.perf_counter() - max(0.0, time.time() - psutil.Process().create_time())
+        age = time.time() - psutil.Process().create_time()
+    return time.perf_counter() - max(0.0, age)
 
 
 def cmd_export(args) -> int:

@@ -22,8 +22,7 @@ from stages.common.artifacts import (MANIFEST, Artifact, config_hash, content_co
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, output_lock
 from stages.feed import streaming
-from stages.train import stage as train_stage
-from stages.model import export
+from stages.model import init_source
 from workflow import preflight, report
 from workflow.preflight import needed_splits
 
@@ -33,14 +32,15 @@ log = logging.getLogger(__name__)
 
 
 def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
-          build: Callable[[str], Artifact], stale: Callable[[dict], str | None] = lambda m: None
-          ) -> tuple[Artifact, bool]:
+          build: Callable[[str], Artifact], stale: Callable[[dict], str | None] = lambda m: None,
+          ready: Callable[[], Any] = lambda: None) -> tuple[Artifact, bool]:
     """Run `build(out)` unless `out` already holds this stage's output for the same config+inputs.
 
     Reuse needs all three: the marker written with the output names this config and these inputs;
     the manifest is the very one published then (its sha256), so a manual overwrite is noticed;
     and the manifest's own config_hash is this config's. `stale(manifest)`: a reason the inputs
-    cannot show to build again anyway.
+    cannot show to build again anyway. `ready()` runs before `build` only (Ray's start: a reused
+    stage needs no cluster).
     """
     out = storage.join(cfg.run.dir, name)
     fs, root = storage.filesystem(out, cfg.s3)
@@ -65,6 +65,7 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         if cfg.run.force or not same:
             _clear(fs, root, bool(marker))  # stale or changed: never resume into another config's state
         storage.write_bytes_atomic(fs, marker_path, json.dumps({"key": key}).encode())
+        ready()
         artifact = build(out)
         published = fs.cat_file(manifest_path)
         marker = {"key": key, "manifest_sha256": storage.sha256_bytes(published)}
@@ -106,13 +107,14 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
     """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report.
     `inputs`: what `preflight.start(cfg)` returned, when the caller ran it (the CLI does, before
     this module's imports); else it runs here. `started`: the caller's perf_counter() at its
-    start, so that the report's total is the wait the caller saw."""
+    start, so that the report's total is the wait the caller saw. Ray starts at the first stage
+    that must compute (`preflight.RayOnDemand`): a run whose every stage is reused starts none."""
     started = time.perf_counter() if started is None else started
     if inputs is None:
         inputs = preflight.start(cfg)
-    resources = session.start(cfg.ray)  # started already: its resources
+    ray_up = preflight.RayOnDemand(cfg)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
-        both = session.plan_serve_and_train(cfg.train, cfg.serve, resources, cfg.ray.data_reserved_cpus)
+        both = session.plan_serve_and_train(cfg.train, cfg.serve, ray_up(), cfg.ray.data_reserved_cpus)
         if cfg.train.use_gpu and cfg.train.num_workers is None:  # the GPUs Serve holds are not the trainer's
             planned = cfg.train.model_copy(update={"num_workers": both.workers.num_workers})
             cfg = cfg.model_copy(update={"train": planned})
@@ -120,37 +122,37 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
     reused: dict[str, bool] = {}
 
     t = time.perf_counter()
-    before = t - started  # the command's start to ETL's: checks, Ray's start with torch's import beside it
+    before = t - started - ray_up.take()  # the command's start to ETL's: its imports and checks
     data, reused["etl"] = stage("etl", cfg, cfg.etl, inputs.sources,
                                 lambda out: etl.run(cfg.etl, cfg.run.source, out, s3=cfg.s3, overwrite=True,
-                                                    listing=inputs.listing), stale=unread_files)
-    timings["etl"] = time.perf_counter() - t
+                                                    listing=inputs.listing), stale=unread_files, ready=ray_up)
+    timings["etl"] = time.perf_counter() - t - ray_up.take()  # a stage's row counts its own work
     needed_splits(cfg, data.manifest.get("counts", {}))
     fingerprint = data_fingerprint(data.manifest)  # content, not run id: a same-bytes ETL re-run keeps models
 
     t = time.perf_counter()
+    init = init_source.reuse_inputs(cfg.train.init_from, cfg.s3)  # the init weights' content, not their path
     if cfg.tune.enabled:
-        init = train_stage.init_inputs(cfg.train, cfg.s3)  # the init weights' sha256: their content, not their path
         model, reused["tune"] = stage("tune", cfg, cfg.tune, {"data": fingerprint, "train": section_dict(cfg.train), **init},
                          lambda out: tracking.tune(cfg, data, out, lambda callbacks: tune.run(
                              cfg.tune, cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
-                             callbacks=callbacks), store=cfg.run.dir))
-        timings["tune"] = time.perf_counter() - t
+                             callbacks=callbacks), store=cfg.run.dir), ready=ray_up)
+        timings["tune"] = time.perf_counter() - t - ray_up.take()
     else:
-        init = train_stage.init_inputs(cfg.train, cfg.s3)
         model, reused["train"] = stage("train", cfg, cfg.train, {"data": fingerprint, "seed": cfg.run.seed, **init},
                          lambda out: tracking.train(cfg, data, out, lambda run: train.run(
                              cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
-                             store=cfg.run.dir))
-        timings["train"] = time.perf_counter() - t
+                             store=cfg.run.dir), ready=ray_up)
+        timings["train"] = time.perf_counter() - t - ray_up.take()
 
     t = time.perf_counter()
     preds, reused["infer"] = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
                                                     "data_fingerprint": fingerprint},
-                          lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3))
+                          lambda out: infer.run(cfg.infer, model.path, data.path, out, s3=cfg.s3,
+                                                start_ray=ray_up, cpus=cfg.ray.num_cpus))  # small: no Ray
     if not reused["infer"]:
         tracking.log_infer(cfg, model.path, preds)
-    timings["infer"] = time.perf_counter() - t
+    timings["infer"] = time.perf_counter() - t - ray_up.take()
 
     if cfg.export.enabled:
         t = time.perf_counter()
@@ -159,11 +161,13 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
-                        {name for name, again in reused.items() if again}, before_s=before)
+                        {name for name, again in reused.items() if again}, before_s=before, ray_s=ray_up.seconds)
 
 
 def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:
     """The published model as ONNX/TorchScript in a Triton model repository, <run.dir>/export."""
+    from stages.model import export  # here: it imports torch, which a run of reused stages never loads
+
     name = cfg.export.name or cfg.tracking.model_name
     return stage("export", cfg, cfg.export, {"model": model.manifest["created_at"], "model_path": model.path,
                                              "name": name},

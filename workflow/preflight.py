@@ -1,16 +1,17 @@
 """What `raymill run` checks and starts before the stages' own imports.
 
 The checks need neither torch nor Ray: a bad run.source, run.dir or split fails in a second, with
-nothing written and nothing started. Then Ray starts in the main thread (`ray.init` mostly waits for
-the processes it spawns) while a thread imports torch and Ray Train (`_BESIDE_RAY`), which the stages
-after it need: on the 2-core demo torch and `ray.init` took 5.0 s + 1.0 s one after the other, and
-5.1 s side by side.
+nothing written and nothing started. Ray starts at the first stage that must compute
+(`RayOnDemand`), in the main thread (`ray.init` mostly waits for the processes it spawns) while a
+thread imports torch and Ray Train (`_BESIDE_RAY`), which the stages after it need: on the 2-core
+demo torch and `ray.init` took 5.0 s + 1.0 s one after the other, and 5.1 s side by side.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import threading
+import time
 from typing import Any, NamedTuple
 
 import yaml
@@ -23,7 +24,7 @@ from stages.model import init_source
 from stages.model.sizes import check_image_size
 from stages.tune.checks import check_search
 
-__all__ = ["Inputs", "start", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
+__all__ = ["Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ class Inputs(NamedTuple):
 
 
 def start(cfg: Config) -> Inputs:
-    """Check the run's config and inputs, write config.yaml, then start Ray (and MLflow's store)
-    with torch imported beside it. Returns ETL's inputs."""
+    """Check the run's config and inputs and write config.yaml. Returns ETL's inputs; Ray is not
+    started here (`RayOnDemand`)."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
     models = cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
     check_image_size(models, cfg.etl.image_size)
@@ -68,8 +69,29 @@ def start(cfg: Config) -> Inputs:
     sources = {"source": cfg.run.source, "source_listing": listing.fingerprint}
     _check_run_dir(cfg)
     _write_config(cfg)
-    beside_ray(cfg, cfg.run.dir)
     return Inputs(sources, listing)
+
+
+class RayOnDemand:
+    """Ray, with torch imported beside it and MLflow's store warming (`beside_ray`), started once,
+    when the first stage must compute: a `raymill run` whose every stage was reused had started Ray
+    for nothing (7.7 s of a 7.7 s rerun, 2-core box). Calling it returns the cluster's resources.
+    `take()` hands the seconds of a start not yet counted to the stage that paid them, so a stage's
+    row counts its own work and the run's split names Ray's start (`seconds`, None: not started)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.seconds, self._untaken, self._resources = cfg, None, 0.0, {}
+
+    def __call__(self) -> dict[str, float]:
+        if self.seconds is None:
+            t = time.perf_counter()
+            self._resources = beside_ray(self.cfg, self.cfg.run.dir)
+            self.seconds = self._untaken = time.perf_counter() - t
+        return self._resources
+
+    def take(self) -> float:
+        seconds, self._untaken = self._untaken, 0.0
+        return seconds
 
 
 def check_init_source(cfg: Config, models: list[str]) -> None:
@@ -81,10 +103,11 @@ def check_init_source(cfg: Config, models: list[str]) -> None:
         init_source.check(cfg.train.init_from, cfg.s3, tuple(models), width)
 
 
-def beside_ray(cfg: Config, store: str) -> None:
+def beside_ray(cfg: Config, store: str) -> dict[str, float]:
     """Start Ray in this thread while torch and Ray Train import in a thread beside it, and MLflow's
-    store in `store` opens in another (`raymill run` after its checks; `raymill train` and `tune`
-    before their stage, which had imported torch, opened MLflow's run, then started Ray)."""
+    store in `store` opens in another (`raymill run` at its first stage that computes; `raymill
+    train` and `tune` before their stage, which had imported torch, opened MLflow's run, then
+    started Ray). Returns the cluster's resources."""
     for name in _SHARED:  # before any thread of ours imports: MLflow's below shares them too
         importlib.import_module(name)
     tracking.warm_up(cfg.tracking, store)  # beside Ray's start (and ETL's, in `raymill run`)
@@ -93,11 +116,12 @@ def beside_ray(cfg: Config, store: str) -> None:
                                 daemon=True)
     importer.start()
     try:
-        session.start(cfg.ray)
+        resources = session.start(cfg.ray)
     finally:  # never leave the interpreter to exit in the middle of torch's import
         importer.join()
     if failed:  # torch's own error, not a later import's of a half-loaded package
         raise failed[0]
+    return resources
 
 
 def _import_into(names: tuple[str, ...], failed: list[BaseException]) -> None:

@@ -12,7 +12,9 @@ from stages.train import timings as train_timings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["write", "summary"]
+__all__ = ["write", "summary", "RAY_START"]
+
+RAY_START = "Ray's start, with torch imported beside it"
 
 
 def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, float]) -> list[dict]:
@@ -65,16 +67,17 @@ def _tracking_md(info: dict[str, Any] | None) -> str:
 
 def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: dict | None,
           timings: dict[str, float], seconds: float, reused: set[str] = frozenset(),
-          before_s: float | None = None) -> dict[str, Any]:
+          before_s: float | None = None, ray_s: float | None = None) -> dict[str, Any]:
     """Write report.json and report.md; return the report (`summary(report)` is its console text).
     `reused`: the stages this run took unchanged from an earlier one; `before_s`: the seconds
-    before the first stage (the run's split says where the whole wait went)."""
+    before the first stage and `ray_s` Ray's start, None when no stage needed it (the run's split
+    says where the whole wait went)."""
     rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings)]
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
     report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
-              "run_seconds_split": _run_split(timings, seconds, before_s, serve is not None),
+              "run_seconds_split": _run_split(timings, seconds, before_s, ray_s, serve is not None),
               "train_seconds_split": split,
               "test_accuracy": infer_m.get("accuracy", train_m.get("test_acc")),
               "input_stall_fraction": train_m.get("stall_fraction"), "bottleneck": train_m.get("verdict"),
@@ -85,7 +88,7 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"
           f"{_tracking_md(tracked)}"
-          f"- total: {seconds:.0f} s"
+          f"- total: {seconds:.1f} s"
           + "".join(f"; {k} {v:.1f} s" for k, v in (report["run_seconds_split"] or {}).items())
           + f"\n{_split_md(split)}")
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
@@ -94,21 +97,25 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
     return report
 
 
-def _run_split(timings: dict[str, float], seconds: float, before_s: float | None,
+def _run_split(timings: dict[str, float], seconds: float, before_s: float | None, ray_s: float | None,
                served: bool) -> dict[str, float] | None:
-    """The run's wall in parts that add up to it: before the first stage, each stage, the rest."""
+    """The run's wall in parts that add up to it: before the first stage, Ray's start (when a stage
+    needed it), each stage's own work, the rest."""
     if before_s is None:
         return None
     rest = "the rest: " + ("the endpoint's start and probe, " if served else "") + "the report"
-    return {"before the first stage: the command's start, checks, Ray's start": round(before_s, 2),
+    ray = {} if ray_s is None else {RAY_START: round(ray_s, 2)}
+    return {"before the first stage: the command's start, imports, checks": round(before_s, 2), **ray,
             **{name: round(value, 2) for name, value in timings.items()},
-            rest: round(seconds - before_s - sum(timings.values()), 2)}
+            rest: round(seconds - before_s - (ray_s or 0.0) - sum(timings.values()), 2)}
 
 
 def summary(report: dict[str, Any]) -> str:
     """The console summary of a run: the stage table, accuracy, bottleneck, where to look next."""
     mlflow = report.get("mlflow")
-    lines = [f"raymill run {report['run']}: {report['seconds']:.0f} s", report["table"],
+    seconds = report["seconds"]
+    lines = [f"raymill run {report['run']}: {seconds:.1f} s" if seconds < 10 else
+             f"raymill run {report['run']}: {seconds:.0f} s", report["table"],
              f"test accuracy {console.score(report['test_accuracy'])}; bottleneck: {report['bottleneck']}",
              f"report: {storage.join(report['dir'], 'report.md')}"]
     if mlflow:

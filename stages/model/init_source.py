@@ -14,7 +14,7 @@ from typing import Any, BinaryIO, Iterator, Sequence
 from stages.common import storage
 from stages.common.config import ConfigError
 
-__all__ = ["kind_of", "read", "read_source", "source_sha256", "check", "sniff", "whole", "fits", "TORCH_SUFFIXES"]
+__all__ = ["kind_of", "read", "read_source", "source_sha256", "reuse_inputs", "check", "sniff", "whole", "fits", "TORCH_SUFFIXES"]
 
 _HASHED: dict[tuple, str] = {}  # (uri, size, modification stamp) -> sha256: source_sha256's memo
 _SNIFF_BYTES = 32
@@ -130,6 +130,12 @@ def source_sha256(uri: str, s3: Any | None = None) -> str:
     if kind_of(uri, s3, look=True) == "raymill":
         return _model_json(uri, s3)["weights_sha256"]
     return _file_sha256(uri, s3)
+
+
+def reuse_inputs(init_from: str | None, s3: Any | None = None) -> dict[str, str]:
+    """What a published output records of its init weights, to be reused only for the same content
+    (torch-free: `raymill run` decides each stage's reuse before torch and Ray load)."""
+    return {"init_sha256": source_sha256(init_from, s3)} if init_from else {}
 
 
 def sniff(head: bytes, kind: str, uri: str) -> None:

@@ -31,14 +31,14 @@ import torch
 
 from stages.common import storage
 from stages.common.config import AugmentConfig, ConfigError, TrainConfig
-from stages.model.init_source import fits, read_source, sniff, source_sha256, whole
+from stages.model.init_source import fits, read_source, reuse_inputs, sniff, source_sha256, whole
 from stages.model.zoo import build_model
 
 # torch.save's legacy format pickled with protocol 4+ loads fine; torch's loader still warns of it
 warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "HEAD_PREFIX", "CHECKPOINT_KEYS", "WRAPPER_PREFIXES", "InitPlan",
-           "prepare", "source_sha256", "read_source", "parse", "unwrap", "check_keys", "apply"]
+           "prepare", "source_sha256", "reuse_inputs", "read_source", "parse", "unwrap", "check_keys", "apply"]
 
 log = logging.getLogger(__name__)
 

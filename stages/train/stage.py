@@ -98,7 +98,7 @@ def check_init(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
 
 def init_inputs(cfg: TrainConfig, s3) -> dict[str, str]:
     """What a published output records of its init weights, to be reused only for the same content."""
-    return {"init_sha256": init_weights.source_sha256(cfg.init_from, s3)} if cfg.init_from else {}
+    return init_weights.reuse_inputs(cfg.init_from, s3)
 
 
 def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: Any | None,
