@@ -329,3 +329,23 @@ def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_st
                           f"run.dir={ds / 'run'}"], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 2 and f"is inside the raymill.etl output '{ds}'; choose a run.dir" in run.stderr, run.stderr
     assert "[raymill] ray:" not in run.stderr and not (ds / "run").exists(), run.stderr
+
+
+def test_a_second_ctrl_c_exits_at_once_with_one_line_not_tracebacks(tmp_path):
+    """The first SIGINT stops the command cleanly; a second one during that stop exits 130 at once.
+    Two in a row had printed a traceback for each frame they hit (`raymill serve`: three)."""
+    import signal
+    import time
+
+    from tests.conftest import interruptible
+
+    proc = subprocess.Popen(interruptible("workflow", "demo-data", str(tmp_path / "d"), "--images", "100000"),
+                            cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while time.time() < deadline and not any((tmp_path / "d").glob("*/*")):  # writing images: interrupt it
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
+    assert out.startswith("raymill demo-data: interrupted") or out.startswith("raymill: interrupted again"), out

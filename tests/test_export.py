@@ -82,6 +82,10 @@ def test_onnx_predicts_from_uint8_pixels_at_batch_1_and_17(trained, onnx_repo):
     assert manifest["inputs"]["weights_sha256"] == info["weights_sha256"]
     assert manifest["input"] == {"name": "pixels", "dtype": "uint8", "shape": [-1, 32, 32, 3], "layout": "NHWC RGB",
                                  "resize": info["resize"], "image_size": 32}
+    # the oldest graph torch builds, stamped with its oldest IR: onnxruntime 1.16 refused IR 10 / opset 20
+    stamped = onnx.load(str(out / "flowers/1/model.onnx"))
+    assert manifest["onnx"] == {"opset": 18, "ir_version": 8} == {
+        "opset": next(o.version for o in stamped.opset_import if o.domain == ""), "ir_version": stamped.ir_version}
 
 
 def test_onnx_agrees_with_raymill_infer_on_every_test_image(trained, onnx_repo):
@@ -209,11 +213,18 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
     cases.append((["--model", model, "--output", str(tmp_path / "new" / ("a" * 300))], "File name too long"))
     cases.append((["--model", model, "--output", str(tmp_path / "d"), "--data", str(tmp_path / "none")],
                   f"--data '{tmp_path / 'none'}' which cannot be read"))
+    cases.append((["--model", model, "--output", str(tmp_path / "e"), "--set", "export.name=a/b"],
+                  "not a folder name Triton accepts"))
+    added = tmp_path / "added"  # an earlier export with a second version someone put beside it
+    shutil.copytree(onnx_repo[0], added)
+    (added / "flowers/2").mkdir()
+    (added / "flowers/2/model.onnx").write_bytes(b"theirs")
+    cases.append((["--model", model, "--output", str(added)], "holds 1 file(s) it did not write (e.g. 'flowers/2/"))
     for args, fragment in cases:
         assert main(["export", *args, "--config", SMOKE]) == 2, args
         assert fragment in capsys.readouterr().err, args
-    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "foreign"]  # no output, no staging folder left
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"] and (added / "flowers/2/model.onnx").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "added", "foreign"]  # no output, no staging
     (tmp_path / "raced").mkdir()  # made by another run after the output was found missing: left to it
     export._check_creatable(str(tmp_path / "raced"), str(tmp_path / "raced"))
     assert (tmp_path / "raced").is_dir()

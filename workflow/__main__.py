@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from stages.common import console, storage
@@ -36,12 +37,29 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console.setup(args.verbose)
     _loopback_if_local(args)
+    # Python's own handler only: a background job (nohup, `&`) inherits SIGINT ignored, and keeps it so
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _first_interrupt)
     try:
         return _command(args)
     finally:
         if (tracking := sys.modules.get("stages.common.tracking")) is not None:
             tracking.settle()  # a run that failed early leaves no half-created MLflow store
         console.before_exit()
+
+
+def _first_interrupt(signum, frame) -> None:
+    """Ctrl-C stops the command cleanly (KeyboardInterrupt: Ray shut down, the output unlocked, one
+    line); a second one while that runs exits at once, also with one line: it had printed a
+    traceback for each frame the two interrupts hit (three, in `raymill serve`'s shutdown)."""
+    signal.signal(signal.SIGINT, _second_interrupt)
+    raise KeyboardInterrupt
+
+
+def _second_interrupt(signum, frame) -> None:
+    print("raymill: interrupted again; exiting now", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def _command(args) -> int:

@@ -114,8 +114,11 @@ class AugmentConfig(Section):
     std: tuple[float, float, float] = (0.25, 0.25, 0.25)
 
 
+ModelName = Literal["small_cnn", "resnet18", "resnet50"]  # stages.model.zoo builds each
+
+
 class TrainConfig(Section):
-    model: str = "small_cnn"
+    model: ModelName = "small_cnn"  # a typo had started Ray and failed 4 trial actors, exit 1
     width: int = Field(32, ge=4)  # base channel width (small_cnn only)
     # The weights a run starts from (README "Fine-tuning"): a raymill train/tune output folder
     # (model.pt + model.json), a torchvision-format ResNet state dict (.pth/.pt) or a .safetensors
@@ -284,7 +287,7 @@ class ServeConfig(RunsModel):  # use_gpu, engine
     allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
     top_k: int = Field(3, ge=1)
     app_name: str = "raymill"
-    # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve_v2.py).
+    # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve/v2.py).
     model_name: str = Field("raymill", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     # Images one /v2 infer request may carry; they go through one forward pass together.
     max_images_per_request: int = Field(64, ge=1)
@@ -321,6 +324,9 @@ class TrackingConfig(Section):
     timeout_s: float = Field(5.0, gt=0)  # per HTTP request to a tracking server, no retries
 
 
+ONNX_OPSET = 18  # export.opset's default and least (stages.model.runtime exports at it too)
+
+
 class ExportConfig(Section):
     """`raymill export` and the export step of `raymill run` (stages/model/export.py)."""
     enabled: bool = False  # `raymill run`: export the published model after infer
@@ -331,6 +337,9 @@ class ExportConfig(Section):
     check_images: int = Field(32, ge=1)  # images of the model's own data the export is checked on
     max_batch_size: int = Field(64, ge=0)  # Triton's config.pbtxt (0: Triton does not batch)
     name: str | None = None  # the model's name in the Triton repository; None: tracking.model_name
+    # onnx: the opset of model.onnx. 18 loads in onnxruntime >= 1.14 (Triton 23.03+); torch's exporter
+    # builds nothing older (its converter fails on this graph's reductions and leaves 18)
+    opset: int = Field(ONNX_OPSET, ge=ONNX_OPSET)
 
 
 class Config(Section):

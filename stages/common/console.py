@@ -17,7 +17,7 @@ from typing import Any
 from stages.common import benign
 
 __all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity",
-           "tune_result_loggers", "no_tensorboard", "epoch_lines_here", "train_logging_config", "quiet_train_worker", "epoch",
+           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp", "worker_lines_first"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
@@ -140,6 +140,14 @@ def quiet_tune() -> None:
     list (worker_nodes) is no scalar."""
     if not verbose():
         logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
+
+
+def quiet_serve() -> None:
+    """Before Serve starts in the driver: its INFO lines ("Started Serve in namespace", "Application
+    ... is ready") stay off the terminal, where raymill's own line names the endpoint. Serve's
+    actors write theirs to logs/serve/ only (RAY_SERVE_LOG_TO_STDERR, set at Ray's start)."""
+    if not verbose():
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
 # Ray Train 2.60's controller logs this warning, with a 20-line traceback, when its autoscaling

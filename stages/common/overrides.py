@@ -58,6 +58,9 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+_SAID_EMPTY: set[str] = set()
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """A YAML config file's sections; ConfigError naming the file and the fix."""
     if not path.is_file():
@@ -71,7 +74,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
         fix = "; indent with spaces, not tabs" if "\t" in text else ""
         raise ConfigError(f"config file '{path}' is not valid YAML{fix}: {e}") from None
     if data is None:
-        log.warning("config file '%s' is empty: every key has its default", path)
+        if str(path) not in _SAID_EMPTY:  # the CLI reads the file twice (Ray's address first)
+            _SAID_EMPTY.add(str(path))
+            log.warning("config file '%s' is empty: every key has its default", path)
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file '{path}' must hold a mapping of sections (ray, etl, train, ...)")

@@ -21,7 +21,7 @@ _FORWARDED_ENV = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_E
                   "RAYMILL_VERBOSE",  # stages.common.console: --verbose reaches workers
                   "TORCH_CPP_LOG_LEVEL",  # console.quiet_torch_cpp
                   "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",  # TRAIN_POLL_S: multi-worker Tune trials start trainers too
-                  "OMP_WAIT_POLICY")
+                  "OMP_WAIT_POLICY", "RAY_SERVE_LOG_TO_STDERR")
 _DASHBOARD: dict[str, str] = {}
 # Ray Train 2.60's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
 # default), and a worker's `ray.train.report` waits in a queue of one for that poll: every report
@@ -67,6 +67,9 @@ def start(cfg: RayConfig) -> dict[str, float]:
     first = not ray.is_initialized()
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", TRAIN_POLL_S)  # read by Train's driver
     os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)  # inherited by local workers, forwarded to a cluster's
+    # Serve's controller, proxy and replica lines (status INFO, one access line a request) go to
+    # its files under logs/serve/ only, not this terminal (Serve's documented switch); -v shows them
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1" if console.verbose() else "0")
     _plain_prefixes_off_a_terminal()
     if first:
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
@@ -100,17 +103,26 @@ def start(cfg: RayConfig) -> dict[str, float]:
     return resources
 
 
+DASHBOARD_PORT = 8265  # Ray's default, which a local Ray's dashboard takes when it is free
+
+
 def _point_state_api_at_own_dashboard(host: str) -> int:
     """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
     for the API server) before Ray starts, so every Ray process inherits it. Without it a State
     API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
     machine's processes and fails with "Found multiple active Ray instances" beside another
-    local Ray; the placement groups of stopped trials then stay reserved, and new trials wait."""
+    local Ray; the placement groups of stopped trials then stay reserved, and new trials wait.
+    Ray's usual 8265 when it is free (the README's URL and SSH tunnel), else any free port (logged)."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    for wanted in (DASHBOARD_PORT, 0):
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, wanted))
+            except OSError:  # taken (another Ray's dashboard): any free port
+                continue
+            port = probe.getsockname()[1]
+            break
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
     return port
 

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from stages.common import storage
-from stages.common.artifacts import Artifact, base_manifest, load_artifact, manifest_kind, unpublish, write_manifest
+from stages.common.artifacts import (MANIFEST, Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
+                                     write_manifest)
 from stages.common.config import ConfigError, ExportConfig, section_dict
 from stages.common.locks import LOCK_NAME, output_lock
 from stages.etl import pixels, sources
@@ -63,13 +64,16 @@ def run(cfg: ExportConfig, model_path: str, out: str, *, name: str, s3: Any | No
     holds the lock, and clears or refuses the folder itself). `data`: what the check decodes
     (check_images), for a model whose own ETL output is not reachable here.
     """
-    triton.check_name(name)
+    try:
+        triton.check_name(name)
+    except ValueError as e:  # a usage error (exit 2), not a failure
+        raise ExportError(str(e)) from None
     _check_model_path(model_path, s3)
     if not stage_folder:
-        _check_output(out, s3)
+        _check_output(out, s3, name)
     with output_lock(out, "export", s3):
         if not stage_folder:
-            _check_output(out, s3)  # again, holding the lock: another run may have written meanwhile
+            _check_output(out, s3, name)  # again, holding the lock: another run may have written meanwhile
         return _run_locked(cfg, model_path, out, name, s3, data)
 
 
@@ -86,7 +90,7 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
         folder = stage_dir / name
         model_file = folder / triton.VERSION / lay.model_file
         model_file.parent.mkdir(parents=True)
-        _save(cfg.format, wrapper, info["image_size"], lay, model_file)
+        versions = _save(cfg.format, wrapper, info["image_size"], lay, model_file, cfg.opset)
         (folder / "config.pbtxt").write_text(triton.config_pbtxt(
             name, lay, info["image_size"], len(info["classes"]), cfg.max_batch_size))
         (folder / triton.LABELS).write_text("".join(f"{c}\n" for c in info["classes"]))
@@ -96,6 +100,8 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
         _refuse_if_off(check, cfg)
         files = {str(p.relative_to(stage_dir)): p for p in sorted(folder.rglob("*")) if p.is_file()}
         manifest = _manifest(cfg, model_path, info, name, lay, check, files)
+        if versions:  # what a runtime must support: onnxruntime >= 1.14 loads opset 18, IR 8
+            manifest["onnx"] = versions
         manifest["metrics"] = {"seconds": round(time.perf_counter() - started, 2)}
         _install(stage_dir, name, files, out, s3)
     write_manifest(out, manifest, s3)
@@ -114,9 +120,11 @@ def _check_model_path(model_path: str, s3: Any | None) -> None:
                           f"folder as --model")
 
 
-def _check_output(out: str, s3: Any | None) -> None:
-    """An output must be new, empty or an earlier export (its manifest says raymill.export):
-    replacing anything else would delete files raymill did not write. A new one must be creatable."""
+def _check_output(out: str, s3: Any | None, name: str) -> None:
+    """An output must be new, empty or an earlier export (its manifest says raymill.export) holding
+    only the files that export wrote: replacing anything else would delete files raymill did not
+    write (a second version or a note added to the repository had gone without a word). A new one
+    must be creatable."""
     fs, root = storage.filesystem(out, s3)
     if not fs.exists(root):
         if not storage.is_remote(out):  # a read-only path, or one through a file, had exited 1 at the lock
@@ -126,13 +134,31 @@ def _check_output(out: str, s3: Any | None) -> None:
         raise ExportError(f"--output '{out}' is a file; name a new or empty folder, or an earlier export")
     names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)} - {LOCK_NAME}
     kind = manifest_kind(fs, root)
-    if not names or kind == "raymill.export":
+    if not names:
+        return
+    if kind == "raymill.export":
+        _earlier_export(out, fs, root, name)
         return
     if kind:
         raise ExportError(f"--output '{out}' holds a published {kind} output; exporting there would delete it. "
                           f"Name a new or empty folder, or an earlier export to replace")
     raise ExportError(f"--output '{out}' holds files that are not a raymill export (e.g. '{sorted(names)[0]}'); "
                       f"name a new or empty folder, or an earlier export to replace")
+
+
+def _earlier_export(out: str, fs, root: str, name: str) -> None:
+    """Refuse files an earlier export did not write (its manifest lists each); say when the model
+    it holds is another name's, which the new one replaces (one model a repository folder)."""
+    earlier = storage.read_json(fs, storage.join(root, MANIFEST))
+    ours = set(earlier.get("files") or {}) | {MANIFEST, LOCK_NAME, PIPELINE_MARKER}
+    present = {p.rstrip("/")[len(root.rstrip("/")) + 1:] for p in fs.find(root)}
+    if foreign := sorted(present - ours):
+        raise ExportError(f"--output '{out}' is an earlier export, but holds {len(foreign)} file(s) it did not "
+                          f"write (e.g. '{foreign[0]}'), which replacing it would delete; move them, or name a "
+                          f"new or empty folder")
+    if earlier.get("name") not in (None, name):
+        log.warning("export: '%s' holds model '%s', which this export of '%s' replaces; name another --output to "
+                    "keep both", out, earlier["name"], name)
 
 
 def _check_creatable(out: str, root: str) -> None:
@@ -215,15 +241,20 @@ def _folder_images(info: dict, count: int, fs, root: str, data: str) -> np.ndarr
     return np.stack(images)
 
 
-def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: Path) -> None:
+def _save(fmt: str, wrapper: Pixels, image_size: int, lay: triton.Layout, path: Path, opset: int) -> dict | None:
+    """Write the model file; for ONNX, return its opset and IR version (the runtimes it loads in)."""
     if fmt == "onnx":
-        save_onnx(wrapper, image_size, lay.input_name, list(lay.output_names), path)
-        return
+        import onnx  # only an ONNX export needs it
+
+        if opset > (newest := onnx.defs.onnx_opset_version()):
+            raise ExportError(f"export.opset={opset} is newer than this onnx package knows ({newest}); lower it")
+        return save_onnx(wrapper, image_size, lay.input_name, list(lay.output_names), path, opset)
     with quiet_exporter():
         # Triton's libtorch backend loads TorchScript only. Tracing records the forward pass
         # (the probabilities switch included); the zoo's models have no data-dependent control flow.
         example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
         torch.jit.save(torch.jit.script(_CheckedInput(torch.jit.trace(wrapper, example), image_size)), str(path))
+    return None
 
 
 class _CheckedInput(torch.nn.Module):

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from stages.common.config import ConfigError
+from stages.common.config import ONNX_OPSET, ConfigError
 
 __all__ = ["ENGINES", "CACHE_DIR", "CACHE_ENV", "cache_folder", "resolve", "CHECK_TOLERANCE", "Pixels", "OnnxForward", "EngineError", "for_device", "preflight", "check_engine",
            "engine_name", "save_onnx", "quiet_exporter"]
@@ -280,14 +280,21 @@ def _check(model: torch.nn.Module, info: dict, forward: OnnxForward) -> float:
 
 
 def save_onnx(wrapper: torch.nn.Module, image_size: int, input_name: str, output_names: list[str],
-              path: Path) -> None:
-    """Export `wrapper` (uint8 [N, size, size, 3] in) to one ONNX file with a dynamic batch."""
+              path: Path, opset: int = ONNX_OPSET) -> dict[str, int]:
+    """Export `wrapper` (uint8 [N, size, size, 3] in) to one ONNX file with a dynamic batch, at
+    `opset`, stamped with the oldest IR version that opset allows (the onnx package stamps its own
+    newest, IR 10, which onnxruntime < 1.18 refuses whatever the opset). Returns both."""
+    import onnx  # only an export needs it
+
     example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)
     with quiet_exporter():
         batch = torch.export.Dim("batch", min=1)
         program = torch.onnx.export(wrapper, (example,), input_names=[input_name], output_names=output_names,
-                                    dynamic_shapes={"pixels": {0: batch}}, verbose=False)
+                                    dynamic_shapes={"pixels": {0: batch}}, verbose=False, opset_version=opset)
+        used = [onnx.helper.make_opsetid(domain, version) for domain, version in program.model.opset_imports.items()]
+        program.model.ir_version = onnx.helper.find_min_ir_version_for(used, ignore_unknown=True)
         program.save(str(path), external_data=False)  # one file: Triton loads model.onnx alone
+    return {"opset": program.model.opset_imports[""], "ir_version": program.model.ir_version}
 
 
 @contextlib.contextmanager

@@ -7,11 +7,13 @@ state_dicts load into them with ``strict=True``.
 
 from __future__ import annotations
 
+import typing
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from stages.common.config import ModelName
 from stages.model.sizes import MIN_INPUT_PX, check_input_size
 
 __all__ = [
@@ -28,7 +30,7 @@ __all__ = [
     "resnet50",
 ]
 
-MODEL_NAMES: tuple[str, ...] = ("small_cnn", "resnet18", "resnet50")
+MODEL_NAMES: tuple[str, ...] = typing.get_args(ModelName)  # train.model's values: the config lists them
 
 
 # --------------------------------------------------------------------------- small CNN

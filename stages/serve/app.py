@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-from stages.common import cluster, session
+from stages.common import cluster, console, session
 from stages.common.artifacts import check_model_folder
 from stages.common.config import ConfigError, RayConfig, ServeConfig
 from stages.model import runtime
@@ -136,6 +136,7 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     plan = _plan_with_room(cfg, wait_for_room_s)
     if plan.warning:
         log.warning("serve: %s", plan.warning)
+    console.quiet_serve()
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
     serve.run(build_app(cfg, model_path, s3, plan), name=cfg.app_name, route_prefix=route_prefix)
     url = base_url(cfg) + route_prefix.rstrip("/")

@@ -5,7 +5,7 @@ Endpoints (under the app's route prefix, "/" by default; OpenAPI page at /docs):
                   file field -> {class_name, class_index, top_k, model_version, latency_ms}
   GET  /healthz   {"status": "ok", "pid": a model replica's pid, "ingress_pid", "version"}
   GET  /metadata  {classes, image_size, architecture, version, ...}
-  /v2/...         the Open Inference Protocol (KServe v2), N images a request: stages/serve_v2.py
+  /v2/...         the Open Inference Protocol (KServe v2), N images a request: stages/serve/v2.py
 
 Every request the app rejects gets a JSON body {"error": reason, "detail": ...} and a 4xx, or
 503 when the model side fails (the detail never echoes exception text; the replica log has it),
