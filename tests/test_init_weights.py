@@ -226,6 +226,27 @@ def test_files_that_need_unpickling_or_are_unreadable_or_missing_are_refused(tmp
     init_source.check(str(tmp_path / "custom.pth"))  # only torch's loader can tell; preflight lets it by
 
 
+def test_a_model_in_a_deployed_form_is_refused_naming_the_folder_to_start_from(tmp_path):
+    """An export (its folder, its ONNX file, a TorchScript program) or an MLflow model is not weights:
+    each is named for what it is, with the path to start from (they had been "does not exist",
+    "lies under a file" and torch's weights_only error)."""
+    torch.jit.save(torch.jit.script(build_model("small_cnn", 3, 8)), str(tmp_path / "model.pt"))
+    export = tmp_path / "exported"
+    (export / "raymill/1").mkdir(parents=True)
+    (export / "raymill/1/model.onnx").write_bytes(b"\x08\x08")
+    (export / "manifest.json").write_text(json.dumps({"kind": "raymill.export", "inputs": {"model": "/runs/a/train"}}))
+    mlflow_model = tmp_path / "mlflow-model"
+    (mlflow_model / "artifacts").mkdir(parents=True)
+    (mlflow_model / "MLmodel").write_text("flavors: {}")
+    (mlflow_model / "artifacts/model.json").write_text("{}")
+    for uri, fragment in [(tmp_path / "model.pt", "is a TorchScript program"),
+                          (export / "raymill/1/model.onnx", "is an ONNX graph"),
+                          (export, "is a raymill export, not weights; .* \\('/runs/a/train'\\)"),
+                          (mlflow_model, f"is an MLflow model; pass the raymill model inside it, '{mlflow_model}/artifacts'")]:
+        with pytest.raises(ConfigError, match=fragment):
+            init_source.check(str(uri))
+
+
 def test_a_fine_tuning_run_has_two_groups_and_a_loaded_optimiser_keeps_the_backbone_scale():
     cfg = TrainConfig(model="small_cnn", width=8, backbone_lr_scale=0.1, lr=0.2)
     model = build_model("small_cnn", 3, 8)

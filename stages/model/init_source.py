@@ -84,6 +84,8 @@ def _model_json(uri: str, s3: Any | None) -> dict:
     try:
         info = json.loads(read(storage.join(uri, "model.json"), s3, "the folder's model.json"))
     except ConfigError as e:
+        if other := _deployed_form(uri, s3):
+            raise ConfigError(f"train.init_from: '{uri}' {other}") from None
         raise ConfigError(f"{e} (a path not ending in {', '.join(TORCH_SUFFIXES)} or .safetensors is read as a "
                           f"raymill train or tune output folder, which holds model.json + model.pt)") from None
     except ValueError:
@@ -91,6 +93,26 @@ def _model_json(uri: str, s3: Any | None) -> dict:
     if not isinstance(info, dict) or not isinstance(info.get("weights_sha256"), str):
         raise ConfigError(f"train.init_from: '{uri}/model.json' names no weights_sha256; re-publish that model")
     return info
+
+
+def _deployed_form(uri: str, s3: Any | None) -> str | None:
+    """What a path that is no raymill output folder is, when it is a model raymill handed out in
+    another form (an export, its ONNX file, an MLflow model): said with the path to start from."""
+    start = "training starts from weights: pass the train or tune output folder it came from"
+    if str(uri).rstrip("/").lower().endswith(".onnx"):
+        return f"is an ONNX graph (raymill export), not weights; {start}"
+    with contextlib.suppress(Exception):  # unreadable: the caller's own message stands
+        fs, path = storage.filesystem(uri, s3)
+        if fs.exists(storage.join(path, "manifest.json")):
+            manifest = storage.read_json(fs, storage.join(path, "manifest.json"))
+            if manifest.get("kind") == "raymill.export":
+                return f"is a raymill export, not weights; {start} ('{manifest['inputs']['model']}')"
+        if fs.exists(storage.join(path, "MLmodel")):
+            inner = next((storage.join(uri, *p) for p in (("artifacts",), ("artifacts", "artifacts"))
+                          if fs.exists(storage.join(path, *p, "model.json"))), None)
+            return (f"is an MLflow model; pass the raymill model inside it, '{inner}'" if inner else
+                    f"is an MLflow model without a raymill model inside; {start}")
+    return None
 
 
 def _mismatch(uri: str) -> ConfigError:
@@ -179,6 +201,10 @@ def whole(f: BinaryIO, size: int, kind: str, uri: str) -> None:
             names = zipfile.ZipFile(f).namelist()
         except (zipfile.BadZipFile, OSError, EOFError) as e:
             raise ConfigError(cut.format(f"its zip archive has no readable directory: {e}")) from None
+        if any(n.endswith("/constants.pkl") for n in names) and any("/code/" in n for n in names):
+            raise ConfigError(f"train.init_from: '{uri}' is a TorchScript program (torch.jit.save, or raymill export "
+                              f"--format torchscript), not weights; save the weights (model.state_dict()), or pass "
+                              f"the train or tune output folder it came from")
         if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
             raise ConfigError(f"train.init_from: '{uri}' is a zip archive that torch.save did not write (no "
                               f"data.pkl in it); name a torch.save or .safetensors weights file")
