@@ -81,7 +81,9 @@ def test_onnx_predicts_from_uint8_pixels_at_batch_1_and_17(trained, onnx_repo):
     assert check["class_agreement"] == 1.0 and check["logits_max_abs_diff"] <= 1e-3 and check["split"] == "test"
     assert manifest["inputs"]["weights_sha256"] == info["weights_sha256"]
     assert manifest["input"] == {"name": "pixels", "dtype": "uint8", "shape": [-1, 32, 32, 3], "layout": "NHWC RGB",
-                                 "resize": info["resize"], "image_size": 32}
+                                 "resize": info["resize"], "image_size": 32, "read": {
+                                     "allowed_formats": info["read"]["allowed_formats"],
+                                     "max_image_pixels": info["read"]["max_image_pixels"]}}
     # the oldest graph torch builds, stamped with its oldest IR: onnxruntime 1.16 refused IR 10 / opset 20
     stamped = onnx.load(str(out / "flowers/1/model.onnx"))
     assert manifest["onnx"] == {"opset": 18, "ir_version": 8} == {
@@ -108,7 +110,7 @@ def test_the_exported_preprocess_gives_a_client_raymills_own_pixels(trained, onn
 
     from stages.etl.images import decode_rgb
 
-    info, (out, manifest) = trained[2], onnx_repo
+    out, manifest = onnx_repo
     rng = np.random.default_rng(0)
     photo, rgba, deep = (tmp_path / n for n in ("photo.jpg", "rgba.png", "deep.png"))
     Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(photo, quality=90)
@@ -118,17 +120,22 @@ def test_the_exported_preprocess_gives_a_client_raymills_own_pixels(trained, onn
     Image.fromarray(rng.integers(0, 65536, (40, 50), dtype=np.uint16)).save(deep)  # mode I;16
     size, resize = manifest["input"]["image_size"], manifest["input"]["resize"]
     assert (out / "flowers/preprocess.py").is_file() and "flowers/preprocess.py" in manifest["files"]
-    script = ("import sys, numpy\n"
+    Image.new("P", (2000, 2000)).save(tmp_path / "anim.gif")  # raymill reads no GIF: nor does the client, with read
+    script = ("import json, sys, numpy\n"
               "sys.path.insert(0, sys.argv[1])\n"
-              "from preprocess import pixels\n"
-              "batch = numpy.stack([pixels(open(p, 'rb').read(), int(sys.argv[2]), sys.argv[3]) for p in sys.argv[5:]])\n"
+              "from preprocess import BadImage, pixels\n"
+              "read = json.load(open(sys.argv[6]))['input']['read']\n"
+              "batch = numpy.stack([pixels(open(p, 'rb').read(), int(sys.argv[2]), sys.argv[3], read) for p in sys.argv[7:]])\n"
+              "try:\n    pixels(open(sys.argv[5], 'rb').read(), int(sys.argv[2]), sys.argv[3], read)\n"
+              "except BadImage as e:\n    print('refused', e.reason)\n"
               "assert not {'stages', 'workflow'} & set(sys.modules), 'raymill was imported'\n"
               "numpy.save(sys.argv[4], batch)\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run([sys.executable, "-c", script, str(out / "flowers"), str(size), resize,
-                           str(tmp_path / "client.npy"), str(photo), str(rgba), str(deep)],
+                           str(tmp_path / "client.npy"), str(tmp_path / "anim.gif"), str(out / "manifest.json"),
+                           str(photo), str(rgba), str(deep)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout == "refused unsupported_format\n", proc.stdout + proc.stderr[-2000:]
     client = np.load(tmp_path / "client.npy")
     ours = np.stack([decode_rgb(p.read_bytes(), size, resize=resize) for p in (photo, rgba, deep)])
     assert client.dtype == np.uint8 and np.array_equal(client, ours)

@@ -7,25 +7,87 @@ pixels raymill would. The README's recipe without it (convert("RGB"), then resiz
 class flipped), transparent pixels (dropped, not white) and 16-bit PNGs (clipped, not scaled).
 
     from preprocess import pixels
-    batch = np.stack([pixels(open("cat.jpg", "rb").read(), 224, "crop")])   # uint8 [N, 224, 224, 3]
+    read = manifest["input"]["read"]   # the formats and the pixel limit raymill reads images with
+    batch = np.stack([pixels(open("cat.jpg", "rb").read(), 224, "crop", read)])   # uint8 [N, 224, 224, 3]
 
-(image_size and resize are in the export's manifest.json `input`, and in model.json.)
+(image_size, resize and read are in the export's manifest.json `input`; model.json has them too.)
+With `read`, a file raymill refuses (a GIF, a decompression bomb, a JPEG of endless scans) raises
+BadImage with raymill's reason, before any pixel is decoded; without it, Pillow decodes what it can.
 """
 from __future__ import annotations
 
 import io
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["pixels", "draft", "load", "square"]
+__all__ = ["pixels", "draft", "load", "square", "open_image", "BadImage", "MAX_JPEG_SCANS"]
 
 
-def pixels(data: bytes, size: int, resize: str = "crop") -> np.ndarray:
-    """Encoded image bytes -> uint8 RGB (size, size, 3). Pillow's errors propagate as they are."""
-    img = Image.open(io.BytesIO(data))
+def pixels(data: bytes, size: int, resize: str = "crop", read: dict | None = None) -> np.ndarray:
+    """Encoded image bytes -> uint8 RGB (size, size, 3). `read`: model.json's read rules (at least
+    allowed_formats and max_image_pixels), checked first (BadImage); Pillow's errors propagate."""
+    if read is None:
+        img = Image.open(io.BytesIO(data))
+    else:
+        img = open_image(data, tuple(read["allowed_formats"]), int(read["max_image_pixels"]))
     load(img, size)
     return square(img, size, resize)
+
+
+# Scans a JPEG may hold. Decode time grows with scans x pixels, not with file size: a 435 KB
+# 36 MP progressive JPEG that repeats its last scan 2,000 times took 24 s in libjpeg, holding a
+# serve replica's decode thread past any request timeout. An ordinary progressive JPEG has about
+# 10 scans (libjpeg's default script), a baseline one 1 to 3; libjpeg-turbo's `djpeg -maxscans`
+# exists for the same reason. The bytes FF DA begin a scan and appear nowhere else: the entropy-
+# coded data stuffs every FF with 00, so counting them counts scans (an EXIF thumbnail's included).
+MAX_JPEG_SCANS = 100
+
+
+# Leading bytes that only these formats write. Pillow says "cannot identify" both for bytes that are
+# no image and for an image whose header is damaged; the signature tells the two apart.
+_SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+
+
+def _signature(data: bytes) -> str | None:
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    return next((fmt for magic, fmt in _SIGNATURES if data.startswith(magic)), None)
+
+
+class BadImage(ValueError):
+    """Bytes that are not a usable image; `reason` is one of REASONS."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -> Image.Image:
+    """Parse the header only: format and size are checked before any pixel is decoded."""
+    if not data:
+        raise BadImage("empty_file", "0 bytes")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        if (fmt := _signature(data)) is not None:  # e.g. a PNG whose IHDR fails its CRC: damaged, not foreign
+            raise BadImage("corrupt", f"a {fmt} signature, but its header does not parse") from None
+        raise BadImage("not_an_image", "no known image signature") from None
+    except Exception as e:  # Pillow raises many types on malformed headers
+        raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
+    # A JPEG with an MPF segment (phones, some cameras) opens as MPO; its first frame is the JPEG.
+    fmt = "JPEG" if img.format == "MPO" else img.format
+    if fmt not in allowed_formats:
+        raise BadImage("unsupported_format", f"{img.format}; allowed: {', '.join(allowed_formats)}")
+    width, height = img.size
+    if width * height > max_pixels:
+        raise BadImage("decompression_bomb", f"{width}x{height} px exceeds {max_pixels} px")
+    if fmt == "JPEG" and (scans := data.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+        raise BadImage("decompression_bomb", f"a JPEG of {scans} scans (at most {MAX_JPEG_SCANS}): its decode "
+                                             f"time grows with every scan; re-encode it")
+    return img
 
 
 def load(img: Image.Image, size: int) -> None:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 # the graph the pixels raymill computes (a README-style decode disagreed on JPEG draft, alpha, 16 bit).
 PREPROCESS = "preprocess.py"
 
+READ_KEYS = ("allowed_formats", "max_image_pixels")  # model.json `read` keys preprocess.pixels checks
 PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
 
 
@@ -347,7 +348,10 @@ def _manifest(cfg: ExportConfig, model_path: str, info: dict, name: str, lay: tr
     manifest.update({
         "format": cfg.format, "name": name, "platform": lay.platform, "max_batch_size": cfg.max_batch_size,
         "input": {"name": lay.input_name, "dtype": "uint8", "shape": [-1, size, size, 3], "layout": "NHWC RGB",
-                  "resize": info.get("resize", "crop"), "image_size": size},
+                  "resize": info.get("resize", "crop"), "image_size": size,
+                  # preprocess.pixels(..., read): the files raymill refuses, refused by a client too
+                  **({"read": {k: read[k] for k in READ_KEYS}} if all(k in (read := info.get("read") or {})
+                                                                      for k in READ_KEYS) else {})},
         "outputs": [{"name": n, "dtype": "float32", "shape": [-1, len(classes)]} for n in lay.output_names],
         "preprocessing_in_graph": {"scale": "1/255", "mean": info["mean"], "std": info["std"]},
         "classes": classes, "check": check,
