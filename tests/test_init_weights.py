@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from stages.common.config import ConfigError, TrainConfig, load_config
-from stages.model import init_source, init_weights, publish
+from stages.model import checkpoint_io, init_source, init_weights, publish
 from stages.model.zoo import build_model
 from stages.train import finetune
 from stages.train import stage as train
@@ -348,6 +348,29 @@ def test_frozen_epochs_keep_the_backbone_bit_identical_and_a_resume_mid_freeze_i
     again = _model(last)
     assert all(torch.equal(again[k], done[k]) for k in done), "the resumed run trained differently"
     assert resumed.reports[-1]["val_loss"] == full.reports[-1]["val_loss"]
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes_byte_identically(loop_setup, caplog):
+    """One flipped bit in the newest checkpoint's state.pt had been resumed silently into another
+    model (exit 0); a cut-short one had failed every retry. Its digest names it, and the checkpoint
+    before it resumes the run to the very same model."""
+    full = loop_setup.root / "damage-full"
+    _run(loop_setup, full)
+    names = sorted(p.name for p in full.iterdir())
+    done = _model(full / names[-1])
+    state = full / names[2] / "state.pt"  # e001-s000002: the newest when killed there
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    state.write_bytes(bytes(data))
+    caplog.set_level(logging.WARNING)
+    _run(loop_setup, loop_setup.root / "damage-resumed", full / names[2])
+    again = _model(sorted((loop_setup.root / "damage-resumed").iterdir())[-1])
+    assert all(torch.equal(again[k], done[k]) for k in done), "resumed from the damaged checkpoint"
+    assert f"{full / names[2]} (state.pt does not match the sha256" in caplog.text, caplog.text
+    for name in names[:2]:  # none whole before it either: refused, naming each, never loaded
+        (full / name / "state.pt").write_bytes(state.read_bytes()[:1000])
+    with pytest.raises(checkpoint_io.CheckpointRefused, match=r"no whole checkpoint to resume from: .*--overwrite"):
+        _run(loop_setup, loop_setup.root / "damage-none", full / names[2])
 
 
 def _cli_main(*args: str) -> int:

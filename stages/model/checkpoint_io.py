@@ -7,18 +7,22 @@ schedule, GradScaler, RNG states), loaded with `weights_only=True`; anything els
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from stages.common import fingerprint
 
-__all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in"]
+__all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in",
+           "write_digests", "damage", "older_checkpoints"]
+
+DIGESTS = "files-rank{}.json"  # each rank's files and their sha256, written after them (meta.json last)
 
 
 class CheckpointRefused(RuntimeError):
@@ -65,9 +69,8 @@ def read_meta(folder: Path, where: str, expected: dict[str, Any] | None) -> dict
     `expected` is a Fingerprint.as_dict(); None skips the check (Tune's PBT clones checkpoints
     between trials with other hyperparameters on purpose).
     """
-    missing = [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
-    if missing:  # meta.json is written last: without it the checkpoint is half-written
-        raise CheckpointRefused(f"checkpoint {where} is incomplete (missing {missing}); refusing to load it")
+    if problem := damage(folder):  # stages.train.checkpointing goes to the one before; publish refuses
+        raise CheckpointRefused(f"checkpoint {where} is {problem}; refusing to load it")
     meta = json.loads((folder / "meta.json").read_text())
     if expected is not None:
         wanted = fingerprint.Fingerprint(expected["digest"], expected["parts"])
@@ -103,3 +106,65 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         random.setstate((p["version"], tuple(p["words"]), p["gauss"]))
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_digests(folder: Path, rank: int) -> None:
+    """Each file this rank wrote into its part of a checkpoint, with its sha256 (rank 0 writes
+    meta.json after this): a resume checks them before loading a byte (`damage`)."""
+    sums = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != "meta.json"}
+    (folder / DIGESTS.format(rank)).write_text(json.dumps(sums))
+
+
+def damage(folder: Path) -> str | None:
+    """What makes a checkpoint folder unusable, or None: meta.json or state.pt missing (half-written),
+    meta.json unreadable, or a file that every rank's digests list missing or changed (a bit flip
+    had been resumed silently into another model; a truncated state.pt had failed every retry).
+    A checkpoint of an older raymill lists no digests: its files are taken as they are."""
+    missing = [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
+    if missing:  # meta.json is written last: without it the checkpoint is half-written
+        return f"incomplete (missing {', '.join(missing)})"
+    try:
+        world = int(json.loads((folder / "meta.json").read_text())["world"])
+        listings = [folder / DIGESTS.format(r) for r in range(world)] if (folder / DIGESTS.format(0)).exists() else []
+        for listing in listings:
+            if not listing.exists():
+                return f"incomplete (missing {listing.name})"
+            for name, digest in json.loads(listing.read_text()).items():
+                if not (folder / name).is_file():
+                    return f"incomplete (missing {name})"
+                if _sha256(folder / name) != digest:
+                    return f"{name} does not match the sha256 written with it (changed or cut short since)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def older_checkpoints(checkpoint) -> Iterator[Any]:
+    """The run's checkpoints beside `checkpoint` (the same folder) at an earlier position, newest
+    first: where a resume goes when the newest is damaged. Read with the checkpoint's own
+    filesystem (`Checkpoint.path`, `.filesystem`); a folder whose meta.json does not read is skipped."""
+    import pyarrow.fs as pafs
+
+    fs, here = checkpoint.filesystem, checkpoint.path.rstrip("/")
+    positions = {}
+    for info in fs.get_file_info(pafs.FileSelector(here.rsplit("/", 1)[0])):
+        if info.type != pafs.FileType.Directory:
+            continue
+        try:
+            with fs.open_input_stream(f"{info.path}/meta.json") as f:
+                meta = json.loads(f.read())
+            positions[info.path.rstrip("/")] = (int(meta["epoch"]), int(meta["step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    latest = positions.pop(here, None)
+    for path, position in sorted(positions.items(), key=lambda item: item[1], reverse=True):
+        if latest is None or position < latest:
+            yield type(checkpoint)(path, filesystem=fs)

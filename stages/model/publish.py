@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from stages.feed import streaming
-from stages.model.checkpoint_io import load_plain
+from stages.model.checkpoint_io import CheckpointRefused, damage, load_plain
 from stages.etl.sources import READ_KEYS
 from stages.model.predict import evaluate_split, load_model
 from stages.common import console, storage
@@ -32,6 +32,9 @@ def read_checkpoint(checkpoint) -> tuple[dict, dict, dict[str, list]]:
     """(state dict, meta, merged ledger) of a Ray checkpoint."""
     with checkpoint.as_directory() as tmp:
         folder = Path(tmp)
+        if problem := damage(folder):  # the digests written with it: never publish changed weights
+            raise CheckpointRefused(f"checkpoint {checkpoint.path} is {problem}; nothing was published. Train "
+                                    f"again (--overwrite)")
         state = load_plain(folder / "state.pt")["model"]  # plain tensors only: never unpickle code
         meta = json.loads((folder / "meta.json").read_text())
         ledger: dict[str, list] = {}

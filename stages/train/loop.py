@@ -7,13 +7,10 @@ restarted worker rebuilds it and skips what the checkpoint already covers.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,11 +18,10 @@ import torch.nn.functional as F
 
 from stages.feed import feeds, meters, streaming
 from stages.feed.worker_feeds import WorkerFeeds
-from stages.model.checkpoint_io import load_plain, read_meta, rng_state, set_rng_state
 from stages.feed import ray_data as ingest_ray
 from stages.model.zoo import build_model
 from stages.model.predict import to_batch
-from stages.train import finetune
+from stages.train import checkpointing, finetune
 from stages.train.run_hooks import TrainHooks
 from stages.common import console
 from stages.common.config import ConfigError, TrainConfig
@@ -273,60 +269,10 @@ class Worker:
 
     # ---- checkpoints ------------------------------------------------------------------------
     def report(self, epoch: int, step: int, metrics: dict[str, Any]) -> None:
-        """Checkpoint position (epoch, step) and report; a barrier every rank reaches together."""
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
-            if self.rank == 0:
-                torch.save({"model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
-                            "schedule": self.schedule.state_dict(),
-                            "scaler": self.scaler.state_dict() if self.scaler else None},
-                           folder / "state.pt")
-            torch.save(rng_state(self.device), folder / f"rng-rank{self.rank}.pt")
-            (folder / f"ledger-rank{self.rank}.json").write_text(json.dumps(self.ledger))
-            (folder / f"sums-rank{self.rank}.json").write_text(json.dumps(self.carried))  # mid-epoch only
-            if self.rank == 0:  # written last: a checkpoint without meta.json is incomplete
-                meta = {"epoch": epoch, "step": step, "world": self.world, "history": self.history,
-                        "val": self.val, "fingerprint": self.fingerprint}
-                (folder / "meta.json").write_text(json.dumps(meta))
-            metrics = {**self.val, **metrics, "position_epoch": epoch, "position_step": step}
-            self.hooks.report(metrics, tmp, f"checkpoint-e{epoch:03d}-s{step:06d}-{self.attempt}")
+        checkpointing.save(self, epoch, step, metrics)
 
     def restore(self) -> bool:
-        """Resume from the run's latest checkpoint; False when there is none (a fresh start)."""
-        checkpoint = self.hooks.get_checkpoint()
-        if checkpoint is None:
-            return False
-        with checkpoint.as_directory() as tmp:
-            folder = Path(tmp)
-            # Fingerprint first: a foreign checkpoint's files are never even loaded.
-            meta = read_meta(folder, checkpoint.path, self.fingerprint)
-            same_world = meta["world"] == self.world
-            state = load_plain(folder / "state.pt", map_location=self.device)
-            self.net.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.schedule.load_state_dict(state["schedule"])
-            if self.scaler and state["scaler"]:
-                self.scaler.load_state_dict(state["scaler"])
-            self.apply_hyperparameters()
-            self.epoch, self.history, self.val = meta["epoch"], meta["history"], meta["val"]
-            if same_world:
-                set_rng_state(load_plain(folder / f"rng-rank{self.rank}.pt"), self.device)
-                self.ledger = json.loads((folder / f"ledger-rank{self.rank}.json").read_text())
-                self.step = meta["step"]
-                sums = folder / f"sums-rank{self.rank}.json"  # absent in checkpoints of older raymill
-                self.carried = json.loads(sums.read_text()) if sums.exists() else None
-            else:
-                # Elastic restart with another world size: rank row ranges move, so the exact
-                # position can't carry over. Restart the epoch; the weights and optimizer do.
-                self.step = 0
-                self.ledger = {}
-                if self.rank == 0:
-                    log.info(f"train: world size changed {meta['world']} -> {self.world}; "
-                          f"epoch {self.epoch + 1} restarts from its first step")
-        if self.rank == 0:
-            log.info(f"train: resumed from {checkpoint.path} at epoch {self.epoch} step {self.step}")
-        return True
-
+        return checkpointing.restore(self)
 
     def apply_hyperparameters(self) -> None:
         """This run's lr, momentum and weight decay over a loaded optimiser and schedule (PBT's

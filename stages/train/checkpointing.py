@@ -1,0 +1,93 @@
+"""A rank's checkpoints: written with each file's sha256, and resumed from the newest one whose
+files are whole. A damaged newest checkpoint (a flipped bit, a cut-short copy) is named and the
+one before it is used: the same seed and position give the same model, so nothing is lost but
+the epochs since. Functions of the loop's `Worker` (stages.train.loop), which holds the state."""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stages.model.checkpoint_io import (CheckpointRefused, damage, load_plain, older_checkpoints, read_meta,
+                                        rng_state, set_rng_state, write_digests)
+
+__all__ = ["save", "restore"]
+
+log = logging.getLogger(__name__)
+
+
+def save(w, epoch: int, step: int, metrics: dict[str, Any]) -> None:
+    """Checkpoint position (epoch, step) and report; a barrier every rank reaches together."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        if w.rank == 0:
+            torch.save({"model": w.net.state_dict(), "optimizer": w.optimizer.state_dict(),
+                        "schedule": w.schedule.state_dict(), "scaler": w.scaler.state_dict() if w.scaler else None},
+                       folder / "state.pt")
+        torch.save(rng_state(w.device), folder / f"rng-rank{w.rank}.pt")
+        (folder / f"ledger-rank{w.rank}.json").write_text(json.dumps(w.ledger))
+        (folder / f"sums-rank{w.rank}.json").write_text(json.dumps(w.carried))  # mid-epoch only
+        write_digests(folder, w.rank)
+        if w.rank == 0:  # written last: a checkpoint without meta.json is incomplete
+            meta = {"epoch": epoch, "step": step, "world": w.world, "history": w.history, "val": w.val,
+                    "fingerprint": w.fingerprint}
+            (folder / "meta.json").write_text(json.dumps(meta))
+        metrics = {**w.val, **metrics, "position_epoch": epoch, "position_step": step}
+        w.hooks.report(metrics, tmp, f"checkpoint-e{epoch:03d}-s{step:06d}-{w.attempt}")
+
+
+def restore(w) -> bool:
+    """Resume from the run's newest whole checkpoint; False when there is none (a fresh start).
+    Every rank walks the same checkpoints and checks the same files, so all pick the same one."""
+    checkpoint = w.hooks.get_checkpoint()
+    if checkpoint is None:
+        return False
+    damaged: list[str] = []
+    for candidate in _candidates(checkpoint):
+        with candidate.as_directory() as tmp:
+            folder = Path(tmp)
+            if problem := damage(folder):
+                damaged.append(f"{candidate.path} ({problem})")
+                continue
+            # Fingerprint first: a foreign checkpoint's files are never even loaded.
+            _load(w, folder, read_meta(folder, candidate.path, w.fingerprint))
+        if w.rank == 0:
+            if damaged:
+                log.warning("train: skipped damaged checkpoint(s): %s; resuming from the one before", "; ".join(damaged))
+            log.info(f"train: resumed from {candidate.path} at epoch {w.epoch} step {w.step}")
+        return True
+    raise CheckpointRefused(f"no whole checkpoint to resume from: {'; '.join(damaged)}. Delete those folders to "
+                            f"start over, or pass --overwrite")
+
+
+def _candidates(checkpoint):
+    yield checkpoint
+    yield from older_checkpoints(checkpoint)  # listed only when the newest is damaged
+
+
+def _load(w, folder: Path, meta: dict[str, Any]) -> None:
+    state = load_plain(folder / "state.pt", map_location=w.device)
+    w.net.load_state_dict(state["model"])
+    w.optimizer.load_state_dict(state["optimizer"])
+    w.schedule.load_state_dict(state["schedule"])
+    if w.scaler and state["scaler"]:
+        w.scaler.load_state_dict(state["scaler"])
+    w.apply_hyperparameters()
+    w.epoch, w.history, w.val = meta["epoch"], meta["history"], meta["val"]
+    if meta["world"] == w.world:
+        set_rng_state(load_plain(folder / f"rng-rank{w.rank}.pt"), w.device)
+        w.ledger = json.loads((folder / f"ledger-rank{w.rank}.json").read_text())
+        w.step = meta["step"]
+        sums = folder / f"sums-rank{w.rank}.json"  # absent in checkpoints of older raymill
+        w.carried = json.loads(sums.read_text()) if sums.exists() else None
+    else:
+        # Elastic restart with another world size: rank row ranges move, so the exact position
+        # can't carry over. Restart the epoch; the weights and optimizer do.
+        w.step, w.ledger = 0, {}
+        if w.rank == 0:
+            log.info(f"train: world size changed {meta['world']} -> {w.world}; epoch {w.epoch + 1} restarts "
+                     f"from its first step")
