@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from stages.common import storage
@@ -58,10 +59,14 @@ class OutputKindError(ConfigError):
 
 
 def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
-    """Refuse an output whose manifest.json is another stage's: publishing would unpublish it."""
+    """Refuse an output whose manifest.json is another stage's (publishing would unpublish it), or
+    that lies inside a published output: train and infer had written among an ETL output's shards."""
     fs, root = storage.filesystem(out, s3)
     if fs.isfile(root):
         raise OutputKindError(f"output '{out}' is a file; --output names a folder (new, or this stage's own)")
+    if (parent := enclosing_output(out, s3)) is not None:
+        raise OutputKindError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose an output "
+                              "outside it")
     path = storage.join(root, MANIFEST)
     if not fs.exists(path):
         return
@@ -72,6 +77,23 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     if found != f"raymill.{kind}":
         raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")
+
+
+def enclosing_output(out: str, s3: Any | None = None) -> tuple[str, str] | None:
+    """(folder, kind) of the nearest parent of a local `out` that is a published raymill output
+    (its manifest.json names a raymill kind), else None. Local paths only: on S3 it would cost a
+    request per parent prefix."""
+    if storage.is_remote(out):
+        return None
+    fs, root = storage.filesystem(out, s3)
+    for parent in Path(root).parents:
+        try:
+            found = storage.read_json(fs, storage.join(str(parent), MANIFEST)).get("kind")
+        except (OSError, ValueError, AttributeError):  # none, a folder named manifest.json, not ours
+            continue
+        if isinstance(found, str) and found.startswith("raymill."):
+            return str(parent), found
+    return None
 
 
 def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, at_most: int = 3,

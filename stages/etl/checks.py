@@ -8,7 +8,7 @@ from typing import Any
 from stages.common import storage
 from stages.common.artifacts import manifest_kind
 from stages.common.config import ConfigError
-from stages.common.locks import LOCK_NAME, STAGE_RECORD, foreign_files
+from stages.common.locks import LOCK_NAME, STAGE_RECORD, enclosing_output, foreign_files
 from stages.etl import publish as publishing
 
 __all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
@@ -53,7 +53,7 @@ def image_input(source: str, s3: Any | None = None) -> None:
         raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; {_PASS_TREE}")
     if storage.is_remote(source):  # a request per parent prefix: the local case is the common one
         return
-    if (parent := _inside_an_output(fs, root)) is not None:
+    if (parent := enclosing_output(source, s3)) is not None:
         raise ConfigError(f"input '{source}' is inside the {parent[1]} output '{parent[0]}', not an image "
                           f"folder; {_PASS_TREE}")
     try:  # class folders only: a linked one is ETL's to follow or skip (etl.follow_symlinks)
@@ -91,20 +91,9 @@ def output_outside_outputs(out: str, s3: Any | None = None, key: str = "--output
     """Refuse an output inside another stage's output (`--output ETL/sub`, `run.dir=RUN/train/sub`):
     its files would sit among that output's, and an --overwrite of either could delete the other's.
     Local paths only (a request per parent prefix on S3)."""
-    if storage.is_remote(out):
-        return
-    fs, root = storage.filesystem(out, s3)
-    if (parent := _inside_an_output(fs, root)) is not None:
+    if (parent := enclosing_output(out, s3)) is not None:
         raise ConfigError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose a {key} "
                           "outside it")
-
-
-def _inside_an_output(fs, root: str) -> tuple[str, str] | None:
-    """(folder, kind) of the nearest parent of local `root` that is a raymill output, if any."""
-    for parent in Path(root).parents:
-        if (kind := _kind(fs, str(parent))) is not None:
-            return str(parent), kind
-    return None
 
 
 def _kind(fs, folder: str) -> str | None:
