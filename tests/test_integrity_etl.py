@@ -359,6 +359,20 @@ def test_an_output_that_is_a_file_or_holds_another_tools_manifest_is_a_config_er
         (tmp_path / f"o{i}" / "manifest.json").write_text(text)
         with pytest.raises(locks.OutputKindError, match="non-raymill output"):
             locks.check_output_kind(str(tmp_path / f"o{i}"), "etl")
+    # inside a published output (train and infer had written among an ETL output's shards)
+    (tmp_path / "ds" / "shards").mkdir(parents=True)
+    (tmp_path / "ds" / "manifest.json").write_text('{"kind": "raymill.etl"}')
+    for kind in ("train", "infer", "export", "etl"):
+        with pytest.raises(locks.OutputKindError, match=f"is inside the raymill.etl output '{tmp_path / 'ds'}'"):
+            with locks.output_lock(str(tmp_path / "ds" / "shards" / "out"), kind):
+                pass
+    # one that cannot be made (a name too long, a level or 17 of them): exit 2, no folder left
+    for out in (tmp_path / "new" / ("x" * 300), tmp_path / "deep" / "/".join(["y" * 240] * 17)):
+        with pytest.raises(locks.OutputKindError, match=r"cannot be created or written \(File name too long\)"):
+            with locks.output_lock(str(out), "etl"):
+                pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "ds", "o0", "o1"]
+    assert [p.name for p in (tmp_path / "ds" / "shards").iterdir()] == []
 
 
 def test_a_class_with_no_usable_image_is_named_in_a_warning(tmp_path, ray_session, caplog):

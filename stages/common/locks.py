@@ -211,7 +211,14 @@ class _LocalLock:
             missing.append(up)
             up = os.path.dirname(up)
         self.created = missing  # deepest first
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a name too long, a read-only or foreign folder: a usage error, nothing left
+            self._remove_created()
+            raise OutputKindError(f"output '{self.out}' cannot be created or written ({e.strerror or type(e).__name__})"
+                                  f"; name a folder you can write to") from None
+        os.close(fd)
         for _ in range(20):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -242,11 +249,16 @@ class _LocalLock:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still locked: a waiter that opened it re-checks the inode
         os.close(self.fd)  # closing releases the flock
-        for folder in self.created:  # a run that failed before writing anything leaves no empty folders
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """A run that failed before writing anything leaves no empty folders."""
+        for folder in self.created:
             try:
                 os.rmdir(folder)
-            except OSError:  # not empty (the run wrote there), or gone
-                break
+            except OSError:
+                if os.path.lexists(folder):  # not empty (the run wrote there)
+                    break  # else never made: makedirs stopped above it (a name too long, say)
 
 
 def _read_json_fd(fd: int, tries: int = 5) -> dict[str, Any] | None:
