@@ -239,6 +239,12 @@ def test_model_folder_without_model_json_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="no model.json in .*train or tune output"):  # exit 2, like --data's
         infer.run(InferConfig(), str(tmp_path / "model"), str(tmp_path / "src"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+    # a train output killed before it published (model.json and model.pt, its run state, no manifest)
+    (tmp_path / "model" / "model.json").write_text("{}")
+    (tmp_path / "model" / "ray").mkdir()
+    with pytest.raises(ConfigError, match="is a train or tune output that has not been published"):
+        infer.run(InferConfig(), str(tmp_path / "model"), str(tmp_path / "src"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_output_holding_another_stages_manifest_is_refused_with_exit_2(setup, tmp_path, capsys):

@@ -168,7 +168,8 @@ class ModelNotFoundError(ConfigError):
 
 def checksum_mismatch(path: str) -> ValueError:
     """The one message for a model.pt whose bytes are not the ones model.json names."""
-    return ValueError(f"model.pt in '{path}' does not match model.json's checksum; re-export it")
+    return ValueError(f"model.pt in '{path}' does not match model.json's checksum (changed or cut short since it "
+                      f"was published); copy the folder again, or train again (`raymill train --overwrite`)")
 
 
 def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", weights: bool = False) -> None:
@@ -180,11 +181,14 @@ def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", 
     fs, root = storage.filesystem(path, s3)
     if not fs.exists(storage.join(root, "model.json")):
         raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as {flag}")
+    if not fs.exists(storage.join(root, MANIFEST)) and fs.isdir(storage.join(root, "ray")):  # its run state
+        raise ModelNotFoundError(f"'{path}' is a train or tune output that has not been published (no {MANIFEST}: "
+                                 f"killed, or still running); rerun the same `raymill train` (or tune) to finish it")
     if not weights:
         return
     info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     if not fs.exists(storage.join(root, "model.pt")):
         raise ModelNotFoundError(f"'{path}' holds model.json but no model.pt; pass a train or tune output folder "
-                                 f"as {flag}, or re-export it")
+                                 f"as {flag}")
     if storage.sha256_file(fs, storage.join(root, "model.pt"))[0] != info.get("weights_sha256"):
         raise checksum_mismatch(path)
