@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, str] = {
     "tune": "benchmarks.tune",
     "finetune": "benchmarks.finetune",
     "startup": "benchmarks.startup",
+    "reruns": "benchmarks.reruns",
     "chaos": "benchmarks.chaos",
     "coldstart": "benchmarks.coldstart",
     "serve_user": "benchmarks.serve_user",

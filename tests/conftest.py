@@ -392,3 +392,17 @@ def smoke_run(tmp_path_factory):
     out.seek(0), err.seek(0)
     return SimpleNamespace(returncode=proc.returncode, stdout=out.read(), stderr=err.read(), run_dir=root / "run",
                            listeners=seen)
+
+
+def redigest(folder: Path) -> None:
+    """Rewrite a checkpoint folder's digests (files-rank*.json) to match its files as they are now:
+    what a writer who planted a file would also do, so that the next defence (the unpickler's rule)
+    is the one tested."""
+    import json
+
+    from stages.common import storage
+
+    for listing in folder.glob("files-rank*.json"):
+        names = json.loads(listing.read_text())
+        listing.write_text(json.dumps({n: storage.sha256_bytes((folder / n).read_bytes()) for n in names}))
+

@@ -23,7 +23,7 @@ from stages.feed import streaming
 from stages.common import fingerprint, storage
 from workflow.__main__ import main
 from stages.common.config import ConfigError, S3Config, load_config, section_dict
-from tests.conftest import REPO, demo_dataset
+from tests.conftest import REPO, demo_dataset, redigest
 
 SMOKE = REPO / "configs/smoke.yaml"
 # Ray Train's host and its checkpoint folders (ray/train/checkpoint-*): two workers
@@ -153,7 +153,8 @@ def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, datas
 
     marker = tmp_path / "payload-ran"
     folders = _checkpoints(first_run)
-    saved = {p: p.read_bytes() for f in folders for p in [f / "state.pt", *f.glob("rng-rank*.pt")]}
+    saved = {p: p.read_bytes() for f in folders for p in [f / "state.pt", *f.glob("rng-rank*.pt"),
+                                                          *f.glob("files-rank*.json")]}
     manifest = Path(first_run.path) / "manifest.json"
     saved[manifest] = manifest.read_bytes()
     manifest.unlink()  # unpublished, as after a crash: the rerun resumes from the checkpoints
@@ -161,6 +162,10 @@ def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, datas
         for path in [p for p in saved if p.suffix == ".pt"]:
             torch.save({"model": _Payload(marker), "optimizer": {}, "schedule": {}, "scaler": None,
                         "torch": _Payload(marker)}, path)
+        with pytest.raises(checkpoint_io.CheckpointRefused, match="is damaged: .* does not match the sha256"):
+            publish.read_checkpoint(ray.train.Checkpoint.from_directory(str(folders[-1])))
+        for folder in folders:  # a writer who also rewrote the digests: refused by the unpickler's rule
+            redigest(folder)
         with pytest.raises(checkpoint_io.CheckpointRefused, match="not plain tensors"):
             publish.read_checkpoint(ray.train.Checkpoint.from_directory(str(folders[-1])))
         cfg = _cfg()
@@ -172,6 +177,7 @@ def test_planted_pickle_payload_is_refused_on_resume_and_export(first_run, datas
         for path, payload in saved.items():
             path.write_bytes(payload)
     assert not marker.exists(), "a checkpoint file ran code on load"
+    assert all(checkpoint_io.damage(folder) is None for folder in folders)  # the digests match again
 
 
 def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path):

@@ -166,4 +166,5 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
     assert set(env_vars) <= {"AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                              "RAYMILL_VERBOSE",  # not a secret: --verbose reaching cluster workers
                              "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",  # ray_start.TRAIN_POLL_S, for Tune's trainers
-                             "OMP_WAIT_POLICY"}  # ray_start.OMP_WAIT_POLICY: CPU workers' idle threads sleep
+                             "OMP_WAIT_POLICY",  # ray_start.OMP_WAIT_POLICY: CPU workers' idle threads sleep
+                             "RAY_SERVE_LOG_TO_STDERR"}  # Serve's actors log to files only (no -v)

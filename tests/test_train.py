@@ -21,7 +21,7 @@ from stages.model.predict import to_batch
 from stages.train.loop import precision_plan
 from stages.common import session
 from stages.common.config import ConfigError, S3Config, TrainConfig, load_config
-from tests.conftest import REPO, demo_dataset, kill_train_worker_when, stray_decode_processes
+from tests.conftest import REPO, demo_dataset, kill_train_worker_when, redigest, stray_decode_processes
 
 # DDP: two workers (the planner gives a one-node CPU cluster one); tests of one worker set it
 BASE = ["train.epochs=2", "train.batch_size=8", "train.checkpoint_every_steps=4", "train.ledger=true",
@@ -308,11 +308,13 @@ def test_one_worker_runs_in_a_trial_actor_and_resumes_a_killed_run_to_the_same_m
     assert not (out / "model.pt").exists()  # nothing published by the failed run
     # a checkpoint someone rewrote with a pickle is refused by the trial actor, and the run says why
     state = out / "ray/train" / solo.committed(str(out / "ray"), "train")[-1][0] / "state.pt"  # the one resumed from
-    saved = state.read_bytes()
+    saved, digests = state.read_bytes(), (state.parent / "files-rank0.json").read_bytes()
     torch.save({"model": threading.Lock}, state)  # a class: only a full unpickle could load it
+    redigest(state.parent)  # its digest rewritten too (else the checkpoint before it would be resumed)
     with pytest.raises(train.TrainError, match="not plain tensors"):
         train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
     state.write_bytes(saved)
+    (state.parent / "files-rank0.json").write_bytes(digests)
     artifact = train.run(cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("resumed") for r in rows), "the rerun started over instead of resuming"

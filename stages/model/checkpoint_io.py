@@ -141,7 +141,7 @@ def damage(folder: Path) -> str | None:
                 if not (folder / name).is_file():
                     return f"incomplete (missing {name})"
                 if _sha256(folder / name) != digest:
-                    return f"{name} does not match the sha256 written with it (changed or cut short since)"
+                    return f"damaged: {name} does not match the sha256 written with it (changed or cut short since)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable ({type(e).__name__}: {e})"
     return None
