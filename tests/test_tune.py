@@ -369,6 +369,14 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     assert big.workers.decode_processes == 8
     with pytest.raises(ConfigError, match=r"only 0.49 CPUs are free of 1 .*: give Ray more CPUs \(ray.num_cpus"):
         session.plan_trials(cfg.tune, cfg.train, {"CPU": 1.0, "GPU": 0.0}, 0.5)  # one trial worker already
+    # the same, before a local Ray starts (it had waited for Ray and ETL); a cluster's room waits for Ray
+    from stages.tune.checks import check_room
+
+    one_cpu = cfg.ray.model_copy(update={"num_cpus": 1})
+    with pytest.raises(ConfigError, match=r"only 0.49 CPUs are free of 1 "):
+        check_room(cfg.tune, cfg.train, one_cpu)
+    check_room(cfg.tune, cfg.train, one_cpu.model_copy(update={"address": "auto"}))
+    check_room(cfg.tune, cfg.train, cfg.ray.model_copy(update={"num_cpus": 2}))
 
 
 def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build():

@@ -162,9 +162,10 @@ def cmd_tune(args) -> int:
     from stages import tune
     from stages.common import tracking
     from stages.common.artifacts import load_artifact
-    from stages.tune.checks import check_search
+    from stages.tune.checks import check_room, check_search
 
     check_search(cfg.tune, cfg.train)  # before Ray
+    check_room(cfg.tune, cfg.train, cfg.ray)
     data = load_artifact(args.data, "etl", cfg.s3)
     with _locked_before_ray(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model)):
         artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(

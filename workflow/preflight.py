@@ -22,7 +22,7 @@ from stages.common.config import Config, ConfigError
 from stages.etl.checks import image_input, output_outside_outputs
 from stages.model import init_source
 from stages.model.sizes import check_image_size
-from stages.tune.checks import check_search
+from stages.tune.checks import check_room, check_search
 
 __all__ = ["Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
 
@@ -61,6 +61,7 @@ def start(cfg: Config) -> Inputs:
     check_init_source(cfg, models)
     if cfg.tune.enabled:  # a search that cannot work: refused before Ray and ETL (it had been 13 s later)
         check_search(cfg.tune, cfg.train)
+        check_room(cfg.tune, cfg.train, cfg.ray)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first

@@ -182,7 +182,7 @@ MIN_TRIAL_CPUS_PER_WORKER = 0.7
 
 
 def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float],
-                data_reserved_cpus: float) -> TrialPlan:
+                data_reserved_cpus: float, say: bool = True) -> TrialPlan:
     """How many Tune trials (each a TorchTrainer) run at once, filling the cluster beside Ray Data.
 
     Each trial worker gets up to 1 CPU; when that would leave room for only one trial, workers
@@ -218,8 +218,9 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
     plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
                         data_reserved_cpus, slots=concurrent, keep_reserve=True)
     in_function = workers == 1 and train.ingest == "stream"
-    log.info("trial plan: %d trial(s) at a time, %s", concurrent,
-             "each in its Tune function actor" if in_function else "each a TorchTrainer")
+    if say:  # not for the check before Ray (stages.tune.checks.check_room): the search says it
+        log.info("trial plan: %d trial(s) at a time, %s", concurrent,
+                 "each in its Tune function actor" if in_function else "each a TorchTrainer")
     return TrialPlan(concurrent, plan, in_function)
 
 

@@ -3,11 +3,13 @@ that `raymill run` and `raymill tune` refuse a search that cannot work before Ra
 pipeline had run ETL first: 13 s on 2 cores). Also the train config of one trial."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from stages.common.config import ConfigError, TrainConfig, TuneConfig, section_dict
+from stages.common import session
+from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 
-__all__ = ["check_search", "trial_train_config", "searched_keys", "METRICS", "PBT_KEYS"]
+__all__ = ["check_search", "check_room", "trial_train_config", "searched_keys", "METRICS", "PBT_KEYS"]
 
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
 _SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
@@ -57,6 +59,16 @@ def _probe_values(dist) -> list[Any]:
     if dist.type == "randint":
         return [int(dist.lower), int(dist.upper)]
     return [dist.lower, dist.upper]
+
+
+def check_room(cfg: TuneConfig, train_cfg: TrainConfig, ray_cfg: RayConfig) -> None:
+    """Before a local Ray starts, its CPUs are known (ray.num_cpus, else at most this machine's): a
+    search with no room for one trial is refused then, with the fixes (`ray.num_cpus=1` had been
+    refused after Ray's start and ETL). A cluster's room, and a GPU plan, wait for Ray."""
+    if ray_cfg.address is not None or train_cfg.use_gpu:
+        return
+    cpus = float(ray_cfg.num_cpus or os.cpu_count() or 1)  # Ray takes no more than the machine has
+    session.plan_trials(cfg, train_cfg, {"CPU": cpus, "GPU": 0.0}, ray_cfg.data_reserved_cpus, say=False)
 
 
 def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
