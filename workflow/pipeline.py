@@ -144,6 +144,7 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
                              cfg.train, data, out, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, tracking=run),
                              store=cfg.run.dir), ready=ray_up)
         timings["train"] = time.perf_counter() - t - ray_up.take()
+    _earlier_model(cfg, "tune" if cfg.tune.enabled else "train")
 
     t = time.perf_counter()
     preds, reused["infer"] = stage("infer", cfg, cfg.infer, {"model": model.manifest["created_at"], "data": data.path,
@@ -162,6 +163,16 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
                         {name for name, again in reused.items() if again}, before_s=before, ray_s=ray_up.seconds)
+
+
+def _earlier_model(cfg: Config, used: str) -> None:
+    """Say so when run.dir also holds the other model stage's output, from a run with tune.enabled
+    the other way: the report and infer use `used`'s, and nothing said which one was current."""
+    other = "train" if used == "tune" else "tune"
+    fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
+    if fs.exists(storage.join(root, other, MANIFEST)):
+        log.info("%s: %s/%s/ is an earlier run's model (tune.enabled=%s then); this run's is %s/", used, cfg.run.dir,
+                 other, str(other == "tune").lower(), used)
 
 
 def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:
