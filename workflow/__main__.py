@@ -69,6 +69,8 @@ def _command(args) -> int:
         print(f"raymill {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
+        if signal.getsignal(signal.SIGINT) is _first_interrupt:  # restored by a fit that caught the first one
+            signal.signal(signal.SIGINT, _second_interrupt)
         console.worker_lines_first()  # an epoch line in flight had followed this one
         print(f"raymill {args.command}: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
         return 130
