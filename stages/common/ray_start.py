@@ -103,26 +103,19 @@ def start(cfg: RayConfig) -> dict[str, float]:
     return resources
 
 
-DASHBOARD_PORT = 8265  # Ray's default, which a local Ray's dashboard takes when it is free
-
-
 def _point_state_api_at_own_dashboard(host: str) -> int:
     """Pick the dashboard's port and name it in RAY_API_SERVER_ADDRESS (Ray's documented variable
     for the API server) before Ray starts, so every Ray process inherits it. Without it a State
     API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
     machine's processes and fails with "Found multiple active Ray instances" beside another
     local Ray; the placement groups of stopped trials then stay reserved, and new trials wait.
-    Ray's usual 8265 when it is free (the README's URL and SSH tunnel), else any free port (logged)."""
+    Any free port (logged), not Ray's usual 8265: two commands started together both found 8265
+    free, and the second one's dashboard then failed to bind it (exit 1 after 62 s)."""
     import socket
 
-    for wanted in (DASHBOARD_PORT, 0):
-        with socket.socket() as probe:
-            try:
-                probe.bind((host, wanted))
-            except OSError:  # taken (another Ray's dashboard): any free port
-                continue
-            port = probe.getsockname()[1]
-            break
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        port = probe.getsockname()[1]
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
     return port
 
