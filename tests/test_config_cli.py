@@ -132,9 +132,9 @@ def test_help_and_usage_errors():
     assert not (REPO / "s3:").exists() and not (REPO / "gs:").exists()
 
 
-def _serve_before_ray(model: Path) -> tuple[list[str], str]:
+def _serve_before_ray(model: Path, *extra: str) -> tuple[list[str], str]:
     code = ("import sys; from workflow.__main__ import main; "
-            f"rc = main(['serve', '--model', {str(model)!r}]); print(rc, 'ray' in sys.modules)")
+            f"rc = main(['serve', '--model', {str(model)!r}, *{list(extra)!r}]); print(rc, 'ray' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     return proc.stdout.split(), proc.stderr
 
@@ -150,6 +150,16 @@ def test_serve_refuses_a_missing_or_damaged_model_before_ray_starts(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"weightz")  # one byte changed
     out, err = _serve_before_ray(tmp_path)
     assert out == ["1", "False"] and "model.pt in" in err and "does not match model.json's checksum" in err
+    # a port another program listens on (Serve's proxy had failed to bind it after Ray's start: exit 1)
+    import socket
+
+    (tmp_path / "model.pt").write_bytes(b"weights")
+    with socket.socket() as theirs:
+        theirs.bind(("127.0.0.1", 0))
+        theirs.listen()
+        port = theirs.getsockname()[1]
+        out, err = _serve_before_ray(tmp_path, "--port", str(port))
+    assert out == ["2", "False"] and f"serve.port={port} on 127.0.0.1 is not free" in err, err
 
 
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):

@@ -216,6 +216,7 @@ def cmd_serve(args) -> int:
         url = serve.update(cfg.serve, args.model, s3=cfg.s3)
         print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
         return 0
+    endpoint.check_port_free(cfg.serve)  # not a raymill endpoint's: someone else's, refused before Ray
     from stages import serve
     from stages.common import session
 
@@ -245,6 +246,10 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, overrides)
     from workflow import preflight
 
+    if args.serve:  # its endpoint comes last: a port someone holds is said now, not after the run
+        from stages.serve import endpoint
+
+        endpoint.check_port_free(cfg.serve)
     inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
     from workflow import pipeline, report
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from stages.common.config import ConfigError, ServeConfig
 
-__all__ = ["base_url", "endpoint_running", "record_endpoint", "endpoint_ray_address"]
+__all__ = ["base_url", "endpoint_running", "check_port_free", "record_endpoint", "endpoint_ray_address"]
 
 
 def base_url(cfg: ServeConfig) -> str:
@@ -29,6 +29,24 @@ def endpoint_running(cfg: ServeConfig) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     return isinstance(body, dict) and body.get("status") == "ok" and "ingress_pid" in body
+
+
+def check_port_free(cfg: ServeConfig) -> None:
+    """ConfigError (exit 2) when something other than a raymill endpoint listens on cfg's port:
+    Serve's proxy had failed to bind it after Ray's start, a traceback and exit 1 (16 s). Bound
+    as the proxy binds (SO_REUSEADDR: a closed endpoint's TIME_WAIT does not count)."""
+    import socket
+
+    host = "" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, cfg.port))
+        except OSError as e:
+            raise ConfigError(f"serve.port={cfg.port} on {cfg.host or '*'} is not free ({e.strerror}): another program "
+                              f"listens there (or, for `raymill run --serve`, a running endpoint); choose another "
+                              f"port (serve.port, or `raymill serve --port`)") from None
 
 
 def _endpoint_file(cfg: ServeConfig) -> Path:
