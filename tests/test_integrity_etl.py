@@ -126,6 +126,37 @@ def test_a_damaged_header_is_corrupt_and_foreign_bytes_are_not_an_image():
             decode_rgb(foreign, 16)
 
 
+def test_the_exported_decode_with_read_rules_refuses_for_raymills_reasons():
+    """preprocess.py (stages/etl/pixels.py) with the model's `read` gives the reasons ETL, infer and
+    serve give, also where Pillow's own guards differ from raymill's: a bomb past Pillow's limit had
+    been `corrupt`, a cut-short JPEG a bare OSError."""
+    import struct
+    import zlib
+
+    from stages.etl import pixels
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    huge = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0))
+    jpeg = io.BytesIO()
+    Image.effect_noise((64, 64), 64).convert("RGB").save(jpeg, format="JPEG")
+    read = {"allowed_formats": ["JPEG", "PNG"], "max_image_pixels": 89_478_485}
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = 89_478_485  # Pillow's default, as a client's process has it (raymill lifts it)
+    try:
+        for data, reason in [(huge + chunk(b"IEND", b""), "decompression_bomb"),
+                             (jpeg.getvalue()[:len(jpeg.getvalue()) // 2], "truncated")]:
+            with pytest.raises(BadImage) as e:
+                pixels.pixels(data, 16, "crop", read)
+            assert e.value.reason == reason
+            with pytest.raises(BadImage) as ours:
+                decode_rgb(data, 16, allowed_formats=("JPEG", "PNG"))
+            assert ours.value.reason == reason
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
 @pytest.fixture
 def hostile_tree(tmp_path):
     """A class tree plus everything that must not be read as an image."""

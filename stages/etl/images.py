@@ -34,20 +34,12 @@ def decode_rgb(data: bytes, size: int, *, resize: str = "crop",
                allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "BMP"),
                max_pixels: int = 89_478_485) -> np.ndarray:
     """Decode to an RGB uint8 array of shape (size, size, 3): the checks of `open_image`, then
-    stages.etl.pixels (the rules an exported model's clients get as preprocess.py).
+    stages.etl.pixels (the rules an exported model's clients get as preprocess.py); BadImage with
+    its reason for unusable bytes.
 
     crop: scale the shorter side to `size` and take the centre square; stretch: ignore aspect.
     """
-    img = open_image(data, allowed_formats, max_pixels)
-    try:
-        pixels.load(img, size)
-    except Exception as e:
-        reason = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
-        raise BadImage(reason, f"{type(e).__name__}: {e}") from None
-    try:
-        return pixels.square(img, size, resize)
-    except Exception as e:  # any other decoder failure is this file's problem, never the job's
-        raise BadImage("decode_error", f"{type(e).__name__}: {e}") from None
+    return pixels.checked(data, size, resize, allowed_formats, max_pixels)
 
 
 def encode(array: np.ndarray, codec: str, jpeg_quality: int = 90) -> bytes:

@@ -21,18 +21,33 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["pixels", "draft", "load", "square", "open_image", "BadImage", "MAX_JPEG_SCANS"]
+__all__ = ["pixels", "checked", "draft", "load", "square", "open_image", "BadImage", "MAX_JPEG_SCANS"]
 
 
 def pixels(data: bytes, size: int, resize: str = "crop", read: dict | None = None) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB (size, size, 3). `read`: model.json's read rules (at least
     allowed_formats and max_image_pixels), checked first (BadImage); Pillow's errors propagate."""
-    if read is None:
-        img = Image.open(io.BytesIO(data))
-    else:
-        img = open_image(data, tuple(read["allowed_formats"]), int(read["max_image_pixels"]))
+    if read is not None:
+        return checked(data, size, resize, tuple(read["allowed_formats"]), int(read["max_image_pixels"]))
+    img = Image.open(io.BytesIO(data))
     load(img, size)
     return square(img, size, resize)
+
+
+def checked(data: bytes, size: int, resize: str, allowed_formats: tuple[str, ...], max_pixels: int) -> np.ndarray:
+    """`pixels` with raymill's checks: BadImage with the reason ETL, infer and serve give (the
+    header's checks in `open_image`, then `truncated`/`corrupt` for a failed decode and
+    `decode_error` for anything else)."""
+    img = open_image(data, allowed_formats, max_pixels)
+    try:
+        load(img, size)
+    except Exception as e:
+        reason = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
+        raise BadImage(reason, f"{type(e).__name__}: {e}") from None
+    try:
+        return square(img, size, resize)
+    except Exception as e:  # any other decoder failure is this file's problem, never the job's
+        raise BadImage("decode_error", f"{type(e).__name__}: {e}") from None
 
 
 # Scans a JPEG may hold. Decode time grows with scans x pixels, not with file size: a 435 KB
@@ -75,6 +90,8 @@ def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -
         if (fmt := _signature(data)) is not None:  # e.g. a PNG whose IHDR fails its CRC: damaged, not foreign
             raise BadImage("corrupt", f"a {fmt} signature, but its header does not parse") from None
         raise BadImage("not_an_image", "no known image signature") from None
+    except Image.DecompressionBombError as e:  # Pillow's own guard (raymill lifts it; preprocess.py keeps it)
+        raise BadImage("decompression_bomb", str(e)) from None
     except Exception as e:  # Pillow raises many types on malformed headers
         raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
     # A JPEG with an MPF segment (phones, some cameras) opens as MPO; its first frame is the JPEG.
