@@ -20,6 +20,7 @@ from PIL import Image
 from stages.feed import streaming
 from stages.etl import stage as etl
 from stages.etl.integrity import verify
+from stages.infer import plan as planning
 from stages.infer import stage as infer
 from stages.model.predict import load_model, predict_arrays, preprocess
 from stages.model.publish import save_model
@@ -131,7 +132,7 @@ def test_an_empty_split_is_a_config_error_and_a_smaller_etl_size_is_said(setup, 
     m = copy.deepcopy(data.manifest)
     m["shards"] = [s for s in m["shards"] if s["split"] != "val"]
     with pytest.raises(ConfigError, match="no parquet shards for split 'val'.*choose another infer.split"):
-        infer._plan_shards(InferConfig(split="val"), Artifact("etl", data.path, m), INFO)
+        planning._plan_shards(InferConfig(split="val"), Artifact("etl", data.path, m), INFO)
     bigger = tmp_path / "model48"
     shutil.copytree(model_path, bigger)
     info = json.loads((bigger / "model.json").read_text())
@@ -291,7 +292,11 @@ def test_a_raw_folder_split_by_its_folders_is_labelled_by_the_class_folder_below
     for split in ("train", "test"):
         make_tree(tmp_path / "raw" / split, per_class=2, bad=False, classes=("circle", "square"))
     rows, metrics = _outputs(infer.run(InferConfig(), model_path, str(tmp_path / "raw"), str(tmp_path / "out")))
-    assert [r["true_class"] for r in rows] == [r["path"].split("/")[1] for r in rows] and metrics["labelled"] == 8
+    assert [r["true_class"] for r in rows] == [r["path"].split("/")[1] for r in rows] and metrics["labelled"] == 4
+    # infer.split's files only, as from an ETL output: the train images had been scored with the rest
+    assert {r["path"].split("/")[0] for r in rows} == {"test"}
+    with pytest.raises(ConfigError, match=r"none is infer.split=val; set infer.split to one of \['test', 'train'\]"):
+        infer.run(InferConfig(split="val"), model_path, str(tmp_path / "raw"), str(tmp_path / "out2"))
 
 
 def test_raw_folder_with_fifo_outside_link_and_non_utf8_name(setup, tmp_path):

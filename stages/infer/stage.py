@@ -21,7 +21,6 @@ import math
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -30,16 +29,15 @@ import pyarrow.parquet as pq
 import torch
 
 from stages.common import console, session, storage
-from stages.common.artifacts import (Artifact, base_manifest, load_artifact, manifest_kind, unpublish,
-                                     write_manifest)
+from stages.common.artifacts import Artifact, base_manifest, unpublish, write_manifest
 from stages.common.config import ConfigError, InferConfig, section_dict
 from stages.common.locks import foreign_files, output_lock
 from stages.infer import decode as infer_decode
+from stages.infer import plan as planning
+from stages.infer.plan import InferError, Plan
 from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict, runtime
-from stages.etl import integrity, layout as layouts, sources
-from stages.feed import streaming
-from stages.etl.stage import InputNotFoundError, check_apart, root_cause
+from stages.etl.stage import check_apart, root_cause
 
 __all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
 
@@ -47,28 +45,8 @@ log = logging.getLogger(__name__)
 # metrics.decode (the manifest's word) as the log lines say it: "decode in in-process" read as a typo
 DECODE_WHERE = {"in-process": "this process", "actor": "the predictor actors", "tasks": "Ray Data tasks"}
 
-FILES_PER_BLOCK = 256  # raw files per Ray Data block: big enough to amortise a call, small enough to spread
-
 # What an infer output holds (`_publish`); a folder with other files is not one.
 OUTPUT_FILES = frozenset({"manifest.json", "metrics.json", "predictions.parquet"})
-
-
-class InferError(RuntimeError):
-    """Batch inference failed; nothing was published."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    kind: str  # "etl" (shards of one split) or "images" (raw files)
-    items: list[dict[str, Any]]  # work items, one Ray Data row each
-    blocks: int
-    rows: int  # prediction rows the output must hold: one per sample, errors included
-    reader: dict[str, Any]  # how the actors read the items (Predictor kwargs)
-    inputs: dict[str, Any]  # provenance for the manifest
-
-    def counted(self) -> str:
-        where = "file(s)" if self.kind == "images" else f"row(s) in {len(self.items)} shard(s)"
-        return f"{self.rows} image {where}"
 
 
 def run(cfg: InferConfig, model_path: str, source: str, out: str, *, s3: Any | None = None,
@@ -94,7 +72,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
     # Actors may run in another working directory or on another node: hand them absolute paths.
     model_path, source = (u if storage.is_remote(u) else storage.local_path(u) for u in (model_path, source))
     model, info = predict.load_model(model_path, s3)  # fail fast, before any Ray work
-    plan = _plan(cfg, source, info, s3)
+    plan = planning.plan(cfg, source, info, s3)
     if here := _in_process(cfg, plan):
         decode = {"decode": "in-process", "num_actors": 1, "decode_tasks": 0}
         log.info("infer: %s in this process (at most infer.local_max_rows=%d; Ray Data's start would outweigh "
@@ -107,7 +85,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
             started += time.perf_counter() - ray_started
         resources = session.cluster_resources()
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
-        plan = _spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
+        plan = planning.spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
         at_a_time = f" ({decode['decode_tasks']} at a time)" if decode["decode_tasks"] else ""
         log.info("infer: %s in %d block(s), %d actor(s), decode in %s%s", plan.counted(),
                  plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
@@ -131,10 +109,12 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
               "model_version": info.get("version"), **plan.inputs}
     unpublish(out, s3)  # only now: an interrupted or failed rerun leaves the last result published
     manifest = _publish(cfg, out, s3, table, metrics, inputs, plan.kind, info["classes"])
+    unlabelled = metrics["rows"] - metrics["errors"] - metrics["labelled"]  # no class folder the model knows
     log.info("infer: %d images in %.1f s (%.1f img/s), device busy %.2f s (%.0f%% of wall), decode in %s; "
-             "errors=%d accuracy=%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
+             "errors=%d accuracy=%s over %d labelled%s", metrics["rows"], metrics["seconds"], metrics["images_per_s"],
              metrics["device_busy_s"], 100 * metrics["device_utilisation"], DECODE_WHERE[metrics["decode"]],
-             metrics["errors"], console.score(metrics.get("accuracy")))
+             metrics["errors"], console.score(metrics.get("accuracy")), metrics["labelled"],
+             f" ({unlabelled} predicted without a class the model knows)" if unlabelled else "")
     return Artifact("infer", str(out).rstrip("/"), manifest)
 
 
@@ -153,93 +133,6 @@ def _publish(cfg: InferConfig, out: str, s3: Any | None, table: pa.Table, metric
                                for n, b in files.items()}})
     write_manifest(out, manifest, s3)
     return manifest
-
-
-def _plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
-    """The work items and their rows; a folder's files in blocks of FILES_PER_BLOCK (`_spread`
-    splits them further once the number of readers is known)."""
-    fs, root = storage.filesystem(source, s3)
-    if not fs.exists(root):
-        raise InputNotFoundError(f"input '{source}' does not exist; pass an ETL output or an image folder")
-    if _raymill_kind(fs, root) == "raymill.etl":
-        # As train checks it (a stamp skips the re-hash while nothing changed): a damaged shard gave
-        # rows blamed on their images ("corrupt") and changed probabilities, exit 0
-        if problems := integrity.verify_once(source, s3):
-            raise InferError(f"refusing to predict from '{source}': {'; '.join(problems)}. Re-run ETL "
-                             f"(raymill etl --overwrite); `raymill verify {source}` lists what changed")
-        return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
-    if not fs.isdir(root):
-        raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
-    return _plan_files(fs, root, source, sources.read_rules(info))
-
-
-def _layout(fs, root: str, entries: list, trained: str) -> layouts.Layout:
-    """The folder's layout, for labels only: a folder that no layout reads cleanly (`val/` beside
-    `valid/`) is predicted all the same, labelled by its first folders."""
-    try:
-        return layouts.detect((e.rel for e in entries if not e.problem), sources.top_folders(fs, root),
-                              "classes" if trained == "classes" else "auto")
-    except ConfigError:
-        return layouts.Layout()
-
-
-def _spread(plan: Plan, parallel: int) -> Plan:
-    """`parallel`: how many workers read at once (actors, or decode tasks): raw files get at least
-    that many blocks (an ETL output's items are its shards, a block each)."""
-    if plan.kind != "images":
-        return plan
-    return replace(plan, blocks=max(plan.blocks, min(len(plan.items), parallel)))
-
-
-def _raymill_kind(fs, folder: str) -> str | None:
-    """The kind a raymill manifest names; None for no manifest, or a manifest.json that is some
-    other tool's file among the images (the folder is then read as images)."""
-    kind = manifest_kind(fs, folder)
-    if kind not in (None, "raymill.etl"):
-        raise InputNotFoundError(f"'{folder}' is a {kind} output; pass an ETL output or an image folder")
-    return kind
-
-
-def _plan_shards(cfg: InferConfig, data: Artifact, info: dict) -> Plan:
-    """One item per shard of `cfg.split`; parquet when ETL wrote it (one read, no tar parsing)."""
-    m = data.manifest
-    fmt = "parquet" if "parquet" in m["config"]["formats"] else "tar"
-    refs = streaming.shard_refs(m, data.path, cfg.split, fmt)
-    if not refs:
-        raise ConfigError(f"ETL output '{data.path}' has no {fmt} shards for split '{cfg.split}' "
-                          f"(counts: {m['counts']}); choose another infer.split")
-    raw, stored = storage.stored_raw(m, fmt), m["config"]["image_size"]
-    if raw and stored != info["image_size"]:
-        raise ConfigError(f"'{data.path}' stores raw {stored} px pixels but the model expects "
-                          f"{info['image_size']} px; re-run ETL at that size or with encoded parquet")
-    if stored < info["image_size"]:  # predicted all the same, but on blurred inputs the model never saw
-        log.warning("infer: '%s' stores images at %d px and the model expects %d px: they are upscaled, which "
-                    "costs accuracy; re-run ETL with etl.image_size=%d", data.path, stored, info["image_size"],
-                    info["image_size"])
-    items = [asdict(r) for r in refs]
-    return Plan("etl", items, len(items), sum(r.rows for r in refs),
-                {"mode": "etl", "raw": raw, "etl_classes": m["classes"]},
-                {"format": fmt, "split": cfg.split, "data_run_id": m.get("run_id")})
-
-
-def _plan_files(fs, root: str, source: str, rules: dict[str, Any]) -> Plan:
-    """Every non-hidden entry is an item: links out of the folder (as the training data's
-    etl.follow_symlinks judged them), FIFOs and unreadable files come back as error rows (never
-    read, never dropped); a non-UTF-8 name travels as hex bytes. A file's label is its class
-    folder's, found as the training data's etl.layout finds it (`<class>/` or `<split>/<class>/`)."""
-    entries, hidden = sources.list_tree(fs, root, rules["follow_symlinks"])
-    tree = _layout(fs, root, entries, rules["layout"])
-    items = []
-    for e in entries:
-        name = sources.shown(e.rel)
-        reason, detail = e.problem or ("", "")
-        items.append({"path": name, "name_hex": "" if name == e.rel else sources.name_bytes(e.rel).hex(),
-                      "size": e.size, "reason": reason, "detail": detail})
-    if not items:
-        raise InputNotFoundError(f"no files under '{source}'; pass an image folder or an ETL output")
-    return Plan("images", items, math.ceil(len(items) / FILES_PER_BLOCK), len(items),
-                {"mode": "images", "source": source, "class_depth": tree.depth},
-                {"files": len(items), "hidden_skipped": hidden})
 
 
 def map_batches_kwargs(cfg: InferConfig, plan: Plan, resources: dict[str, float]) -> dict[str, dict[str, Any]]:
