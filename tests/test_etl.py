@@ -218,8 +218,12 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     (out / "shards" / "train-killed.parquet").write_bytes(b"half a shard")
     assert etl.run(CFG, str(tree[0]), str(out), overwrite=True).manifest["totals"]["rows_out"] > 0
     with pytest.raises(etl.EtlError, match=r"1 of 201 files \(0\.5%\) are bad"):  # it had read "(0%)"
-        etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 0.0}), [{"reason": "decode_error"}],
-                                201, str(out))
+        etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 0.0}),
+                                [{"reason": "decode_error", "path": "cat/a.jpg"}], 201, str(out))
+    # the files are named (nothing is published, so no quarantine file lists them): the first ten
+    bad = [{"reason": "truncated", "path": f"cat/{i:02d}.jpg"} for i in range(12)]
+    with pytest.raises(etl.EtlError, match=r"cat/00.jpg \(truncated\); .*cat/09.jpg \(truncated\); and 2 more"):
+        etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 0.0}), bad, 201, str(out))
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):

@@ -266,12 +266,18 @@ def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda q: q["path"])
 
 
+BAD_SHOWN = 10  # bad files a refused ETL names
+
+
 def _check_bad_fraction(cfg: EtlConfig, quarantine: list, files_in: int, out: str) -> None:
     fraction = len(quarantine) / max(1, files_in)
     if fraction > cfg.max_bad_fraction:
         reasons = Counter(q["reason"] for q in quarantine).most_common()
+        # the files themselves: with nothing published there is no quarantine file to read them from
+        shown = "; ".join(f"{q['path']} ({q['reason']})" for q in quarantine[:BAD_SHOWN])
+        more = f"; and {len(quarantine) - BAD_SHOWN} more" if len(quarantine) > BAD_SHOWN else ""
         raise EtlError(f"{len(quarantine)} of {files_in} files ({_percent(fraction)}) are bad, over "
-                       f"etl.max_bad_fraction={cfg.max_bad_fraction}; reasons: {dict(reasons)}. "
+                       f"etl.max_bad_fraction={cfg.max_bad_fraction}; reasons: {dict(reasons)}: {shown}{more}. "
                        f"Fix the input or raise etl.max_bad_fraction; nothing was published to '{out}'")
 
 
