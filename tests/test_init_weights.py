@@ -367,6 +367,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_one_before_resumes_byte_id
     again = _model(sorted((loop_setup.root / "damage-resumed").iterdir())[-1])
     assert all(torch.equal(again[k], done[k]) for k in done), "resumed from the damaged checkpoint"
     assert f"{full / names[2]} (damaged: state.pt does not match the sha256" in caplog.text, caplog.text
+    assert f"resumed from {full / names[1]} (epoch 1, step 0) instead" in caplog.text, caplog.text
     for name in names[:2]:  # none whole before it either: refused, naming each, never loaded
         (full / name / "state.pt").write_bytes(state.read_bytes()[:1000])
     with pytest.raises(checkpoint_io.CheckpointRefused, match=r"no whole checkpoint to resume from: .*--overwrite"):

@@ -199,9 +199,13 @@ def test_cache_refetches_a_same_size_file_with_wrong_content(s3_bucket, tmp_path
     # A wrong object in the bucket itself is refused, not cached.
     fs.pipe_file(f"{bucket}/shard.tar", bytes(len(good)))
     planted.unlink()
-    with pytest.raises(ValueError, match="fails its checksum"):
+    with pytest.raises(ValueError, match="fails its checksum") as refused:
         streaming.ShardCache(str(cache_dir), 1e9, S3Config(endpoint_url=endpoint)).local_path(ref)
     assert not planted.exists()
+    # the train stage says this, not "rerun the same command to resume" (a rerun reads the same bytes)
+    assert checkpoint_io.refusal_in(refused.value) == str(refused.value)
+    remote = RuntimeError(f"ray::RayTrainWorker\n{checkpoint_io.SHARD_REFUSED}: {refused.value}")
+    assert checkpoint_io.refusal_in(type("E", (Exception,), {"worker_failures": {0: remote}})()) == str(refused.value)
 
 
 def test_fingerprint_guard_on_s3(s3_bucket):

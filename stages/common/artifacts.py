@@ -128,8 +128,12 @@ def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) ->
     if not fs.exists(manifest_path):
         raise FileNotFoundError(f"no {MANIFEST} in '{path}': not a published raymill output "
                                 f"(run the stage that makes it first)")
-    manifest = storage.read_json(fs, manifest_path)
-    kind = manifest.get("kind", "")
+    try:
+        manifest = storage.read_json(fs, manifest_path)
+        kind = manifest.get("kind", "")
+    except (ValueError, AttributeError):  # empty, cut short, or JSON but no object: had been a bare JSONDecodeError
+        raise ValueError(f"'{path}' holds a {MANIFEST} that is not a raymill manifest (empty, cut short or "
+                         f"another tool's); re-run the stage that made it") from None
     if stage and kind != f"raymill.{stage}":
         raise ValueError(f"'{path}' holds a {kind or 'unknown'} output, not raymill.{stage}")
     return Artifact(kind.removeprefix("raymill."), str(path).rstrip("/"), manifest)

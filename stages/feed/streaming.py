@@ -28,9 +28,14 @@ from stages.common.config import TrainConfig
 from stages.etl import shards
 from stages.etl.images import decode_rgb
 
-__all__ = ["ShardRef", "shard_refs", "ShardCache", "rank_pieces", "iter_samples", "steps_per_epoch",
+__all__ = ["ShardRef", "ShardRefused", "shard_refs", "ShardCache", "rank_pieces", "iter_samples", "steps_per_epoch",
            "epoch_batches", "train_decoder",
            "batch_sizes_at", "decode_sample", "augment", "sample_rng", "Prefetcher"]
+
+
+class ShardRefused(ValueError):
+    """A shard whose bytes are not the ones ETL wrote: a retry or a rerun reads the same bytes, so
+    the train stage says this message, not "rerun to resume" (stages.model.checkpoint_io.refusal_in)."""
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +93,8 @@ class ShardCache:
         digest, size = storage.sha256_file(storage.filesystem(str(tmp))[0], str(tmp))
         if digest != ref.sha256 or size != ref.bytes:
             tmp.unlink(missing_ok=True)
-            raise ValueError(f"shard {ref.uri} fails its checksum ({size} bytes, sha256 {digest[:12]}...); "
-                             f"the data changed since ETL: run `raymill verify` and re-run ETL")
+            raise ShardRefused(f"shard {ref.uri} fails its checksum ({size} bytes, sha256 {digest[:12]}...); "
+                               f"the data changed since ETL: run `raymill verify` and re-run ETL")
         os.replace(tmp, path)
         self._verified.add((str(path), path.stat().st_ino))
         self._evict()

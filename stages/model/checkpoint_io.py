@@ -22,6 +22,8 @@ from stages.common import fingerprint
 __all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in",
            "write_digests", "damage", "older_checkpoints"]
 
+# stages.feed.streaming's refusal of a shard whose bytes changed since ETL, by name: retrying cannot help
+SHARD_REFUSED = "stages.feed.streaming.ShardRefused"
 DIGESTS = "files-rank{}.json"  # each rank's files and their sha256, written after them (meta.json last)
 
 
@@ -30,20 +32,22 @@ class CheckpointRefused(RuntimeError):
 
 
 def refusal_in(error: BaseException) -> str | None:
-    """The worker's CheckpointRefused message, when that is why a fit failed; else None.
+    """The worker's CheckpointRefused (or ShardRefused) message, when that is why a fit failed; else None.
 
     `ray.train.WorkerGroupError.worker_failures` (public) maps each rank to its exception; a Tune
     trial's error (stages.train.solo) is the failure itself. If a wrapper with traceback text comes
     instead, its `module.CheckpointRefused: ...` line counts.
     """
-    prefix = f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: "
+    prefixes = [f"{CheckpointRefused.__module__}.{CheckpointRefused.__qualname__}: ", SHARD_REFUSED + ": "]
     failures = getattr(error, "worker_failures", None) or {"trial": error}
     for failure in failures.values():
         for line in str(failure).splitlines():  # first: Ray's RayTaskError(CheckpointRefused) is one too,
-            if line.startswith(prefix):  # and its str() is the remote traceback
-                return line[len(prefix):]
-        if isinstance(failure, CheckpointRefused):
-            return str(failure)
+            for prefix in prefixes:  # and its str() is the remote traceback
+                if line.startswith(prefix):
+                    return line[len(prefix):]
+        cause = getattr(failure, "cause", failure)  # a Tune trial's RayTaskError: what the actor raised
+        if isinstance(cause, CheckpointRefused) or f"{type(cause).__module__}.{type(cause).__qualname__}" == SHARD_REFUSED:
+            return str(cause)
     return None
 
 

@@ -56,8 +56,9 @@ def restore(w) -> bool:
             # Fingerprint first: a foreign checkpoint's files are never even loaded.
             _load(w, folder, read_meta(folder, candidate.path, w.fingerprint))
         if w.rank == 0:
-            if damaged:
-                log.warning("train: skipped damaged checkpoint(s): %s; resuming from the one before", "; ".join(damaged))
+            if damaged:  # a warning, which reaches the console: Ray had named the damaged one as resumed from
+                log.warning("train: skipped damaged checkpoint(s): %s; resumed from %s (epoch %d, step %d) instead",
+                            "; ".join(damaged), candidate.path, w.epoch, w.step)
             log.info(f"train: resumed from {candidate.path} at epoch {w.epoch} step {w.step}")
         return True
     raise CheckpointRefused(f"no whole checkpoint to resume from: {'; '.join(damaged)}. Delete those folders to "
