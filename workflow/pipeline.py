@@ -105,10 +105,9 @@ def _clear(fs, root: str, ours: bool) -> None:
 def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None,
         started: float | None = None) -> dict[str, Any]:
     """ETL -> train -> (tune) -> infer on the test split -> (export) -> (serve). Returns the report.
-    `inputs`: what `preflight.start(cfg)` returned, when the caller ran it (the CLI does, before
-    this module's imports); else it runs here. `started`: the caller's perf_counter() at its
-    start, so that the report's total is the wait the caller saw. Ray starts at the first stage
-    that must compute (`preflight.RayOnDemand`): a run whose every stage is reused starts none."""
+    `inputs`: what `preflight.start(cfg)` returned (the CLI runs it before this module's imports);
+    else it runs here. `started`: the caller's perf_counter() at its start (the report's total is
+    the wait the caller saw). Ray starts at the first stage that must compute (`RayOnDemand`)."""
     started = time.perf_counter() if started is None else started
     if inputs is None:
         inputs = preflight.start(cfg)
