@@ -225,6 +225,7 @@ class Worker:
         row = {"train_loss": totals[0] / rows, "train_acc": totals[1] / rows,
                "images_per_s": totals[2] / max(wall, 1e-9), "wait_s": times.wait_s,
                "compute_s": times.busy_s, "wall_s": times.wall_s, "stall_fraction": times.stall,
+               "local_wall_s": wall,  # this rank's own (rank 0's in the published history): train.timings
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
