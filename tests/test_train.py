@@ -72,7 +72,8 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
     # where the stage's wall went: named parts that add up to it, none negative
     parts = timings.split(m, history)
     assert parts is not None and min(parts.values()) > -0.05, parts
-    assert parts[timings.EPOCHS] == pytest.approx(sum(h["wall_s"] for h in history), abs=1e-3)
+    # the epochs on rank 0's own clock, as its marks split the rest (wall_s is the ranks' mean)
+    assert parts[timings.EPOCHS] == pytest.approx(sum(h["local_wall_s"] for h in history), abs=1e-3)
     assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
     assert parts["Ray: controller and worker group start"] > 0.5  # processes start: never instant
     assert parts["worker: start and model (CUDA, DDP)"] > 0.1  # 2 ranks: DDP's wrap, torch._dynamo's import
