@@ -7,7 +7,6 @@ schedule, GradScaler, RNG states), loaded with `weights_only=True`; anything els
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import random
@@ -17,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from stages.common import fingerprint
+from stages.common import fingerprint, storage
 
 __all__ = ["CheckpointRefused", "load_plain", "read_meta", "rng_state", "set_rng_state", "refusal_in",
            "write_digests", "damage", "older_checkpoints"]
@@ -73,8 +72,8 @@ def read_meta(folder: Path, where: str, expected: dict[str, Any] | None) -> dict
     `expected` is a Fingerprint.as_dict(); None skips the check (Tune's PBT clones checkpoints
     between trials with other hyperparameters on purpose).
     """
-    if problem := damage(folder):  # stages.train.checkpointing goes to the one before; publish refuses
-        raise CheckpointRefused(f"checkpoint {where} is {problem}; refusing to load it")
+    if missing := _missing(folder):  # whole files: the caller checked them (`damage`), once
+        raise CheckpointRefused(f"checkpoint {where} is incomplete (missing {', '.join(missing)}); refusing to load it")
     meta = json.loads((folder / "meta.json").read_text())
     if expected is not None:
         wanted = fingerprint.Fingerprint(expected["digest"], expected["parts"])
@@ -113,11 +112,12 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return storage.sha256_file(storage.filesystem(str(path))[0], str(path))[0]
+
+
+def _missing(folder: Path) -> list[str]:
+    """meta.json is written last: without it (or state.pt) a checkpoint is half-written."""
+    return [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
 
 
 def write_digests(folder: Path, rank: int) -> None:
@@ -132,8 +132,7 @@ def damage(folder: Path) -> str | None:
     meta.json unreadable, or a file that every rank's digests list missing or changed (a bit flip
     had been resumed silently into another model; a truncated state.pt had failed every retry).
     A checkpoint of an older raymill lists no digests: its files are taken as they are."""
-    missing = [n for n in ("meta.json", "state.pt") if not (folder / n).exists()]
-    if missing:  # meta.json is written last: without it the checkpoint is half-written
+    if missing := _missing(folder):
         return f"incomplete (missing {', '.join(missing)})"
     try:
         world = int(json.loads((folder / "meta.json").read_text())["world"])
