@@ -213,8 +213,12 @@ def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_ses
     make_tree(tmp_path / "src", per_class=2, bad=False)
     code = main(["etl", "--input", str(tmp_path / "src"), "--output", "s3://no-such-bucket-here/ds",
                  "--set", f"s3.endpoint_url={endpoint}", "--set", "etl.image_size=16"])
-    err = capsys.readouterr().err
-    assert code == 1 and "bucket does not exist" in err and "create the bucket, or fix the s3:// path" in err
+    err = capsys.readouterr().err  # a config error (exit 2) naming the output, before Ray or ETL
+    assert code == 2 and "output 's3://no-such-bucket-here/ds' cannot be written" in err, err
+    assert "bucket does not exist" in err and "create the bucket, or fix the s3:// path" in err
+    code = main(["run", "--set", f"run.source={tmp_path / 'src'}", "--set", "run.dir=s3://no-such-bucket-here/r",
+                 "--set", f"s3.endpoint_url={endpoint}"])
+    assert code == 2 and "run.dir 's3://no-such-bucket-here/r' cannot be written" in capsys.readouterr().err
 
 
 def test_a_split_the_run_needs_that_is_empty_exits_2_naming_it(tmp_path, ray_session, capsys):

@@ -102,8 +102,9 @@ def cmd_etl(args) -> int:
     with output_lock(args.output, "etl", cfg.s3):  # before Ray: a locked output is refused at once
         etl.preflight(args.input, args.output, cfg.s3, args.overwrite)  # so is a used one
         etl.check_output(args.output, cfg.s3, args.overwrite)  # and one that holds other files
+        listing = etl.discover(args.input, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)  # and no images
         session.start(cfg.ray)
-        artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite)
+        artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite, listing=listing)
     t, m = artifact.manifest["totals"], artifact.manifest["metrics"]
     print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} "
           f"images/s={m['images_per_s']} MB={m['mb_written']} seconds={m['seconds']} -> {artifact.path}")

@@ -47,10 +47,9 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
     key = {"config_hash": config_hash(content_config(section_dict(section))), "inputs": inputs}
     with output_lock(out, name, cfg.s3):
         marker_path, manifest_path = storage.join(root, STAGE_RECORD), storage.join(root, MANIFEST)
-        marker = storage.read_json(fs, marker_path) if fs.exists(marker_path) else {}
+        marker = storage.read_json_if_any(fs, marker_path, {})
         same = marker.get("key") == key
-        if same and not cfg.run.force and fs.exists(manifest_path):
-            published = fs.cat_file(manifest_path)
+        if same and not cfg.run.force and (published := storage.read_small_if_any(fs, manifest_path)) is not None:
             manifest_hash = json.loads(published).get("config_hash")
             unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
             if unchanged and manifest_hash == key["config_hash"] and not _missing(fs, root, published):
@@ -67,7 +66,7 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         storage.write_bytes_atomic(fs, marker_path, json.dumps({"key": key}).encode())
         ready()
         artifact = build(out)
-        published = fs.cat_file(manifest_path)
+        published = storage.read_small(fs, manifest_path)
         marker = {"key": key, "manifest_sha256": storage.sha256_bytes(published)}
         storage.write_bytes_atomic(fs, marker_path, json.dumps(marker).encode())
         return artifact, False

@@ -182,7 +182,13 @@ def _check_run_dir(cfg: Config) -> None:
 def _write_config(cfg: Config) -> None:
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     text = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    storage.write_bytes_atomic(fs, storage.join(root, "config.yaml"), text.encode())
+    try:
+        storage.write_bytes_atomic(fs, storage.join(root, "config.yaml"), text.encode())
+    except FileNotFoundError as e:  # s3fs: "The specified bucket does not exist"
+        if not storage.is_remote(cfg.run.dir):
+            raise
+        raise ConfigError(f"run.dir '{cfg.run.dir}' cannot be written: {e}; create the bucket, or fix the s3:// "
+                          "path that names it") from None
 
 
 def warn_unused_read_keys(cfg: Config, model_path: str, command: str) -> None:

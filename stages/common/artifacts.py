@@ -111,11 +111,8 @@ def unpublish(out: str, s3: Any | None = None) -> None:
 def manifest_kind(fs, folder: str) -> str | None:
     """The kind ('raymill.etl', ...) that `folder`'s manifest.json names; None for no manifest, or
     one that is some other tool's file (not JSON, not an object, no raymill kind)."""
-    path = storage.join(folder, MANIFEST)
-    if not fs.exists(path):
-        return None
     try:
-        kind = storage.read_json(fs, path).get("kind")
+        kind = (storage.read_json_if_any(fs, storage.join(folder, MANIFEST)) or {}).get("kind")
     except (ValueError, AttributeError):  # not JSON, or not an object
         return None
     return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
@@ -124,16 +121,15 @@ def manifest_kind(fs, folder: str) -> str | None:
 def load_artifact(path: str, stage: str | None = None, s3: Any | None = None) -> Artifact:
     """Load a published output folder; a folder without a manifest was never published."""
     fs, root = storage.filesystem(path, s3)
-    manifest_path = storage.join(root, MANIFEST)
-    if not fs.exists(manifest_path):
-        raise FileNotFoundError(f"no {MANIFEST} in '{path}': not a published raymill output "
-                                f"(run the stage that makes it first)")
     try:
-        manifest = storage.read_json(fs, manifest_path)
-        kind = manifest.get("kind", "")
+        manifest = storage.read_json_if_any(fs, storage.join(root, MANIFEST))
+        kind = manifest.get("kind", "") if manifest is not None else None
     except (ValueError, AttributeError):  # empty, cut short, or JSON but no object: had been a bare JSONDecodeError
         raise ValueError(f"'{path}' holds a {MANIFEST} that is not a raymill manifest (empty, cut short or "
                          f"another tool's); re-run the stage that made it") from None
+    if manifest is None:
+        raise FileNotFoundError(f"no {MANIFEST} in '{path}': not a published raymill output "
+                                f"(run the stage that makes it first)")
     if stage and kind != f"raymill.{stage}":
         raise ValueError(f"'{path}' holds a {kind or 'unknown'} output, not raymill.{stage}")
     return Artifact(kind.removeprefix("raymill."), str(path).rstrip("/"), manifest)

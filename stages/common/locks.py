@@ -67,13 +67,13 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     if (parent := enclosing_output(out, s3)) is not None:
         raise OutputKindError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose an output "
                               "outside it")
-    path = storage.join(root, MANIFEST)
-    if not fs.exists(path):
-        return
     try:
-        found = storage.read_json(fs, path).get("kind", "unknown")
-    except (ValueError, AttributeError):  # not JSON, or JSON but not an object: some other tool's file
-        found = "non-raymill"
+        manifest = storage.read_json_if_any(fs, storage.join(root, MANIFEST))
+    except ValueError:  # not JSON: some other tool's file
+        manifest = "non-raymill"
+    if manifest is None:
+        return
+    found = manifest.get("kind", "unknown") if isinstance(manifest, dict) else "non-raymill"
     if found != f"raymill.{kind}":
         raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")
@@ -297,6 +297,9 @@ class _S3Lock:
                 break
             except FileExistsError:
                 pass
+            except FileNotFoundError as e:  # s3fs: "The specified bucket does not exist"
+                raise ConfigError(f"output '{self.out}' cannot be written: {e}; create the bucket, or fix "
+                                  "the s3:// path that names it") from None
             etag, holder = self._read()
             if etag is None:
                 continue  # released between our PUT and our read: try again

@@ -210,7 +210,7 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
         fixes = (["lower tune.workers_per_trial"] if workers > 1 else []) + (
             ["lower train.cpus_per_worker"] if per_trial.cpus_per_worker else []) + [
             "give Ray more CPUs (ray.num_cpus, or a bigger node)", "lower ray.data_reserved_cpus",
-            "or set tune.enabled=false"]
+            "or, in `raymill run`, set tune.enabled=false to train without a search"]
         raise ConfigError(
             f"one trial needs tune.workers_per_trial={workers} x {cpus:g} CPU (and {TRIAL_DRIVER_CPUS:g} for its "
             f"driver) but only {max(0.0, free(1)):g} CPUs are free of {resources['CPU']:g} after "

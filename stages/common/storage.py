@@ -1,7 +1,9 @@
 """Local and s3:// paths through one fsspec interface, plus atomic writes and checksums."""
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -11,7 +13,8 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "sha256_file",
+__all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "read_json_if_any",
+           "read_small", "read_small_if_any", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
            "check_named", "check_output_place", "check_init_from"]
 
@@ -204,9 +207,38 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return protocol in ("file", "local")
 
 
+def read_small(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
+    """A small file's bytes in one GET on S3: `fs.open`, and s3fs's `cat_file` with its default
+    concurrency, ask for the object's size first (a HEAD more per read)."""
+    return fs.cat_file(path, max_concurrency=1) if _takes_concurrency(type(fs)) else fs.cat_file(path)
+
+
+@functools.cache
+def _takes_concurrency(kind: type) -> bool:  # s3fs's newer cat_file; older ones read in one GET anyway
+    method = getattr(kind, "_cat_file", None)
+    return method is not None and "max_concurrency" in inspect.signature(method).parameters
+
+
+def read_small_if_any(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
+    """`read_small`, or None when there is no such file: one request where exists() + read were two."""
+    try:
+        return read_small(fs, path)
+    except FileNotFoundError:
+        return None
+    except OSError:  # a name too long, a parent that is a file: no such file, as exists() had said
+        if _is_local(fs) and not os.path.lexists(path):
+            return None
+        raise
+
+
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
-    with fs.open(path, "rb") as f:
-        return json.loads(f.read())
+    return json.loads(read_small(fs, path))
+
+
+def read_json_if_any(fs: fsspec.AbstractFileSystem, path: str, default: Any = None) -> Any:
+    """`read_json`, or `default` when there is no such file."""
+    data = read_small_if_any(fs, path)
+    return default if data is None else json.loads(data)
 
 
 def sha256_bytes(data: bytes) -> str:

@@ -79,8 +79,10 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
             spellings.setdefault(name, set()).add(folder)
             files.append((entry.rel, entry.size))
     if not files:
+        seen = "; ".join(f"{r['path']} ({r['detail'] or r['reason']})" for r in rejected[:3])
         raise InputNotFoundError(f"no image files found under '{source}/{tree.where()}'; expected ImageFolder "
-                       f"layout (one sub-folder per class) — found {len(rejected)} other entr(ies)")
+                                 f"layout (one sub-folder per class)" + (
+                                     f" — found {len(rejected)} other file(s), e.g. {seen}" if rejected else ""))
     sources.check_spellings(spellings)
     # An empty class folder is a class too, as torchvision's ImageFolder counts it: the label space
     # is the folders (_log_summary names every class without a usable image)
