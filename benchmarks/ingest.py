@@ -113,6 +113,7 @@ def _ours_loop(config: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from stages.feed import streaming
+    from stages.feed.decode_pool import DecodeSpec
     from stages.common import storage
 
     t_loop = time.time()  # after the imports, as in the DataLoader process
@@ -147,8 +148,8 @@ def _ours_loop(config: dict[str, Any]) -> None:
         t0, cpu0 = time.time(), time.process_time()
         batches = streaming.epoch_batches(refs, open_rows, seed, epoch, rank, world, bs,
                                           config["shuffle_buffer_rows"])  # = stages.train.loop.Worker
-        decode = streaming.train_decoder(seed, epoch, size, False, a["scale_min"], a["random_resized_crop"],
-                                         a["flip"])
+        decode = DecodeSpec(size, False, seed, epoch, True, a["scale_min"], a["random_resized_crop"],
+                            a["flip"]).decoder()
         reads.clear()
         if warm is not None:  # = stages.feed.worker_feeds.WorkerFeeds.train_feed
             prefetch = warm.epoch(epoch)

@@ -71,6 +71,13 @@ def test_a_package_imports_only_lower_floors(path):
     assert not bad, f"{path.relative_to(REPO)} imports {bad}: a stage imports only the floors below it"
 
 
+def test_imports_are_absolute():
+    """The floor and cycle checks read absolute imports only: a `from . import x` would pass both."""
+    relative = [f"{p.relative_to(REPO)}:{node.lineno}" for p in _files("stages") + _files("workflow")
+                for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, f"relative imports {relative}: write `from stages.<package> import <module>`"
+
+
 def test_the_roof_holds_only_the_roof():
     extra = {p.name for p in (REPO / "workflow").rglob("*.py")} - ROOF_FILES
     assert not extra, f"workflow/ holds {extra}: workflow/ is the roof (CLI, pipeline, report, demo data)"

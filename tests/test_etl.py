@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stages.etl import stage as etl
+from stages.etl.images import REASONS
 from stages.etl.integrity import verify
 from stages.etl.images import decode_rgb
 from stages.common import storage
@@ -42,6 +43,7 @@ def test_counts_add_up_and_every_bad_file_is_quarantined(tree, published):
                            "quarantined": len(BAD_FILES), "hidden_skipped": 0}
     lines = (Path(published.path) / m["quarantine"]["path"]).read_text().splitlines()
     reasons = {q["path"]: q["reason"] for q in map(json.loads, lines)}
+    assert set(reasons.values()) <= set(REASONS)  # the documented vocabulary (README's quarantine reasons)
     assert reasons == {rel: why for rel, why in written.items() if why != "ok"}
     assert m["classes"] == ["bird", "cat", "dog"]
     assert sum(sum(c.values()) for c in m["counts"].values()) == len(good)

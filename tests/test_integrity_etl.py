@@ -19,7 +19,7 @@ from stages.etl import stage as etl
 from stages.etl.integrity import verify
 from stages.etl import sources
 from stages.model.predict import preprocess
-from stages.etl.images import BadImage, decode_rgb
+from stages.etl.images import REASONS, BadImage, decode_rgb
 from stages.common import locks, storage
 from stages.common.config import EtlConfig, S3Config
 from tests.conftest import free_port, image_bytes, lock_held, make_tree
@@ -182,6 +182,7 @@ def test_links_fifos_devices_and_bad_names_are_quarantined_not_read(hostile_tree
     m = art.manifest
     rows = (Path(art.path) / m["quarantine"]["path"]).read_text().splitlines()
     reasons = {q["path"]: q["reason"] for q in map(json.loads, rows)}
+    assert set(reasons.values()) <= set(REASONS)
     assert reasons == {"cat/escape.jpg": "symlink_outside_source", "cat/zero.jpg": "symlink_outside_source",
                        "dog/pipe.jpg": "not_a_regular_file", "lion": "symlink_outside_source",
                        "dog/dangling.jpg": "symlink_broken"}

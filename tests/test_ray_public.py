@@ -17,8 +17,8 @@ import pytest
 
 from tests.conftest import REPO, make_tree
 
-# The same pattern as `grep -rnE "ray\._private|core\.generated|_internal|_local_tuner|_experiment_analysis"`.
-PRIVATE_RAY = re.compile(r"ray\._private|core\.generated|_internal|_local_tuner|_experiment_analysis")
+# Any private module under ray (ray._private, ray._raylet, ray.serve._private, ...), not a dunder
+PRIVATE_RAY = re.compile(r"\bray(\.\w+)*\._(?!_)|core\.generated|_internal|_local_tuner|_experiment_analysis")
 LOOPBACK = ("127.0.0.1", "::1")
 
 
@@ -27,6 +27,8 @@ def _product_files() -> list[Path]:
 
 
 def test_product_code_uses_only_public_ray_apis():
+    for planted in ("import ray._raylet", "from ray.serve._private import x", "ray._private.utils"):
+        assert PRIVATE_RAY.search(planted), planted  # the check can fail
     hits = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in _product_files()
             for n, line in enumerate(p.read_text().splitlines(), 1) if PRIVATE_RAY.search(line)]
     assert not hits, "private Ray APIs in product code:\n" + "\n".join(hits)

@@ -83,7 +83,7 @@ def unread_files(manifest: dict) -> str | None:
 def _missing(fs, root: str, published: bytes) -> list[str]:
     """Files the published manifest lists that are gone (one listing, not a request per file): a
     run had reused a train folder whose model.pt was deleted, and reported it."""
-    present = {p.rstrip("/")[len(root.rstrip("/")) + 1:] for p in fs.find(root)}
+    present = set(storage.files_under(fs, root))
     return [f for f in listed_files(json.loads(published)) if f not in present]
 
 

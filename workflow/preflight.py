@@ -67,10 +67,9 @@ def start(cfg: Config) -> Inputs:
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first
     listing = _listing(cfg)  # a missing or unreadable run.source fails here, before anything is written
     needed_splits(cfg, given=set(listing.layout.splits.values()))
-    sources = {"source": cfg.run.source, "source_listing": listing.fingerprint}
     _check_run_dir(cfg)
     _write_config(cfg)
-    return Inputs(sources, listing)
+    return Inputs(etl_inputs(cfg, listing), listing)
 
 
 class RayOnDemand:
@@ -157,10 +156,10 @@ def needed_splits(cfg: Config, counts: dict[str, dict[str, int]] | None = None, 
                               f"(now {share:g}) or add images to {cfg.run.source}")
 
 
-def etl_inputs(cfg: Config) -> dict[str, Any]:
+def etl_inputs(cfg: Config, listing=None) -> dict[str, Any]:
     """What ETL reads: the source path and a listing fingerprint (names, sizes, mtimes), so added or
-    changed images are noticed without hashing every file."""
-    return {"source": cfg.run.source, "source_listing": _listing(cfg).fingerprint}
+    changed images are noticed without hashing every file. `listing`: the source's, when listed."""
+    return {"source": cfg.run.source, "source_listing": (listing or _listing(cfg)).fingerprint}
 
 
 def _listing(cfg: Config):

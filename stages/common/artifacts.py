@@ -113,7 +113,7 @@ def manifest_kind(fs, folder: str) -> str | None:
     one that is some other tool's file (not JSON, not an object, no raymill kind)."""
     try:
         kind = (storage.read_json_if_any(fs, storage.join(folder, MANIFEST)) or {}).get("kind")
-    except (ValueError, AttributeError):  # not JSON, or not an object
+    except (ValueError, AttributeError, IsADirectoryError):  # not JSON, not an object, a folder of that name
         return None
     return kind if isinstance(kind, str) and kind.startswith("raymill.") else None
 

@@ -22,7 +22,7 @@ from stages.common.artifacts import config_hash, data_fingerprint
 from stages.common.config import ConfigError
 
 __all__ = ["Fingerprint", "TRAIN_RESUMABLE", "compute", "for_train", "differences", "mismatch",
-           "guard", "clear", "path_for"]
+           "guard", "clear"]
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +109,6 @@ def mismatch(stored: dict[str, Any] | None, expected: Fingerprint) -> str | None
     if stored["digest"] == expected.digest:
         return None
     return "; ".join(differences(stored.get("parts", {}), expected.parts)) or "the fingerprint differs"
-
-
-def path_for(state_uri: str, name: str) -> str:
-    """Where the fingerprint of `<state_uri>/<name>` lives: a file beside that folder."""
-    return storage.join(state_uri, name + SUFFIX)
 
 
 def _has_state(fs, folder: str) -> bool:

@@ -105,9 +105,8 @@ def foreign_files(out: str, own: Callable[[str], bool], s3: Any | None = None, a
     fs, root = storage.filesystem(out, s3)
     if listed is None and not fs.isdir(root):
         return []
-    prefix, found = root.rstrip("/") + "/", []
-    for path in fs.find(root) if listed is None else listed:
-        rel = path[len(prefix):] if path.startswith(prefix) else path.rsplit("/", 1)[-1]
+    found = []
+    for rel in storage.files_under(fs, root, listed):
         if not rel.rsplit("/", 1)[-1].startswith(".") and rel != STAGE_RECORD and not own(rel):
             found.append(rel)
             if len(found) >= at_most:

@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "read_json_if_any",
-           "read_small", "read_small_if_any", "sha256_file",
+           "read_small", "read_small_if_any", "files_under", "is_local", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
            "check_named", "check_output_place", "check_init_from"]
 
@@ -183,7 +183,7 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
 
     Local: temp file in the same folder + os.replace. S3: one PUT is already atomic.
     """
-    if _is_local(fs):
+    if is_local(fs):
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
@@ -202,7 +202,15 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
         fs.pipe_file(path, data)
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+def files_under(fs: fsspec.AbstractFileSystem, root: str, listed: list[str] | None = None) -> list[str]:
+    """Every file under the folder `root` as a path relative to it, from one listing (a LIST on
+    S3, not a request per file). `listed`: the folder's `fs.find(root)`, when the caller has it."""
+    prefix = root.rstrip("/") + "/"
+    return [p[len(prefix):] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
+            for p in (fs.find(root) if listed is None else listed)]
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
 
@@ -226,7 +234,7 @@ def read_small_if_any(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
     except FileNotFoundError:
         return None
     except OSError:  # a name too long, a parent that is a file: no such file, as exists() had said
-        if _is_local(fs) and not os.path.lexists(path):
+        if is_local(fs) and not os.path.lexists(path):
             return None
         raise
 

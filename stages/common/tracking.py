@@ -113,7 +113,7 @@ def _warm(uri: str, timeout_s: float) -> None:
     try:
         _client(uri, timeout_s).search_experiments(max_results=1)
     except Exception:  # noqa: BLE001: the real call that follows fails the same way and warns once
-        pass
+        log.debug("tracking: warming %s failed", uri, exc_info=True)
 
 
 _WARMING: dict[str, threading.Thread] = {}

@@ -67,7 +67,7 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
         if is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
             fs.rm_file(storage.join(root, relative))
     fs.invalidate_cache(root)
-    listed = [p[len(root):].lstrip("/") for p in fs.find(root)]
+    listed = storage.files_under(fs, root)
     leftovers = [p for p in listed if is_shard_file(p) and p not in keep | named]
     if leftovers:
         log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",

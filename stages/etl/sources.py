@@ -107,7 +107,7 @@ def tree_fingerprint(entries: list[Entry], empty_folders: list[str] = ()) -> str
 def top_folders(fs, root: str) -> list[str]:
     """The real (not linked) folders right under a local root, hidden ones left out: the class
     folders, empty ones included. An object store has no empty folders, so there: none."""
-    if not _is_local(fs):
+    if not storage.is_local(fs):
         return []
     with os.scandir(root) as found:
         return [class_name(c.name) for c in found if not hidden_name(c.name) and c.is_dir(follow_symlinks=False)]
@@ -130,13 +130,8 @@ def hidden_name(name: str) -> bool:
 def list_tree(fs, root: str, policy: str) -> tuple[list[Entry], int]:
     """(entries sorted by name, hidden count). Hidden names (.DS_Store, .git/, __MACOSX/, @eaDir/,
     Thumbs.db: `hidden_name`) are skipped and counted."""
-    entries, hidden = _list_local(root, policy) if _is_local(fs) else _list_object_store(fs, root)
+    entries, hidden = _list_local(root, policy) if storage.is_local(fs) else _list_object_store(fs, root)
     return sorted(entries, key=lambda e: name_bytes(e.rel)), hidden
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
 
 
 def _list_object_store(fs, root: str) -> tuple[list[Entry], int]:
@@ -241,7 +236,7 @@ def skipped_linked_folders(fs, root: str, entries: list[Entry]) -> list[str]:
     folders that would vanish from the classes with no word but a quarantine row each."""
     skipped = ("symlink_outside_source", "symlink_not_followed")
     return [shown(e.rel) for e in entries if e.problem and e.problem[0] in skipped and "/" not in e.rel
-            and _is_local(fs) and os.path.isdir(os.path.join(root, e.rel))]
+            and storage.is_local(fs) and os.path.isdir(os.path.join(root, e.rel))]
 
 
 def _inside(real: str, real_root: str) -> bool:
@@ -259,7 +254,7 @@ def _kind(mode: int) -> str:
 def read_capped(fs, root: str, rel: str, cap_bytes: int, policy: str) -> bytes:
     """Read one listed file, at most `cap_bytes`; BadImage when it is too large or not a regular file."""
     path = storage.join(root, rel)
-    if _is_local(fs):
+    if storage.is_local(fs):
         data = _read_local(path, root, cap_bytes, policy)
     else:
         try:

@@ -1,7 +1,7 @@
 """Decode and augment in worker processes, outside the training process's GIL.
 
 Why processes: on a 16-core GPU node, Pillow decode + random-resized-crop in 12 threads of the
-training process gave 1,275 img/s and 12 processes 6,063 (shared/PLATFORM.md); the threads also
+training process gave 1,275 img/s and 12 processes 6,063 (measured on an H100 node); the threads also
 held the GIL the training thread needs between kernel launches. This follows torch's DataLoader
 workers: results land in shared memory, not in pickles (and so do the encoded inputs), and the
 parent decides the sample order, so the workers only decode (mosaicml/streaming's "elastic
@@ -46,7 +46,7 @@ class DecodeSpec:
     """How one epoch's samples become pixels: the training transform, or the eval one.
 
     `keep_plain` also returns the decoded, resized, pre-augmentation pixels (the decoded tier's
-    fill). Augmentation draws from an RNG seeded by (seed, epoch, key) (streaming.train_decoder),
+    fill). Augmentation draws from an RNG seeded by (seed, epoch, key) (streaming.sample_rng),
     so the pixels do not depend on which process decodes a sample.
     """
     size: int

@@ -29,7 +29,7 @@ from stages.etl import shards
 from stages.etl.images import decode_rgb
 
 __all__ = ["ShardRef", "ShardRefused", "shard_refs", "ShardCache", "rank_pieces", "iter_samples", "steps_per_epoch",
-           "epoch_batches", "train_decoder",
+           "epoch_batches",
            "batch_sizes_at", "decode_sample", "augment", "sample_rng", "Prefetcher"]
 
 
@@ -232,19 +232,6 @@ def epoch_batches(refs: list[ShardRef], open_rows: Callable[[ShardRef], list], s
             return
         yield batch
         step += 1
-
-
-def train_decoder(seed: int, epoch: int, size: int, raw: bool, scale_min: float, crop: bool,
-                  flip: bool) -> Callable[[tuple], np.ndarray]:
-    """Decode + augment one (key, label, image) sample for training in `epoch`.
-
-    The RNG comes from (seed, epoch, key): augmentation does not depend on which attempt or
-    worker decodes a sample, so a resumed run sees the same pixels.
-    """
-    def decode(sample) -> np.ndarray:
-        key, _, image = sample[:3]
-        return augment(decode_sample(image, size, raw), sample_rng(seed, epoch, key), scale_min, crop, flip)
-    return decode
 
 
 def sample_rng(seed: int, epoch: int, key: str) -> np.random.Generator:

@@ -1,8 +1,8 @@
 """Reading and decoding batch inference's work items, for either plan (`infer.decode`):
 
-- `actor`: the predicting actor calls `Reader` itself (stages.infer.stage.Predictor);
+- `actor`: the predicting actor calls `Reader` itself (stages.infer.predictors.Predictor);
 - `tasks`: Ray Data CPU tasks run `decode_batch` and hand uint8 pixels to an actor pool that only
-  predicts (stages.infer.stage.BatchPredictor), so a GPU actor never decodes JPEGs on its few CPU
+  predicts (stages.infer.predictors.BatchPredictor), so a GPU actor never decodes JPEGs on its few CPU
   threads while the GPU waits.
 
 Both give every sample exactly one row: an unusable file is a row with its error reason, never an

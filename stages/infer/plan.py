@@ -41,7 +41,7 @@ class Plan:
 
 
 def plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
-    """The work items and their rows; a folder's files in blocks of FILES_PER_BLOCK (`_spread`
+    """The work items and their rows; a folder's files in blocks of FILES_PER_BLOCK (`spread`
     splits them further once the number of readers is known)."""
     fs, root = storage.filesystem(source, s3)
     if not fs.exists(root):

@@ -1,6 +1,6 @@
 """Batch inference stage: an exported model over ETL shards or a raw image folder (local or s3://).
 
-Layout of the work (the ETL lesson, PLATFORM.md): the driver plans small work items (one per shard,
+Layout of the work (the ETL lesson: many small tasks, not one per node): the driver plans small work items (one per shard,
 or one per raw file, a few hundred to a block). Two plans (`infer.decode`, session.plan_infer):
 - `actor` (the CPU default): each Ray Data actor loads the model once, then opens and decodes its
   own files. Image bytes never cross the object store; only prediction rows do.
@@ -10,7 +10,7 @@ or one per raw file, a few hundred to a block). Two plans (`infer.decode`, sessi
 Both report the device's busy time (CUDA events around the forward pass, stages.feed.meters).
 
 Preprocessing is the one eval transform: `transform.preprocess` for raw files (what ETL stores) and
-`data.decode_sample` for shards, so infer, serve and train's test evaluation agree prediction for prediction.
+`streaming.decode_sample` for shards, so infer, serve and train's test evaluation agree prediction for prediction.
 """
 from __future__ import annotations
 

@@ -152,7 +152,7 @@ def _earlier_export(out: str, fs, root: str, name: str) -> None:
     it holds is another name's, which the new one replaces (one model a repository folder)."""
     earlier = storage.read_json(fs, storage.join(root, MANIFEST))
     ours = set(earlier.get("files") or {}) | {MANIFEST, LOCK_NAME, PIPELINE_MARKER}
-    present = {p.rstrip("/")[len(root.rstrip("/")) + 1:] for p in fs.find(root)}
+    present = set(storage.files_under(fs, root))
     if foreign := sorted(present - ours):
         raise ExportError(f"--output '{out}' is an earlier export, but holds {len(foreign)} file(s) it did not "
                           f"write (e.g. '{foreign[0]}'), which replacing it would delete; move them, or name a "

@@ -282,8 +282,9 @@ def _check(model: torch.nn.Module, info: dict, forward: OnnxForward) -> float:
 def save_onnx(wrapper: torch.nn.Module, image_size: int, input_name: str, output_names: list[str],
               path: Path, opset: int = ONNX_OPSET) -> dict[str, int]:
     """Export `wrapper` (uint8 [N, size, size, 3] in) to one ONNX file with a dynamic batch, at
-    `opset`, stamped with the oldest IR version that opset allows (the onnx package stamps its own
-    newest, IR 10, which onnxruntime < 1.18 refuses whatever the opset). Returns both."""
+    `opset`, stamped with the oldest IR version that opset allows (IR 8 for opset 18; the onnx package
+    stamps its own newest, which older runtimes refuse whatever the opset: onnxruntime 1.16.3 refused
+    IR 10, tried). Returns both."""
     import onnx  # only an export needs it
 
     example = torch.zeros((EXAMPLE_BATCH, image_size, image_size, 3), dtype=torch.uint8)

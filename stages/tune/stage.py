@@ -119,7 +119,7 @@ def _scheduler(cfg: TuneConfig, train_cfg: TrainConfig):
     if cfg.scheduler == "pbt":
         # Exploit: a bottom-quantile trial restarts from a top trial's latest checkpoint, which
         # Tune hands to it through `ray.tune.get_checkpoint()` (public API, no cloning code here);
-        # the loop then applies the explored lr/momentum/weight decay (train_loop.apply_hyperparameters).
+        # the loop then applies the explored lr/momentum/weight decay (stages.train.loop.Worker.apply_hyperparameters).
         return PopulationBasedTraining(time_attr="epoch", perturbation_interval=cfg.perturbation_interval,
                                        hyperparam_mutations=pbt_mutations(cfg, train_cfg),
                                        quantile_fraction=0.25, resample_probability=0.25)
