@@ -183,8 +183,8 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
     write_manifest(out, manifest, s3)
     m = manifest["metrics"]
     log.info(f"train: test_acc {console.score(m['test_acc'])} on {m['test_rows']} images, best val_acc "
-          f"{console.score(m['best_val_acc'])}, {m['seconds']:.0f}s; bottleneck: stall {m['stall_fraction'] or 0:.1%}, "
-          f"{m['verdict']}")
+             f"{console.score(m['best_val_acc'])}, {m['seconds']:.0f}s; bottleneck: stall "
+             f"{m['stall_fraction'] or 0:.1%}, {m['verdict']}")
     return Artifact("train", str(out).rstrip("/"), manifest)
 
 
