@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import logging
 import re
 import subprocess
@@ -160,6 +161,21 @@ def test_serve_refuses_a_missing_or_damaged_model_before_ray_starts(tmp_path):
         port = theirs.getsockname()[1]
         out, err = _serve_before_ray(tmp_path, "--port", str(port))
     assert out == ["2", "False"] and f"serve.port={port} on 127.0.0.1 is not free" in err, err
+    # a port another raymill serve has claimed but not bound yet (its Ray still starting): both had
+    # bound it with SO_REUSEPORT, and clients were split between two models
+    from stages.common.config import ServeConfig
+    from stages.serve import endpoint
+
+    claim = endpoint.claim_port(ServeConfig(port=port))
+    try:
+        out, err = _serve_before_ray(tmp_path, "--port", str(port))
+    finally:
+        os.close(claim)
+    assert out == ["2", "False"] and f"serve.port={port} is taken by another raymill serve or run --serve " \
+        f"(pid {os.getpid()})" in err, err
+    (tmp_path / "model.json").write_text('{"architecture": ')  # cut short: had been a bare JSONDecodeError, exit 1
+    out, err = _serve_before_ray(tmp_path)
+    assert out == ["2", "False"] and f"model.json in '{tmp_path}' is not a raymill model.json" in err, err
 
 
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):

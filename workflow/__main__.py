@@ -218,6 +218,7 @@ def cmd_serve(args) -> int:
         print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
         return 0
     endpoint.check_port_free(cfg.serve)  # not a raymill endpoint's: someone else's, refused before Ray
+    endpoint.claim_port(cfg.serve)  # nor one still starting (both had bound it); held until the process ends
     from stages import serve
     from stages.common import session
 
@@ -251,6 +252,7 @@ def cmd_run(args) -> int:
         from stages.serve import endpoint
 
         endpoint.check_port_free(cfg.serve)
+        endpoint.claim_port(cfg.serve)  # held until the run ends (the kernel drops it then)
     inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
     from workflow import pipeline, report
 

@@ -188,7 +188,8 @@ def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, 
     from stages import serve  # here: Ray Serve and FastAPI cost a run without --serve 0.7 s of imports
 
     url = serve.start(cfg.serve, model.path, s3=cfg.s3)
-    log.info("serve: %s/predict is up (POST an image; see README)", url)
+    log.info("serve: %s/predict is up; probing it with test images (it ends with this run: `raymill serve --model "
+             "%s` keeps one up)", url, model.path)
     return probe(url, data, cfg.s3, cfg.infer.split)
 
 

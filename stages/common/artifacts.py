@@ -179,14 +179,21 @@ def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", 
     `raymill serve --model` with a wrong path, or a damaged model.pt, had started Ray and Serve and
     failed the deploy after 42-43 s with "Failed to update the deployments", exit 1 (2-core box)."""
     fs, root = storage.filesystem(path, s3)
-    if not fs.exists(storage.join(root, "model.json")):
+    if (data := storage.read_small_if_any(fs, storage.join(root, "model.json"))) is None:
         raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as {flag}")
+    try:
+        info = json.loads(data)
+        info = info if isinstance(info, dict) else None
+    except ValueError:  # had been a bare JSONDecodeError, exit 1
+        info = None
+    if info is None:
+        raise ModelNotFoundError(f"model.json in '{path}' is not a raymill model.json (not JSON, or cut short); copy "
+                                 f"the folder again, or train again (`raymill train --overwrite`)")
     if not fs.exists(storage.join(root, MANIFEST)) and fs.isdir(storage.join(root, "ray")):  # its run state
         raise ModelNotFoundError(f"'{path}' is a train or tune output that has not been published (no {MANIFEST}: "
                                  f"killed, or still running); rerun the same `raymill train` (or tune) to finish it")
     if not weights:
         return
-    info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     if not fs.exists(storage.join(root, "model.pt")):
         raise ModelNotFoundError(f"'{path}' holds model.json but no model.pt; pass a train or tune output folder "
                                  f"as {flag}")

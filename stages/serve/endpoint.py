@@ -5,13 +5,17 @@ join the Ray that serves the port, before anything imports Ray (Ray reads RAY_AU
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 from pathlib import Path
 
 from stages.common.config import ConfigError, ServeConfig
 
-__all__ = ["base_url", "endpoint_running", "check_port_free", "record_endpoint", "endpoint_ray_address"]
+log = logging.getLogger(__name__)
+
+__all__ = ["base_url", "endpoint_running", "check_port_free", "claim_port", "record_endpoint", "endpoint_ray_address"]
 
 
 def base_url(cfg: ServeConfig) -> str:
@@ -44,9 +48,36 @@ def check_port_free(cfg: ServeConfig) -> None:
         try:
             probe.bind((host, cfg.port))
         except OSError as e:
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:  # the address, not the port
+                raise ConfigError(f"serve.host={cfg.host} is not an address of this machine ({e.strerror}); use "
+                                  f"127.0.0.1 (the default), 0.0.0.0 for every interface, or one of its own "
+                                  f"addresses") from None
             raise ConfigError(f"serve.port={cfg.port} on {cfg.host or '*'} is not free ({e.strerror}): another program "
                               f"listens there (or, for `raymill run --serve`, a running endpoint); choose another "
                               f"port (serve.port, or `raymill serve --port`)") from None
+
+
+def claim_port(cfg: ServeConfig) -> int:
+    """Hold this machine's claim on cfg.port for the life of the process (an flock, which the kernel
+    drops when the process ends, however it ends); returns its descriptor. Serve's proxy binds ~15-20
+    s after the port was found free, with SO_REUSEPORT: two `raymill serve` started in that window had
+    both bound it, and the kernel split clients between their two models. The second is refused."""
+    import fcntl
+
+    path = _endpoint_file(cfg).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(f"serve.port={cfg.port} is taken by another raymill serve or run --serve (pid {holder}), "
+                          f"still starting or serving; once it answers, `raymill serve --model NEW --port "
+                          f"{cfg.port}` rolls it to NEW; or choose another port (serve.port, or --port)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 def _endpoint_file(cfg: ServeConfig) -> Path:
@@ -63,16 +94,23 @@ def record_endpoint(cfg: ServeConfig) -> Path:
 
     path = _endpoint_file(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid()}))
+    path.write_text(json.dumps({"ray_address": ray.get_runtime_context().gcs_address, "pid": os.getpid(),
+                                "host": cfg.host}))
     path.chmod(0o600)
     return path
 
 
 def endpoint_ray_address(cfg: ServeConfig) -> str:
-    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint)."""
+    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint). Warns
+    when cfg asks for another serve.host: Serve keeps the address it started with."""
     path = _endpoint_file(cfg)
     try:
-        return json.loads(path.read_text())["ray_address"]
-    except (OSError, ValueError, KeyError):
+        record = json.loads(path.read_text())
+        address = record["ray_address"]
+    except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"an endpoint answers on port {cfg.port} but {path} does not name its Ray; "
                           f"pass --set ray.address=<that Ray's address> to update it") from None
+    if record.get("host", cfg.host) != cfg.host:  # the rollout had said "done" and kept the old address
+        log.warning("serve: serve.host=%s is not applied by a rolling update: the endpoint keeps listening on %s; "
+                    "stop it and start it again to change its address", cfg.host, record["host"])
+    return address
