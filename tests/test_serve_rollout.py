@@ -150,7 +150,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path, monkeypatch):
+def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path, monkeypatch, caplog):
     """`raymill serve --model NEW` finds the running endpoint and the Ray serving it (not "auto")."""
     import ray
 
@@ -166,5 +166,8 @@ def test_endpoint_record_names_the_ray_behind_a_port(proxy, model_dir, tmp_path,
         serve_endpoint.endpoint_ray_address(cfg)
     path = serve_endpoint.record_endpoint(cfg)
     assert path.stat().st_mode & 0o077 == 0
-    assert serve_endpoint.endpoint_ray_address(cfg) == ray.get_runtime_context().gcs_address
+    assert serve_endpoint.endpoint_ray_address(cfg) == (ray.get_runtime_context().gcs_address, cfg.host)
+    # a rollout cannot move the endpoint to another address: said, and the recorded host is kept
+    assert serve_endpoint.endpoint_ray_address(cfg.model_copy(update={"host": "0.0.0.0"}))[1] == cfg.host
+    assert "serve.host=0.0.0.0 is not applied by a rolling update" in caplog.text
     serve_stage.shutdown(cfg)

@@ -206,7 +206,8 @@ def cmd_serve(args) -> int:
     check_model_folder(args.model, cfg.s3, weights=True)  # before Ray and Serve start: a wrong path is exit 2
 
     if endpoint.endpoint_running(cfg.serve):  # a running `raymill serve`: roll it to the new model
-        address = cfg.ray.address or endpoint.endpoint_ray_address(cfg.serve)
+        address, host = (cfg.ray.address, cfg.serve.host) if cfg.ray.address else \
+            endpoint.endpoint_ray_address(cfg.serve)
         # Ray 2.60 turns token auth on by default for a local cluster; a client joining it sends
         # the token (~/.ray/auth_token) only in token mode, read when Ray is first imported.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -214,11 +215,11 @@ def cmd_serve(args) -> int:
         from stages.common import session
 
         session.start(cfg.ray.model_copy(update={"address": address}))
-        url = serve.update(cfg.serve, args.model, s3=cfg.s3)
+        url = serve.update(cfg.serve.model_copy(update={"host": host}), args.model, s3=cfg.s3)
         print(f"serve: {url} now serves {args.model} (rolling update done)", flush=True)
         return 0
-    endpoint.check_port_free(cfg.serve)  # not a raymill endpoint's: someone else's, refused before Ray
-    endpoint.claim_port(cfg.serve)  # nor one still starting (both had bound it); held until the process ends
+    endpoint.claim_port(cfg.serve)  # not one still starting (both had bound it); held until the process ends
+    endpoint.check_port_free(cfg.serve)  # nor someone else's, refused before Ray
     from stages import serve
     from stages.common import session
 
@@ -227,11 +228,12 @@ def cmd_serve(args) -> int:
     # SIGTERM (systemd, Kubernetes, kill) ends it like Ctrl-C, from here: after ray.init, whose core
     # worker installs its own handler (a "*** SIGTERM received" dump, exit 15), and before Serve starts
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
-    record = endpoint.record_endpoint(cfg.serve)
-    print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
-          f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)
+    record = endpoint.record_endpoint(cfg.serve)  # before the port answers: a rollout may follow at once
     try:
+        url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
+        endpoint.warn_if_exposed(cfg.serve)
+        print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
+              f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)
         while True:
             time.sleep(3600)
     finally:
@@ -251,8 +253,8 @@ def cmd_run(args) -> int:
     if args.serve:  # its endpoint comes last: a port someone holds is said now, not after the run
         from stages.serve import endpoint
 
-        endpoint.check_port_free(cfg.serve)
         endpoint.claim_port(cfg.serve)  # held until the run ends (the kernel drops it then)
+        endpoint.check_port_free(cfg.serve)
     inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
     from workflow import pipeline, report
 

@@ -186,8 +186,10 @@ def export_stage(cfg: Config, model: Artifact) -> tuple[Artifact, bool]:
 def _serve_and_probe(cfg: Config, model: Artifact, data: Artifact) -> dict[str, Any]:
     """Start the endpoint, send it real test-split images over HTTP, report latency."""
     from stages import serve  # here: Ray Serve and FastAPI cost a run without --serve 0.7 s of imports
+    from stages.serve import endpoint
 
     url = serve.start(cfg.serve, model.path, s3=cfg.s3)
+    endpoint.warn_if_exposed(cfg.serve)
     log.info("serve: %s/predict is up; probing it with test images (it ends with this run: `raymill serve --model "
              "%s` keeps one up)", url, model.path)
     return probe(url, data, cfg.s3, cfg.infer.split)

@@ -89,16 +89,20 @@ def free_node_resources(own_app: str | None = None) -> tuple[list[dict[str, floa
 def _holdings(own_app: str | None) -> Iterator[tuple[str, str, dict[str, float]]]:
     """(node id, holder, resources) of every alive actor outside a placement group and every
     created placement group's bundle."""
+    import ray
     from ray.util.state import list_actors, list_placement_groups
 
+    # This process's Ray, by its GCS address: without one the State API looks for "the" Ray on the
+    # machine, and with a second Ray running (another user's, another serve) it refused to choose
+    address = ray.get_runtime_context().gcs_address
     own = f"ServeReplica:{own_app}:" if own_app else None
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], detail=True, limit=10_000,
+    for actor in list_actors(address=address, filters=[("state", "=", "ALIVE")], detail=True, limit=10_000,
                              raise_on_missing_output=False):
         if actor.placement_group_id or (own and (actor.class_name or "").startswith(own)):
             continue  # a placement group's actor uses its bundle, counted below
         yield actor.node_id, actor.class_name or "actor", actor.required_resources or {}
-    for group in list_placement_groups(filters=[("state", "=", "CREATED")], detail=True, limit=10_000,
-                                       raise_on_missing_output=False):
+    for group in list_placement_groups(address=address, filters=[("state", "=", "CREATED")], detail=True,
+                                       limit=10_000, raise_on_missing_output=False):
         for bundle in group.bundles or []:
             yield bundle.get("node_id"), f"placement group {group.name or group.placement_group_id[:8]}", \
                 bundle.get("unit_resources") or {}

@@ -142,10 +142,6 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     url = base_url(cfg) + route_prefix.rstrip("/")
     log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs; Open Inference "
              "Protocol: POST /v2/models/%s/infer)", cfg.app_name, url, cfg.model_name)
-    if cfg.host not in ("127.0.0.1", "localhost", "::1"):  # said, as `raymill doctor` would say it
-        log.warning("serve: serve.host=%s: the endpoint answers %s on port %d without authentication; put it "
-                    "behind your ingress (README: Security: every open port)", cfg.host,
-                    "on every interface" if cfg.host in ("0.0.0.0", "::", "") else f"at {cfg.host}", cfg.port)
     return url
 
 

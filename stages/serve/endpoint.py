@@ -15,7 +15,8 @@ from stages.common.config import ConfigError, ServeConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["base_url", "endpoint_running", "check_port_free", "claim_port", "record_endpoint", "endpoint_ray_address"]
+__all__ = ["base_url", "endpoint_running", "check_port_free", "claim_port", "warn_if_exposed", "record_endpoint",
+           "endpoint_ray_address"]
 
 
 def base_url(cfg: ServeConfig) -> str:
@@ -80,6 +81,14 @@ def claim_port(cfg: ServeConfig) -> int:
     return fd
 
 
+def warn_if_exposed(cfg: ServeConfig) -> None:
+    """Say it, as `raymill doctor` would, when a new endpoint listens beyond loopback."""
+    if cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serve: serve.host=%s: the endpoint answers %s on port %d without authentication; put it "
+                    "behind your ingress (README: Security: every open port)", cfg.host,
+                    "on every interface" if cfg.host in ("0.0.0.0", "::", "") else f"at {cfg.host}", cfg.port)
+
+
 def _endpoint_file(cfg: ServeConfig) -> Path:
     return Path(os.path.expanduser("~/.cache/raymill/serve")) / f"{cfg.port}.json"
 
@@ -100,9 +109,9 @@ def record_endpoint(cfg: ServeConfig) -> Path:
     return path
 
 
-def endpoint_ray_address(cfg: ServeConfig) -> str:
-    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint). Warns
-    when cfg asks for another serve.host: Serve keeps the address it started with."""
+def endpoint_ray_address(cfg: ServeConfig) -> tuple[str, str]:
+    """The Ray address of the running `raymill serve` on cfg.port (see record_endpoint), and the
+    host it listens on. Warns when cfg asks for another serve.host: Serve keeps the one it started with."""
     path = _endpoint_file(cfg)
     try:
         record = json.loads(path.read_text())
@@ -113,4 +122,4 @@ def endpoint_ray_address(cfg: ServeConfig) -> str:
     if record.get("host", cfg.host) != cfg.host:  # the rollout had said "done" and kept the old address
         log.warning("serve: serve.host=%s is not applied by a rolling update: the endpoint keeps listening on %s; "
                     "stop it and start it again to change its address", cfg.host, record["host"])
-    return address
+    return address, record.get("host", cfg.host)
