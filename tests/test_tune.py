@@ -288,6 +288,23 @@ def test_a_trial_that_raises_is_recorded_and_the_search_goes_on(search):
     assert "| ERROR | failed |" in (out / "trials.md").read_text()
 
 
+def test_trials_that_ended_before_max_epochs_stay_finished_after_a_resume(dataset, tmp_path):
+    """A trial whose function returns before tune.max_epochs is `done` only in Tune's memory: after
+    an interruption every rerun had read it as unfinished (Tune did not run it again) and refused
+    to publish. stages.tune.finished records it."""
+    cfg = _cfg("tune.num_samples=2", "tune.scheduler=fifo", "tune.max_epochs=2",
+               "tune.search_space={epochs: {type: choice, values: [1]}}")
+    out = tmp_path / "tune"
+    before, _ = _interrupted_then_resumed(cfg, dataset, out)
+    assert [r["status"] for r in before.values()].count("TERMINATED") >= 1, before
+    artifact = tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
+    assert artifact.manifest["kind"] == "raymill.tune"
+    rows = _trials_csv(out)
+    assert {r["status"] for r in rows.values()} == {"TERMINATED"}
+    # the record a restored search reads (Tune's saved last result of such a trial says done: false)
+    assert {p.name for p in (out / "ray" / "tune" / "finished").iterdir()} == set(rows)
+
+
 def test_a_search_made_with_another_config_is_refused_naming_the_key(search, dataset):
     _, _, artifact, out = search
     published = (out / "manifest.json").read_bytes()
@@ -329,6 +346,19 @@ def test_config_errors_name_the_key(dataset, tmp_path):
     cfg = _cfg("tune.search_space={epochs: {type: choice, values: [2, 5]}}")
     with pytest.raises(ConfigError, match=r"tune\.search_space\.epochs: value 5 exceeds tune\.max_epochs=3"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "d"), ray_cfg=cfg.ray)
+
+
+def test_a_search_that_would_rank_or_share_wrongly_is_refused_before_it_runs():
+    # val_loss by mode max had handed on the worst model (exit 0); unset, the mode follows the metric
+    assert _cfg("tune.metric=val_loss").tune.mode == "min"
+    with pytest.raises(ConfigError, match=r"tune\.mode=max ranks val_loss the wrong way round.*set tune\.mode=min"):
+        tune.check_search(_cfg("tune.metric=val_loss", "tune.mode=max").tune, _cfg().train)
+    # a sampled ingest=ray_data had failed every such trial; a sampled use_gpu was recorded, not used
+    for key, values in (("ingest", "[stream, ray_data]"), ("use_gpu", "[false, true]")):
+        cfg = _cfg(f"tune.search_space={{{key}: {{type: choice, values: {values}}}}}")
+        with pytest.raises(ConfigError, match=rf"tune\.search_space\.{key}: every trial of a search shares "
+                                              rf"train\.{key}.*--set train\.{key}="):
+            tune.check_search(cfg.tune, cfg.train)
 
 
 @pytest.mark.parametrize("override, fix", [("tune.handoff=retrain", "raymill train")])

@@ -44,6 +44,9 @@ BENIGN: dict[str, str] = {
     "Progress bars disabled. To enable, set `ray.data.DataContext":
         "Ray Data's note on the progress bars raymill turns off outside --verbose",
     "✔️  Dataset train": "Ray Data's banner as each epoch's execution ends",
+    # Tune's function trainable, as a resumed search's trial restores its checkpoint (raymill's
+    # own line names the resume: "tune: resuming the search in ...")
+    ") Restored on ": "Tune's note as a resumed trial loads its last checkpoint, which the resume line above covers",
     # raymill keeps token authentication on (Ray's default); its own dashboard line names the token
     "Token authentication is enabled for this Ray cluster":
         "Ray's default token authentication, which raymill keeps on (`ray get-auth-token` prints the token)",

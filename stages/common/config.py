@@ -223,6 +223,7 @@ class TuneConfig(Section):
             raise ValueError("tune.handoff=retrain was removed; the search publishes the best trial's "
                              "checkpoint. To retrain with its params, copy best.json's train_config "
                              "into --set train.* and run `raymill train`")
+        data = {"mode": "min", **data} if data.get("metric") == "val_loss" else data  # unset: as the metric ranks
         if not data.get("search_space"):
             space = default_search_space(int(data.get("max_epochs", 6)))
             if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all

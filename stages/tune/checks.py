@@ -13,6 +13,12 @@ __all__ = ["check_search", "check_room", "trial_train_config", "searched_keys", 
 
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
 _SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
+# Keys every trial must share: the search's plan, host and checks are made once, for all trials (a
+# sampled ingest=ray_data had failed every such trial; a sampled init_from or use_gpu had been
+# recorded in best.json while the trial trained from scratch, on the CPU).
+_SHARED = ("ingest", "host", "use_gpu", "gpus_per_worker", "cpus_per_worker", "init_from", "cache_dir",
+           "storage_path", "max_failures")
+BETTER = {"val_acc": "max", "val_loss": "min"}  # the mode each metric ranks by
 PBT_KEYS = ("lr", "momentum", "weight_decay")  # what PBT explores: the optimiser's knobs
 
 
@@ -74,8 +80,12 @@ def check_room(cfg: TuneConfig, train_cfg: TrainConfig, ray_cfg: RayConfig) -> N
 def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
     """Reject a search that cannot work before any trial starts; messages name the tune.* key."""
     if cfg.metric not in METRICS:
-        raise ConfigError(f"tune.metric={cfg.metric!r} is not reported by every epoch of a trial; "
-                          f"use one of {list(METRICS)}")
+        raise ConfigError(f"tune.metric={cfg.metric!r} is not in every report of a trial (mid-epoch ones carry "
+                          f"only validation metrics); use one of {list(METRICS)}")
+    if cfg.mode != BETTER[cfg.metric]:  # val_loss by max had handed on the worst model, exit 0
+        raise ConfigError(f"tune.mode={cfg.mode} ranks {cfg.metric} the wrong way round: the best {cfg.metric} is the "
+                          f"{'highest' if BETTER[cfg.metric] == 'max' else 'lowest'}; set tune.mode="
+                          f"{BETTER[cfg.metric]} (or leave tune.mode unset: it follows tune.metric)")
     if cfg.scheduler == "asha" and cfg.grace_period > cfg.max_epochs:
         raise ConfigError(f"tune.grace_period={cfg.grace_period} exceeds tune.max_epochs={cfg.max_epochs}: "
                           f"ASHA could never stop a trial early; lower grace_period")
@@ -89,6 +99,9 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
         if key in _SET_BY_TUNE:
             raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "
                               f"search; remove it from the search space")
+        if key in _SHARED:
+            raise ConfigError(f"tune.search_space.{key}: every trial of a search shares train.{key} (its plan and "
+                              f"checks are made once); set --set train.{key}=... for the whole search instead")
         if dist.type == "randint" and (dist.lower != int(dist.lower) or dist.upper != int(dist.upper)):
             raise ConfigError(f"tune.search_space.{key}: randint needs integer lower/upper, got "
                               f"{dist.lower:g}..{dist.upper:g}")

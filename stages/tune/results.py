@@ -23,7 +23,7 @@ from stages.common.config import TrainConfig, TuneConfig, section_dict
 from stages.common.trials import OUTCOMES, outcome
 from stages.tune.checks import searched_keys, trial_train_config
 
-__all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish"]
+__all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish", "mark_finished"]
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +109,40 @@ def _trial_config(result, ray_dir: str, s3) -> dict[str, Any]:
         return {}
 
 
-def _status(result) -> str:
+def mark_finished(ray_dir: str, trial_id: str, s3: Any | None) -> None:
+    """Called by a trial whose function ran to its end. Tune marks such a trial's last result `done`
+    only in memory: its result.json and saved state keep the last report (`done: false`), so after a
+    Ctrl-C or a killed driver the rerun read it as unfinished, Tune did not run it again (its state
+    says TERMINATED), and every rerun refused to publish. A trial the scheduler stops is saved `done`."""
+    fs, root = storage.filesystem(ray_dir, s3)
+    storage.write_bytes_atomic(fs, storage.join(root, EXPERIMENT, FINISHED_RECORD, trial_id), b"")
+
+
+def finished(ray_dir: str, s3: Any | None) -> set[str]:
+    """The trial ids `mark_finished` recorded (none for a search of an older raymill: `done` alone)."""
+    fs, root = storage.filesystem(ray_dir, s3)
+    try:
+        return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, EXPERIMENT, FINISHED_RECORD),
+                                                                detail=False)}
+    except FileNotFoundError:
+        return set()
+
+
+def _status(result, trial_id: str, ended: set[str]) -> str:
     """ERROR, TERMINATED (finished: by completion or a scheduler stop) or UNFINISHED.
 
-    A finished trial's last result is marked `done`; the trials Tune stops when a search is
-    interrupted are not (their saved state says RUNNING, so a restore resumes them).
+    A finished trial's last result is marked `done` in the search that ran it; after a restore only
+    `mark_finished`'s record (`ended`) says so for one that ran to its end. The trials Tune stops when a search is interrupted
+    are in neither (their saved state says RUNNING, so a restore resumes them).
     """
     if result.error:
         return "ERROR"
-    return "TERMINATED" if (result.metrics or {}).get("done") else "UNFINISHED"
+    return "TERMINATED" if (result.metrics or {}).get("done") or trial_id in ended else "UNFINISHED"
 
 
 def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -> list[dict[str, Any]]:
     """One dict per trial: params, status, per-epoch history of the metric, best value, timing."""
-    rows = []
+    rows, ended = [], finished(ray_dir, s3)
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
         params = {k: _trial_config(result, ray_dir, s3).get(k) for k in searched_keys(cfg)}
@@ -135,7 +155,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         candidates = sorted(history + kept, key=lambda h: h["epoch"])
         pick = max if cfg.mode == "max" else min
         best = pick(history or candidates, key=lambda h: h["value"]) if candidates else None
-        status = _status(result)
+        status = _status(result, trial_id, ended)
         try:
             planned = trial_train_config(train_cfg, params, cfg).epochs
         except ValueError:  # params that fail validation fail the trial too
@@ -321,3 +341,4 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
+FINISHED_RECORD = "finished"  # in it: an empty file per trial whose function ran to its end (mark_finished)

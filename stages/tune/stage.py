@@ -144,17 +144,20 @@ def _run_trial(ctx: dict, config: dict) -> None:
     tune_cfg, train_cfg = TuneConfig(**ctx["tune"]), TrainConfig(**ctx["train"])
     tcfg = trial_train_config(train_cfg, config, tune_cfg)
     loop = {**ctx["loop"], "train": section_dict(tcfg), "started_at": started_at}
+    trial_id = ray.tune.get_context().get_trial_id()
     if ctx["in_function"]:  # one worker: the loop runs here, reporting to Tune itself
         train_loop(loop, TuneHooks())
+        tune_results.mark_finished(ctx["ray_dir"], trial_id, ctx["s3"])
         return
     # The Train run's name must not change when this trial is retried or the search resumed:
     # Train V2 then restores the run from its own latest checkpoint.
-    name = f"trial-{ray.tune.get_context().get_trial_id()}"
+    name = f"trial-{trial_id}"
     datasets, _ = train.ray_data_datasets(tcfg, loop, ctx["plan"])  # ray_data workers read Train's shards
     trainer = train.build_trainer(tcfg, loop, ctx["plan"],
                                   ctx["ray_dir"], name, ctx["s3"], callbacks=[TuneReportCallback()],
                                   metric=tune_cfg.metric, mode=tune_cfg.mode, datasets=datasets)
     trainer.fit()  # raises when the run fails: Tune records the trial as ERROR
+    tune_results.mark_finished(ctx["ray_dir"], trial_id, ctx["s3"])
 
 
 def _trial_dirname(trial) -> str:
@@ -250,6 +253,8 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
                       fix=f"use a new output folder, or delete '{ray_dir}' to start over")
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
         log.info(f"tune: resuming the search in {ray_dir}/{EXPERIMENT} (finished trials are kept)")
+        tune_console.verbosity()  # its switches: a restored RunConfig keeps `verbose`, not them (a resume
+        # had drawn Tune's configuration box, its TensorBoard hint and its snapshot warnings)
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
                                    resume_errored=False, storage_filesystem=pafs)
     else:
@@ -269,9 +274,8 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
                            tune_console.TrialLines(cfg.num_samples, cfg.max_epochs, cfg.metric, searched_keys(cfg))],
                 checkpoint_config=_checkpoints(cfg, train_cfg),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
-        with console.no_tensorboard():  # a restored search keeps the loggers Tune gave it
-            return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
-    return tuner.fit()
+    with console.no_tensorboard():  # a restored search keeps the loggers it was given (tune_result_loggers)
+        return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
 
 
 def _checkpoints(cfg: TuneConfig, train_cfg: TrainConfig):
