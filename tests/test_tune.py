@@ -351,6 +351,9 @@ def test_config_errors_name_the_key(dataset, tmp_path):
 def test_a_search_that_would_rank_or_share_wrongly_is_refused_before_it_runs():
     # val_loss by mode max had handed on the worst model (exit 0); unset, the mode follows the metric
     assert _cfg("tune.metric=val_loss").tune.mode == "min"
+    # a nested key set with --set nests it ("augment.type: Field required" had said nothing useful)
+    nested = load_config(REPO / "configs/smoke.yaml", ["tune.search_space.augment.flip={type: choice, values: [true]}"])
+    assert list(nested.tune.search_space) == ["augment.flip"]
     with pytest.raises(ConfigError, match=r"tune\.mode=max ranks val_loss the wrong way round.*set tune\.mode=min"):
         tune.check_search(_cfg("tune.metric=val_loss", "tune.mode=max").tune, _cfg().train)
     # a sampled ingest=ray_data had failed every such trial; a sampled use_gpu was recorded, not used

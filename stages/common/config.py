@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
-from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, default_search_space
+from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, tune_defaults
 from stages.common.overrides import ConfigError, merge, parse_overrides, read_config_file
 from stages.common.storage import check_init_from, check_location, check_named, check_output_place
 
@@ -223,13 +223,7 @@ class TuneConfig(Section):
             raise ValueError("tune.handoff=retrain was removed; the search publishes the best trial's "
                              "checkpoint. To retrain with its params, copy best.json's train_config "
                              "into --set train.* and run `raymill train`")
-        data = {"mode": "min", **data} if data.get("metric") == "val_loss" else data  # unset: as the metric ranks
-        if not data.get("search_space"):
-            space = default_search_space(int(data.get("max_epochs", 6)))
-            if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
-                space.pop("epochs")
-            data = {**data, "search_space": space}
-        return data
+        return tune_defaults(data)
 
     @field_validator("search_space")
     @classmethod

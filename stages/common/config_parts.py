@@ -6,7 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
-__all__ = ["Section", "RunsModel", "ImageFormats", "Distribution", "default_search_space"]
+__all__ = ["Section", "RunsModel", "ImageFormats", "Distribution", "default_search_space", "flat_space",
+           "tune_defaults"]
 
 
 class Section(BaseModel):
@@ -60,6 +61,34 @@ class Distribution(Section):
         elif self.type == "loguniform" and self.lower <= 0:
             raise ValueError("type 'loguniform' needs 'lower' > 0")
         return self
+
+
+def tune_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """A tune section's raw values with what is unset filled in: the mode the metric ranks by
+    (val_loss: min), the search space flat (`flat_space`), the default space where none is given."""
+    data = {**({"mode": "min"} if data.get("metric") == "val_loss" else {}), **data,
+            "search_space": flat_space(data.get("search_space"))}
+    if not data["search_space"]:
+        space = default_search_space(int(data.get("max_epochs", 6)))
+        if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
+            space.pop("epochs")
+        data["search_space"] = space
+    return data
+
+
+def flat_space(space: Any, prefix: str = "") -> Any:
+    """A search space with nested keys written flat: `--set tune.search_space.augment.flip={...}`
+    nests `flip` under `augment`, which had been read as a distribution named `augment` ("type:
+    Field required"). A dict without `type` is a group of keys; anything else is left to validation."""
+    if not isinstance(space, dict):
+        return space
+    flat: dict[str, Any] = {}
+    for key, value in space.items():
+        if isinstance(value, dict) and "type" not in value and value:
+            flat.update(flat_space(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def default_search_space(max_epochs: int) -> dict[str, Distribution]:

@@ -140,6 +140,10 @@ def quiet_tune() -> None:
     list (worker_nodes) is no scalar."""
     if not verbose():
         logging.getLogger("ray.tune.logger.tensorboardx").setLevel(logging.ERROR)
+        # tune.py's lines at an interrupted search ("Experiment has been interrupted ... Resume
+        # experiment with: Tuner.restore(...)", "Trials did not complete"): raymill's own line says
+        # how to resume (rerun the command), and trials.md which trials were unfinished
+        logging.getLogger("ray.tune.tune").setLevel(logging.CRITICAL)
 
 
 def quiet_serve() -> None:

@@ -254,8 +254,9 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
     def read(*names: str) -> dict[str, bytes]:
         return {n: fs.cat_file(storage.join(root, n)) for n in names if fs.exists(storage.join(root, n))}
 
-    final = artifact.manifest.get("metrics", {})  # per-epoch names keep their per-epoch histories
-    log_metrics(handle, {k: v for k, v in final.items() if k not in EPOCH_METRICS})
+    final = artifact.manifest.get("metrics", {})  # a train run's per-epoch names keep their histories;
+    kept = EPOCH_METRICS if artifact.stage == "train" else ()  # a search's run has none (test_acc was lost)
+    log_metrics(handle, {k: v for k, v in final.items() if k not in kept})
     log_files(handle, read("model.json", "curves.png", "manifest.json", "search.png", "trials.md"))
     version = register_model(handle, cfg.tracking.model_name, read("model.pt", "model.json"))
     end(handle, "FINISHED")
@@ -286,6 +287,9 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
             artifact = body(handle)
         except ConfigError:  # refused before any work (another config in the output, a bad key)
             _discard(handle)
+            raise
+        except KeyboardInterrupt:  # Ctrl-C, or a search stopped before its end (TuneInterrupted)
+            end(handle, "KILLED")
             raise
         except BaseException:
             end(handle, "FAILED")

@@ -55,8 +55,9 @@ class TuneError(RuntimeError):
     """The search ran but produced no usable model (every trial failed)."""
 
 
-class TuneInterrupted(RuntimeError):
-    """The search stopped before every trial finished; running again resumes it."""
+class TuneInterrupted(KeyboardInterrupt):
+    """The search stopped before every trial finished (Ctrl-C, which Tune itself catches, or Tune's
+    stop signal); running again resumes it. An interrupt: the CLI exits 130, MLflow says KILLED."""
 
 
 # ---- config -------------------------------------------------------------------------------------
