@@ -144,6 +144,9 @@ def quiet_tune() -> None:
         # experiment with: Tuner.restore(...)", "Trials did not complete"): raymill's own line says
         # how to resume (rerun the command), and trials.md which trials were unfinished
         logging.getLogger("ray.tune.tune").setLevel(logging.CRITICAL)
+        # Tune's result loggers, as PBT restarts a trial from a donor's checkpoint before the trial
+        # wrote its own result.json: "Remote file not found: .../result.json" (nothing is lost)
+        logging.getLogger("ray.tune.logger.logger").setLevel(logging.ERROR)
 
 
 def quiet_serve() -> None:

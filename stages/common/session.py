@@ -48,7 +48,7 @@ class WorkerPlan:
 
 
 def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_cpus: float,
-                 slots: int = 1, keep_reserve: bool | None = None) -> WorkerPlan:
+                 slots: int = 1, keep_reserve: bool | None = None, say: bool = True) -> WorkerPlan:
     """Fit `slots` concurrent trainers of `train.num_workers` workers into `resources`.
 
     The Ray Data reserve is kept when Ray Data runs beside the trainers (`train.ingest=ray_data`,
@@ -91,8 +91,9 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
               f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
               else f"{train.decode_threads} decode threads")
-    log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
-             plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
+    if say:  # not for a check made before Ray starts (plan_trials(say=False)): the plan is said once
+        log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
+                 plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
 
 
@@ -216,7 +217,7 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
             f"driver) but only {max(0.0, free(1)):g} CPUs are free of {resources['CPU']:g} after "
             f"ray.data_reserved_cpus={data_reserved_cpus:g}: {', '.join(fixes)}")
     plan = plan_workers(per_trial, {**resources, "CPU": resources["CPU"] - concurrent * TRIAL_DRIVER_CPUS},
-                        data_reserved_cpus, slots=concurrent, keep_reserve=True)
+                        data_reserved_cpus, slots=concurrent, keep_reserve=True, say=say)
     in_function = workers == 1 and train.ingest == "stream"
     if say:  # not for the check before Ray (stages.tune.checks.check_room): the search says it
         log.info("trial plan: %d trial(s) at a time, %s", concurrent,
