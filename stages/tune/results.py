@@ -76,6 +76,23 @@ def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
     return history, diverged
 
 
+def _trained_params(result, keys: list[str]) -> dict[str, Any]:
+    """The searched values the trial's last report was trained with. PBT changes a trial's config at
+    each exploit, and `Result.config` and params.json both named another one than the last epoch
+    trained with (a donor's unperturbed values; an exploit after the last epoch that never trained)."""
+    df = result.metrics_dataframe
+    if df is None or not len(df):
+        return {}
+    last = df.iloc[-1]
+    cells = {k: last[f"config/{k}"] for k in keys if f"config/{k}" in df}
+    return {k: _plain(v) for k, v in cells.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+
+
+def _plain(value: Any) -> Any:
+    """A dataframe cell as the Python value it was reported as (numpy scalars are not JSON)."""
+    return value.item() if hasattr(value, "item") else value
+
+
 def _checkpoint_path(result, row) -> str | None:
     """Where a report's checkpoint is: a TorchTrainer trial reports the path of its Train run's
     checkpoint; a one-worker trial's checkpoint is a folder Tune named in the trial folder."""
@@ -145,7 +162,8 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
     rows, ended = [], finished(ray_dir, s3)
     for result in grid:
         trial_id = str(result.path).rstrip("/").rsplit("/", 1)[-1].removeprefix("trial-")
-        params = {k: _trial_config(result, ray_dir, s3).get(k) for k in searched_keys(cfg)}
+        params = {**{k: _trial_config(result, ray_dir, s3).get(k) for k in searched_keys(cfg)},
+                  **_trained_params(result, searched_keys(cfg))}
         history, diverged = _history(result, cfg.metric)
         # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
         # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
