@@ -204,7 +204,11 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
     else:
         fit = most(1.0) if most(1.0) >= 2 else most(MIN_TRIAL_CPUS_PER_WORKER)
     if train.use_gpu:
-        fit = min(fit, int(resources["GPU"] // (train.gpus_per_worker * workers)))
+        if (gpu_fit := int(resources["GPU"] // (train.gpus_per_worker * workers))) < 1:  # not the CPUs' fault
+            raise ConfigError(f"train.use_gpu=true: one trial needs tune.workers_per_trial={workers} x "
+                              f"train.gpus_per_worker={train.gpus_per_worker:g} GPU, and the cluster has "
+                              f"{resources['GPU']:g}; set train.use_gpu=false, or run on a node with GPUs")
+        fit = min(fit, gpu_fit)
     concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
     if concurrent < 1:
         cpus = per_trial.cpus_per_worker or MIN_TRIAL_CPUS_PER_WORKER
