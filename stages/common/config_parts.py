@@ -79,12 +79,14 @@ def tune_defaults(data: dict[str, Any]) -> dict[str, Any]:
 def flat_space(space: Any, prefix: str = "") -> Any:
     """A search space with nested keys written flat: `--set tune.search_space.augment.flip={...}`
     nests `flip` under `augment`, which had been read as a distribution named `augment` ("type:
-    Field required"). A dict without `type` is a group of keys; anything else is left to validation."""
+    Field required"). A dict of dicts without `type` is a group of keys; anything else is left to
+    validation (`{lr: {lower: 0.1}}` still says that lr's `type` is missing)."""
     if not isinstance(space, dict):
         return space
     flat: dict[str, Any] = {}
     for key, value in space.items():
-        if isinstance(value, dict) and "type" not in value and value:
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()) \
+                and "type" not in value:
             flat.update(flat_space(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
