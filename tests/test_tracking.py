@@ -369,3 +369,32 @@ def test_epoch_log_reads_the_one_worker_hosts_checkpoint_names(tmp_path):
         (folder / "meta.json").write_text(json.dumps({"history": [{"epoch": e} for e in range(1, epochs + 1)]}))
     (tmp_path / "params.json").write_text("{}")  # Tune's own files beside them are passed over
     assert [h["epoch"] for h in EpochLog(None, str(tmp_path))._new_history()] == [1, 2, 3]
+
+
+def test_an_interrupted_searchs_trial_runs_end_killed_and_a_resume_goes_on_in_them(tmp_path):
+    # after Ctrl-C the in-flight trials' runs had stayed RUNNING for good, and the resume started a
+    # second child run for each of them
+    from ray.tune.experiment import Trial
+
+    from stages.common.tracking_tune import TrialLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tags = {"mlflow.parentRunId": "parent-1", "raymill.stage": "tune-trial"}
+    first = TrialLogger(tracking_uri=uri, experiment_name="resume", max_epochs=4, tags=dict(tags))
+    first.setup()
+    trial = Trial("trainable", config={"lr": 0.1}, stub=True, trial_id="t1")
+    first.log_trial_start(trial)
+    trial.set_status(Trial.RUNNING)
+    first.on_experiment_end([trial])  # Tune's cleanup, interrupted search
+    client = _client(uri)
+    experiment = client.get_experiment_by_name("resume").experiment_id
+    (run,) = client.search_runs([experiment])
+    assert run.info.status == "KILLED"
+    again = TrialLogger(tracking_uri=uri, experiment_name="resume", max_epochs=4, tags=dict(tags))
+    again.setup()  # the resumed search: a fresh callback (Tune unpickles it) and the same trial
+    again.log_trial_start(trial)
+    (resumed,) = client.search_runs([experiment])
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "RUNNING"
+    trial.set_status(Trial.TERMINATED)
+    again.on_experiment_end([trial])
+    assert client.get_run(run.info.run_id).info.status == "RUNNING"  # ended by log_trial_end, not here

@@ -41,11 +41,45 @@ class TrialLogger(MLflowLoggerCallback):
         self._guard("setup", super().setup)
 
     def log_trial_start(self, trial) -> None:
+        if trial not in self._trial_runs:  # a resumed search: the trial's run from before goes on
+            self._guard("trial resume", self._resume_run, trial)
+            if trial in self._trial_runs:
+                self._guard("trial resume", self._log_explored, trial)
+                return
         if trial in self._trial_runs:  # restarted by a PBT exploit: a donor's weights, an explored config
             self._guard("trial exploit", self._log_explored, trial)
         else:
             self._guard("trial start", super().log_trial_start, trial)
             self._guard("trial start", self._log_explored, trial)
+
+    def _resume_run(self, trial) -> None:
+        """Adopt this trial's run of an interrupted attempt of the same search (same parent run): a
+        resume had started a second child run per trial, the first left RUNNING for good."""
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = client.get_experiment_by_name(self.experiment_name) if self.experiment_name else None
+        parent = (self.tags or {}).get("mlflow.parentRunId")
+        if experiment is None or parent is None:
+            return
+        found = client.search_runs([experiment.experiment_id], max_results=1, filter_string=(
+            f"tags.trial_name = '{trial}' and tags.`mlflow.parentRunId` = '{parent}'"))
+        if found:
+            self._trial_runs[trial] = found[0].info.run_id
+            client.update_run(found[0].info.run_id, status="RUNNING")
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        """A search that ends with trials unfinished (Ctrl-C, Tune's stop): their runs end KILLED, not
+        RUNNING forever; a resume takes them up again (`_resume_run`)."""
+        self._guard("search end", self._end_unfinished, trials)
+
+    def _end_unfinished(self, trials: list) -> None:
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.tracking_uri)
+        for trial in trials:
+            if trial in self._trial_runs and trial.status not in ("TERMINATED", "ERROR"):
+                client.set_terminated(self._trial_runs[trial], status="KILLED")
 
     def _log_explored(self, trial) -> None:
         """The trial's numeric config as metrics `config.<key>` at its current iteration. MLflow
