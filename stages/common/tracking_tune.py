@@ -15,6 +15,11 @@ from stages.common.tracking_guard import has_failed, warn_failure
 
 __all__ = ["TrialLogger"]
 
+# Report keys that are Tune's or the loop's bookkeeping, not a trial's metrics: each had become an
+# MLflow metric per report (config/lr beside raymill's config.lr, pid, timestamp, done, ...)
+_BOOKKEEPING = frozenset({"config", "pid", "timestamp", "done", "should_checkpoint", "at", "first_batch_at",
+                          "time_since_restore", "iterations_since_restore", "position_step"})
+
 
 class TrialLogger(MLflowLoggerCallback):
     """One child run per trial, tagged `raymill.outcome` by trials.md's rule: a trial the scheduler
@@ -94,8 +99,9 @@ class TrialLogger(MLflowLoggerCallback):
                 client.log_metric(self._trial_runs[trial], f"config.{key}", float(value), step=step)
 
     def log_trial_result(self, iteration: int, trial, result: dict) -> None:
-        if trial in self._trial_runs:
-            self._guard("trial result", super().log_trial_result, iteration, trial, result)
+        if trial in self._trial_runs:  # the config is logged once (params, `config.*`), not per report
+            kept = {k: v for k, v in result.items() if k not in _BOOKKEEPING}
+            self._guard("trial result", super().log_trial_result, iteration, trial, kept)
 
     def log_trial_end(self, trial, failed: bool = False) -> None:
         if trial in self._trial_runs:
