@@ -6,7 +6,6 @@ The console shows raymill's own lines; Ray's chatter stays in Ray's log files un
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -84,7 +83,10 @@ def _command(args) -> int:
 def cmd_demo_data(args) -> int:
     from workflow import demo_data
 
-    info = demo_data.generate(args.out, images=args.images, seed=args.seed)
+    try:
+        info = demo_data.generate(args.out, images=args.images, seed=args.seed)
+    except ValueError as e:  # the arguments' checks (demo_data._check_args): a usage error
+        raise ConfigError(str(e).replace("pass images >=", "pass --images >=").replace(" or lower classes", "")) from None
     print(f"demo-data: wrote {info['images']} images in {len(info['classes'])} classes to {info['out']}")
     return 0
 
@@ -114,7 +116,13 @@ def cmd_etl(args) -> int:
 def cmd_verify(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import etl
+    from stages.common.artifacts import manifest_kind
 
+    fs, root = storage.filesystem(args.dst, cfg.s3)
+    if not fs.exists(root):  # a wrong path is a usage error; an unpublished folder is a problem found
+        raise ConfigError(f"'{args.dst}' does not exist; pass an ETL output folder")
+    if (kind := manifest_kind(fs, root)) not in (None, "raymill.etl"):
+        raise ConfigError(f"'{args.dst}' holds a {kind} output; `raymill verify` checks an ETL output folder")
     problems = etl.verify(args.dst, cfg.s3)
     for line in problems:
         print(f"verify: {line}")
@@ -126,9 +134,9 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import train
     from stages.common import tracking
-    from stages.common.artifacts import load_artifact
+    from stages.common.artifacts import load_input
 
-    data = load_artifact(args.data, "etl", cfg.s3)
+    data = load_input(args.data, "etl", cfg.s3)
     with _locked_before_ray(cfg, data, args.output, args.overwrite, "train", [cfg.train.model]):
         artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
             cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
@@ -148,10 +156,12 @@ def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models:
     lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
     from stages.common.locks import output_lock
+    from stages.etl.checks import check_format
     from stages.model.sizes import check_image_size
     from workflow import preflight
 
     check_image_size(models, data.manifest["config"]["image_size"])
+    check_format(data.manifest, data.path, cfg.train.data_format)
     preflight.check_init_source(cfg, models)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
@@ -164,18 +174,18 @@ def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import tune
     from stages.common import tracking
-    from stages.common.artifacts import load_artifact
+    from stages.common.artifacts import load_input
     from stages.tune.checks import check_room, check_search
 
     check_search(cfg.tune, cfg.train)  # before Ray
     check_room(cfg.tune, cfg.train, cfg.ray)
-    data = load_artifact(args.data, "etl", cfg.s3)
+    data = load_input(args.data, "etl", cfg.s3)
     with _locked_before_ray(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model)):
         artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
             cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
             callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output,
                                                                cfg.run.seed, cfg.s3))
-    print(f"tune: best {artifact.manifest['metrics']} -> {artifact.path}")
+    print(f"tune: {_pairs(artifact.manifest['metrics'])} -> {artifact.path}")
     return 0
 
 
@@ -192,8 +202,16 @@ def cmd_infer(args) -> int:
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
                              start_ray=lambda: session.start(cfg.ray), cpus=cfg.ray.num_cpus)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
-    print(f"infer: {json.dumps(artifact.manifest.get('metrics', {}))[:300]} -> {artifact.path}")
+    print(f"infer: {_pairs(artifact.manifest.get('metrics', {}))} -> {artifact.path}")
     return 0
+
+
+def _pairs(metrics: dict) -> str:
+    """A stage's scalar metrics as `key=value` pairs, every one (a JSON cut at 300 characters had
+    ended mid-value: "device_utilisation": 0 for 0.55), floats to 4 significant digits."""
+    shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()
+             if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+    return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
 def cmd_serve(args) -> int:
@@ -302,8 +320,12 @@ def cmd_export(args) -> int:
 def cmd_doctor(args) -> int:
     """Every listening port of this user's Ray processes, classified as tests/test_exposure.py
     does (stages.common.exposure); exit 1 when one is exposed."""
+    import psutil
+
     from stages.common import exposure
 
+    if args.pid and not psutil.pid_exists(args.pid):  # had said "no Ray process of yours is listening", exit 0
+        raise ConfigError(f"--pid {args.pid}: no such process on this machine")
     rows = exposure.rows(exposure.process_tree(args.pid) if args.pid else exposure.ray_processes())
     if not rows:
         print("doctor: no Ray process of yours is listening on this machine")

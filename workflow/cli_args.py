@@ -41,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also show Ray's own log lines and full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo-data", help="write the built-in demo ImageFolder dataset")
-    p.add_argument("out", type=_local_output)
-    p.add_argument("--images", type=int, default=1500)
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("demo-data", help="write the built-in demo ImageFolder dataset (10 shape classes)")
+    p.add_argument("out", type=_local_output, help="local folder to write <out>/<class>/<image> into")
+    p.add_argument("--images", type=int, default=1500, help="how many images, over the 10 classes (default 1500)")
+    p.add_argument("--seed", type=int, default=0, help="the same seed writes the same bytes (default 0)")
 
     p = sub.add_parser("etl", help="images (folder or s3://) -> parquet/tar shards + manifest")
     p.add_argument("--input", required=True, type=_location, help="ImageFolder tree: <input>/<class>/<image>, or <input>/<split>/<class>/<image>")
@@ -66,33 +66,40 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
 
     p = sub.add_parser("tune", help="hyperparameter search (ASHA, PBT or FIFO) over the trainer")
-    p.add_argument("--data", required=True, type=_location)
-    p.add_argument("--output", required=True, type=_output)
+    p.add_argument("--data", required=True, type=_location, help="ETL output folder or s3:// prefix")
+    p.add_argument("--output", required=True, type=_output, help="folder for the best model, trials.md and the search")
     _common(p)
 
-    p = sub.add_parser("infer", help="batch inference with Ray Data -> predictions.parquet + metrics.json")
-    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--data", required=True, type=_location, help="ETL output (uses infer.split) or a raw image folder")
-    p.add_argument("--output", required=True, type=_output)
-    _common(p)
-
-    p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
-    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; other interfaces only when asked)")
-    p.add_argument("--port", type=int, default=None)
-    p.add_argument("--replicas", type=int, default=None)
-    _common(p)
-
+    _model_parsers(sub)
     _export_parser(sub)
 
     p = sub.add_parser("doctor", help="what the Ray sessions on this machine expose: every listening port, classified")
     p.add_argument("--pid", type=int, default=None, help="only this process and its descendants (a raymill command)")
 
-    p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer -> (export)")
+    p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer -> (export)",
+                       description="ETL -> train -> (tune) -> infer -> (export) -> (serve) into run.dir; a stage "
+                                   "whose inputs and config are unchanged is reused")
     p.add_argument("--serve", action="store_true", help="then serve the model and send test requests")
     p.add_argument("--force", action="store_true", help="recompute stages even if unchanged")
     _common(p)
     return parser
+
+
+def _model_parsers(sub) -> None:
+    p = sub.add_parser("infer", help="batch inference (Ray Data; a small job in this process) -> predictions + "
+                                     "metrics.json")
+    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--data", required=True, type=_location, help="ETL output (uses infer.split) or a raw image folder")
+    p.add_argument("--output", required=True, type=_output, help="folder for the predictions and metrics")
+    _common(p)
+
+    p = sub.add_parser("serve", help="online inference over HTTP (Ray Serve, dynamic batching)")
+    p.add_argument("--model", required=True, type=_location, help="train/tune output folder (model.pt + model.json)")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1; other interfaces only when asked)")
+    p.add_argument("--port", type=int, default=None, help="HTTP port (default serve.port, 8000); a port where "
+                                                           "`raymill serve` answers is rolled to --model")
+    p.add_argument("--replicas", type=int, default=None, help="model replicas (default serve.num_replicas)")
+    _common(p)
 
 
 def _export_parser(sub) -> None:

@@ -23,6 +23,7 @@ starts fast.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import re
@@ -30,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageChops, ImageFilter
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CLASS_NAMES", "generate"]
 
@@ -312,7 +315,8 @@ def generate(
     ``out/<class>/<class>_<i:05d>.jpg`` (or ``.png``, with probability ``png_fraction``).
     ``size=(w, h)`` fixes every image's size; by default each side is random in [48, 160].
 
-    ``out`` is created if needed. Files of a previous call in ``out`` are overwritten; leftover
+    ``out`` is created if needed. Files of a previous call in ``out`` are rewritten where their bytes
+    differ (identical ones are left, mtime and all: `raymill run` reuses its ETL then); leftover
     files that *this module's naming scheme* produced (``<class>/<class>_NNNNN.jpg|png`` inside a
     shape-named folder) but that this call does not write are removed, so re-generating with
     other arguments never mixes two datasets. Nothing else in ``out`` is touched.
@@ -337,11 +341,15 @@ def generate(
         cls = names[i % classes]
         data = _encode(rng, _render(rng, cls, w, h), is_png)
         path = out_path / cls / f"{cls}_{i:05d}.{'png' if is_png else 'jpg'}"
-        path.write_bytes(data)
+        if not (path.is_file() and path.read_bytes() == data):  # the same bytes keep their mtime: a
+            path.write_bytes(data)  # second `make run` had re-run ETL (the listing's mtimes had changed)
         written.add(path)
         total += len(data)
 
     _remove_stale(out_path, written)
+    if others := sorted(p.name for p in out_path.iterdir() if p.is_dir() and p.name not in CLASS_NAMES):
+        log.warning("demo-data: '%s' also holds folders that are not demo classes (%s): ETL would read them "
+                    "as classes beside the demo's; generate into an empty or new folder", out, ", ".join(others[:3]))
     return {"images": images, "classes": names, "bytes": total, "out": str(out)}
 
 

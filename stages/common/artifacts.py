@@ -15,7 +15,7 @@ from typing import Any
 from stages.common import locks, storage
 from stages.common.config import ConfigError
 
-__all__ = ["Artifact", "MANIFEST", "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
+__all__ = ["Artifact", "MANIFEST", "InputNotPublishedError", "load_input", "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
            "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 
@@ -160,6 +160,24 @@ def listed_files(manifest: dict[str, Any]) -> list[str]:
     if isinstance(quarantine, dict) and quarantine.get("path"):
         named.append(quarantine["path"])
     return [str(n) for n in named]
+
+
+class InputNotPublishedError(ConfigError):
+    """A command's input folder is not the published output it needs (exit 2, with the command that makes it)."""
+
+
+def load_input(path: str, stage: str, s3: Any | None = None, flag: str = "--data") -> Artifact:
+    """`load_artifact` for a command's input: a folder that is not `stage`'s published output is a
+    usage error naming the fix (a raw image folder to `raymill train` had been exit 1, "failed")."""
+    try:
+        return load_artifact(path, stage, s3)
+    except FileNotFoundError:
+        fix = (f"; for a folder of images, run `raymill etl --input {path} --output <dataset>` first and pass "
+               f"<dataset> (or `raymill run`)") if stage == "etl" else f"; pass a raymill {stage} output folder"
+        raise InputNotPublishedError(f"{flag} '{path}' is not a published raymill {stage} output (no {MANIFEST})"
+                                     f"{fix}") from None
+    except ValueError as e:
+        raise InputNotPublishedError(f"{flag} '{path}': {e}") from None
 
 
 class ModelNotFoundError(ConfigError):

@@ -11,7 +11,7 @@ from stages.common.config import ConfigError
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, enclosing_output, foreign_files
 from stages.etl import publish as publishing
 
-__all__ = ["OutputExistsError", "InputNotFoundError", "preflight", "check_apart", "check_output", "input_folder",
+__all__ = ["OutputExistsError", "InputNotFoundError", "check_format", "preflight", "check_apart", "check_output", "input_folder",
            "image_input", "output_outside_outputs", "used_output", "PUBLISHED"]
 
 
@@ -142,3 +142,12 @@ def used_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | No
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")
     return None
+
+
+def check_format(manifest: dict[str, Any], path: str, data_format: str) -> None:
+    """Refuse a train.data_format the ETL output at `path` holds no shards of; cheap (its manifest
+    only), so the CLI says it before Ray starts (it had been said 17 s later, after Ray's start)."""
+    formats = {s["format"] for s in manifest["shards"]}
+    if data_format not in formats:
+        raise ConfigError(f"train.data_format={data_format} but '{path}' holds only {sorted(formats)} shards; set "
+                          f"train.data_format or re-run ETL with that format")

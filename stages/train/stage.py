@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 from stages.train import capacity
 from stages.etl import integrity
+from stages.etl.checks import check_format
 from stages.etl.layout import more_rows_fix
 from stages.feed import ray_data as ingest_ray
 from stages.model import init_weights, publish
@@ -45,10 +46,7 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
     `model_names`: the models that will train on it (a search's), train.model when empty."""
     manifest = data.manifest
     check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
-    formats = {s["format"] for s in manifest["shards"]}
-    if cfg.data_format not in formats:
-        raise ConfigError(f"train.data_format={cfg.data_format} but '{data.path}' holds only "
-                          f"{sorted(formats)} shards; set train.data_format or re-run ETL with that format")
+    check_format(manifest, data.path, cfg.data_format)
     if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
         problems = integrity.verify_once(data.path, s3)  # re-hashes only what changed since a clean check
         if problems:
