@@ -112,9 +112,15 @@ def test_a_folder_of_someone_elses_files_is_refused_as_an_output_by_infer_and_by
 def test_a_folder_where_no_file_is_an_image_fails_naming_the_fix(setup, tmp_path):
     """An ETL output's shards/ (or a run folder) passed as --data: every row was an error, exit 0."""
     data, model_path = setup
-    with pytest.raises(infer.InferError, match=r"none of the \d+ file\(s\) .* not its shards/"):
+    with pytest.raises(ConfigError, match=r"is inside the raymill.etl output .* as --data"):  # exit 2, before reading
         infer.run(InferConfig(), model_path, f"{data.path}/shards", str(tmp_path / "out"))
     assert not (tmp_path / "out" / "manifest.json").exists()
+    import shutil  # a folder holding an ETL output beside images (a run folder): predicted as images, exit 0
+
+    (tmp_path / "mixed" / "cat").mkdir(parents=True)
+    shutil.copy(Path(data.path) / "manifest.json", tmp_path / "mixed" / "cat" / "manifest.json")
+    with pytest.raises(ConfigError, match=r"holds raymill's own files \('cat' is"):
+        infer.run(InferConfig(), model_path, str(tmp_path / "mixed"), str(tmp_path / "out"))
     (tmp_path / "empty").mkdir()  # exit 2 as ETL's is (a wrong --data), not 1
     with pytest.raises(etl.InputNotFoundError, match="no files under"):
         infer.run(InferConfig(), model_path, str(tmp_path / "empty"), str(tmp_path / "out"))

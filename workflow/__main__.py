@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         if (tracking := sys.modules.get("stages.common.tracking")) is not None:
             tracking.settle()  # a run that failed early leaves no half-created MLflow store
         console.before_exit()
+        if argv is None and signal.getsignal(signal.SIGINT) in (_first_interrupt, _second_interrupt):
+            # The process's command has ended (its output published, or its error said); Ray's own
+            # shutdown at exit follows. A Ctrl-C there had printed a traceback from Ray's atexit hook,
+            # exit 0, and left Ray's agents running for a minute: the teardown (seconds) finishes
+            # instead. Only as the CLI (argv from sys.argv): a caller of main([...]) keeps its handler.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _first_interrupt(signum, frame) -> None:

@@ -43,19 +43,20 @@ def preflight(source: str, out: str, s3: Any | None = None, overwrite: bool = Fa
         raise OutputExistsError(PUBLISHED.format(out=out))
 
 
-def image_input(source: str, s3: Any | None = None) -> None:
+def image_input(source: str, s3: Any | None = None, fix: str | None = None) -> None:
     """The input is a folder, and not another stage's output or a folder inside one (its shards/:
     that had been "no image files found", or "100% bad files", after Ray's start), nor a `raymill
     run` folder or a folder of them (read as classes 'etl', 'train': "99% of files are bad")."""
+    fix = fix or _PASS_TREE  # what to pass instead (`raymill infer` says --data)
     fs, root = storage.filesystem(source, s3)
     input_folder(fs, root, source)
     if (kind := _kind(fs, root)) is not None:
-        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; {_PASS_TREE}")
+        raise ConfigError(f"input '{source}' is a {kind} output, not an image folder; {fix}")
     if storage.is_remote(source):  # a request per parent prefix: the local case is the common one
         return
     if (parent := enclosing_output(source, s3)) is not None:
         raise ConfigError(f"input '{source}' is inside the {parent[1]} output '{parent[0]}', not an image "
-                          f"folder; {_PASS_TREE}")
+                          f"folder; {fix}")
     try:  # class folders only: a linked one is ETL's to follow or skip (etl.follow_symlinks)
         folders = [Path(root)] + [c for c in sorted(Path(root).iterdir()) if c.is_dir() and not c.is_symlink()]
     except OSError:  # unreadable: the listing names it
@@ -64,7 +65,7 @@ def image_input(source: str, s3: Any | None = None) -> None:
         if (what := _raymill_folder(fs, folder)) is not None:
             name = "it" if folder == Path(root) else f"'{folder.name}'"
             raise ConfigError(f"input '{source}' holds raymill's own files ({name} is {what}), not an image "
-                              f"folder; {_PASS_TREE}")
+                              f"folder; {fix}")
 
 
 _PASS_TREE = "pass the <class>/<image> tree as --input (run.source for `raymill run`)"

@@ -11,7 +11,7 @@ from typing import Any
 from stages.common import storage
 from stages.common.artifacts import Artifact, load_artifact, manifest_kind
 from stages.common.config import ConfigError, InferConfig
-from stages.etl import integrity, layout as layouts, sources
+from stages.etl import checks, integrity, layout as layouts, sources
 from stages.etl.stage import InputNotFoundError
 from stages.feed import streaming
 
@@ -55,6 +55,9 @@ def plan(cfg: InferConfig, source: str, info: dict, s3: Any | None) -> Plan:
         return _plan_shards(cfg, load_artifact(source, "etl", s3), info)
     if not fs.isdir(root):
         raise InputNotFoundError(f"input '{source}' is a file; pass an ETL output or an image folder")
+    # as ETL refuses them: a `raymill run` folder, or one holding an ETL output, had been predicted as
+    # images (its curves.png and shards as error rows), exit 0
+    checks.image_input(source, s3, fix="pass an image folder or an ETL output as --data")
     return _plan_files(fs, root, source, sources.read_rules(info), cfg.split)
 
 
