@@ -38,7 +38,8 @@ def test_a_split_tree_keeps_its_splits_and_takes_classes_from_the_folder_below(t
     art = etl.run(CFG, str(tmp_path / "src"), str(tmp_path / "ds"))
     m = art.manifest
     assert m["classes"] == ["bird", "cat", "dog"]
-    assert m["counts"] == {"train": {"cat": 6, "dog": 6}, "val": {"cat": 2, "dog": 2}, "test": {"cat": 3, "dog": 3}}
+    assert m["counts"] == {"train": {"bird": 0, "cat": 6, "dog": 6}, "val": {"bird": 0, "cat": 2, "dog": 2},
+                           "test": {"bird": 0, "cat": 3, "dog": 3}}
     quarantine = (Path(art.path) / m["quarantine"]["path"]).read_text().splitlines()
     assert [(q["path"], q["reason"]) for q in map(json.loads, quarantine)] == [("train/labels.csv",
                                                                                 "outside_class_folder")]
@@ -230,7 +231,8 @@ def test_a_class_missing_from_train_and_an_empty_val_are_warned_with_the_fix_tha
         (tmp_path / "src" / "test" / "bird" / f"b{i}.jpg").write_bytes(image_bytes(900 + i, size=(40, 30)))
     cfg = CFG.model_copy(update={"split": SplitFractions(train=1.0, val=0.0, test=0.0)})
     m = etl.run(cfg, str(tmp_path / "src"), str(tmp_path / "ds")).manifest
-    assert m["counts"]["val"] == {} and "bird" not in m["counts"]["train"]
+    assert set(m["counts"]["val"].values()) == {0} and m["counts"]["train"]["bird"] == 0
+    assert all(set(c) == set(m["classes"]) for c in m["counts"].values())  # every class in every split
     assert "['bird'] have images but none in the train split, so a model never learns them: add images to " \
            "train/bird/" in caplog.text
     assert "the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints by val_acc): " \

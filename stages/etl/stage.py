@@ -304,7 +304,9 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
     manifest.update({
         "run_id": run_id, "classes": listing.classes, "layout": listing.layout.record(listing.unlabelled_files),
         "image_shape": [cfg.image_size, cfg.image_size, 3],
-        "counts": {split: dict(sorted(c.items())) for split, c in counts.items()},
+        # every class in every split, 0 where it has none (`counts[split][cls]` had raised KeyError)
+        "counts": {split: {name: c.get(name, 0) for name in sorted({*listing.classes, *c})}
+                   for split, c in counts.items()},
         "shards": shard_list,
         "totals": {"files_in": len(listing.files) + len(listing.rejected), "rows_out": rows_out,
                    "quarantined": len(quarantine), "hidden_skipped": listing.hidden},
@@ -361,6 +363,6 @@ def _log_summary(m: dict[str, Any]) -> None:
     if untrained:  # a split hashes each file: a class of a few images can miss the train split
         log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "
                     "them: %s", untrained, layouts.more_rows_fix(m.get("layout"), "train", untrained))
-    if m["counts"]["train"] and not sum(m["counts"]["val"].values()):  # said here, not only by train's refusal
+    if sum(m["counts"]["train"].values()) and not sum(m["counts"]["val"].values()):  # said here, not only by train's refusal
         log.warning("etl: the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints "
                     "by val_acc): %s", layouts.more_rows_fix(m.get("layout"), "val", m["classes"]))
