@@ -363,6 +363,6 @@ def _log_summary(m: dict[str, Any]) -> None:
     if untrained:  # a split hashes each file: a class of a few images can miss the train split
         log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "
                     "them: %s", untrained, layouts.more_rows_fix(m.get("layout"), "train", untrained))
-    if sum(m["counts"]["train"].values()) and not sum(m["counts"]["val"].values()):  # said here, not only by train's refusal
+    if sum(m["counts"]["train"].values()) and not sum(m["counts"]["val"].values()):  # not only train's refusal
         log.warning("etl: the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints "
                     "by val_acc): %s", layouts.more_rows_fix(m.get("layout"), "val", m["classes"]))
