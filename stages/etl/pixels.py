@@ -42,8 +42,7 @@ def checked(data: bytes, size: int, resize: str, allowed_formats: tuple[str, ...
     try:
         load(img, size)
     except Exception as e:
-        reason = "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
-        raise BadImage(reason, f"{type(e).__name__}: {e}") from None
+        raise BadImage(_failed(e), f"{type(e).__name__}: {e}") from None
     try:
         return square(img, size, resize)
     except Exception as e:  # any other decoder failure is this file's problem, never the job's
@@ -80,6 +79,12 @@ class BadImage(ValueError):
         self.detail = detail
 
 
+def _failed(e: Exception) -> str:
+    """`truncated` for bytes that end too soon (Pillow's "image file is truncated", "Truncated File
+    Read", EOFError), else `corrupt`."""
+    return "truncated" if "truncated" in str(e).lower() or isinstance(e, EOFError) else "corrupt"
+
+
 def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -> Image.Image:
     """Parse the header only: format and size are checked before any pixel is decoded."""
     if not data:
@@ -92,8 +97,8 @@ def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -
         raise BadImage("not_an_image", "no known image signature") from None
     except Image.DecompressionBombError as e:  # Pillow's own guard (raymill lifts it; preprocess.py keeps it)
         raise BadImage("decompression_bomb", str(e)) from None
-    except Exception as e:  # Pillow raises many types on malformed headers
-        raise BadImage("corrupt", f"{type(e).__name__}: {e}") from None
+    except Exception as e:  # Pillow raises many types on malformed headers; a file cut inside its header
+        raise BadImage(_failed(e), f"{type(e).__name__}: {e}") from None  # is "truncated" too
     # A JPEG with an MPF segment (phones, some cameras) opens as MPO; its first frame is the JPEG.
     fmt = "JPEG" if img.format == "MPO" else img.format
     if fmt not in allowed_formats:
