@@ -198,7 +198,9 @@ def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", 
     failed the deploy after 42-43 s with "Failed to update the deployments", exit 1 (2-core box)."""
     fs, root = storage.filesystem(path, s3)
     if (data := storage.read_small_if_any(fs, storage.join(root, "model.json"))) is None:
-        raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as {flag}")
+        inside = [s for s in ("tune", "train") if fs.exists(storage.join(root, s, "model.json"))]  # a run folder
+        raise ModelNotFoundError(f"no model.json in '{path}'; pass a train or tune output folder as {flag}"
+                                 + (f" (e.g. {storage.join(path, inside[0])})" if inside else ""))
     try:
         info = json.loads(data)
         info = info if isinstance(info, dict) else None
