@@ -417,7 +417,8 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     check_room(cfg.tune, cfg.train, cfg.ray.model_copy(update={"num_cpus": 2}))
     # use_gpu on a cluster of no GPU: said so (it had said "only 1.49 CPUs are free")
     gpu = cfg.train.model_copy(update={"use_gpu": True})
-    with pytest.raises(ConfigError, match=r"train.use_gpu=true: .* GPU, and the cluster has 0; set train.use_gpu=false"):
+    with pytest.raises(ConfigError, match=r"train.use_gpu=true: .* GPU, and the cluster has 0; "
+                                          r"set train.use_gpu=false"):
         session.plan_trials(cfg.tune, gpu, {"CPU": 2.0, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
 
 

@@ -92,7 +92,8 @@ def cmd_demo_data(args) -> int:
     try:
         info = demo_data.generate(args.out, images=args.images, seed=args.seed)
     except ValueError as e:  # the arguments' checks (demo_data._check_args): a usage error
-        raise ConfigError(str(e).replace("pass images >=", "pass --images >=").replace(" or lower classes", "")) from None
+        raise ConfigError(str(e).replace("pass images >=", "pass --images >=")
+                          .replace(" or lower classes", "")) from None
     print(f"demo-data: wrote {info['images']} images in {len(info['classes'])} classes to {info['out']}")
     return 0
 
@@ -256,8 +257,9 @@ def cmd_serve(args) -> int:
     try:
         url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
         endpoint.warn_if_exposed(cfg.serve)
-        print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}/infer "
-              f"(Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to NEW)", flush=True)
+        print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}"
+              f"/infer (Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to "
+              f"NEW)", flush=True)
         while True:
             time.sleep(3600)
     finally:

@@ -15,7 +15,8 @@ from typing import Any
 from stages.common import locks, storage
 from stages.common.config import ConfigError
 
-__all__ = ["Artifact", "MANIFEST", "InputNotPublishedError", "load_input", "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
+__all__ = ["Artifact", "MANIFEST", "InputNotPublishedError", "load_input",
+           "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
            "new_run_id", "write_manifest", "load_artifact",
            "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 

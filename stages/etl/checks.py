@@ -11,7 +11,8 @@ from stages.common.config import ConfigError
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, enclosing_output, foreign_files
 from stages.etl import publish as publishing
 
-__all__ = ["OutputExistsError", "InputNotFoundError", "check_format", "preflight", "check_apart", "check_output", "input_folder",
+__all__ = ["OutputExistsError", "InputNotFoundError", "check_format",
+           "preflight", "check_apart", "check_output", "input_folder",
            "image_input", "output_outside_outputs", "used_output", "PUBLISHED"]
 
 

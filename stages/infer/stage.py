@@ -1,6 +1,6 @@
 """Batch inference stage: an exported model over ETL shards or a raw image folder (local or s3://).
 
-Layout of the work (the ETL lesson: many small tasks, not one per node): the driver plans small work items (one per shard,
+Layout of the work (ETL's lesson: small tasks, not one per node): the driver plans small work items (one per shard,
 or one per raw file, a few hundred to a block). Two plans (`infer.decode`, session.plan_infer):
 - `actor` (the CPU default): each Ray Data actor loads the model once, then opens and decodes its
   own files. Image bytes never cross the object store; only prediction rows do.

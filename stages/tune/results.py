@@ -85,7 +85,8 @@ def _trained_params(result, keys: list[str]) -> dict[str, Any]:
         return {}
     last = df.iloc[-1]
     cells = {k: last[f"config/{k}"] for k in keys if f"config/{k}" in df}
-    return {k: _plain(v) for k, v in cells.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+    return {k: _plain(v) for k, v in cells.items()
+            if v is not None and not (isinstance(v, float) and math.isnan(v))}
 
 
 def _plain(value: Any) -> Any:
@@ -139,8 +140,8 @@ def finished(ray_dir: str, s3: Any | None) -> set[str]:
     """The trial ids `mark_finished` recorded (none for a search of an older raymill: `done` alone)."""
     fs, root = storage.filesystem(ray_dir, s3)
     try:
-        return {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(storage.join(root, EXPERIMENT, FINISHED_RECORD),
-                                                                detail=False)}
+        listed = fs.ls(storage.join(root, EXPERIMENT, FINISHED_RECORD), detail=False)
+        return {p.rstrip("/").rsplit("/", 1)[-1] for p in listed}
     except FileNotFoundError:
         return set()
 
@@ -149,8 +150,8 @@ def _status(result, trial_id: str, ended: set[str]) -> str:
     """ERROR, TERMINATED (finished: by completion or a scheduler stop) or UNFINISHED.
 
     A finished trial's last result is marked `done` in the search that ran it; after a restore only
-    `mark_finished`'s record (`ended`) says so for one that ran to its end. The trials Tune stops when a search is interrupted
-    are in neither (their saved state says RUNNING, so a restore resumes them).
+    `mark_finished`'s record (`ended`) says so for one that ran to its end. The trials Tune stops
+    when a search is interrupted are in neither (their saved state says RUNNING: a restore resumes them).
     """
     if result.error:
         return "ERROR"
