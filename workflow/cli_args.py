@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("doctor", help="what the Ray sessions on this machine expose: every listening port, classified")
     p.add_argument("--pid", type=int, default=None, help="only this process and its descendants (a raymill command)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as raymill -v")
 
     p = sub.add_parser("run", help="the whole pipeline: ETL -> train -> (tune) -> infer -> (export)",
                        description="ETL -> train -> (tune) -> infer -> (export) -> (serve) into run.dir; a stage "
