@@ -255,8 +255,8 @@ def _finish(cfg: Config, handle: Handle | None, artifact: Artifact, s3: Any | No
         return {n: fs.cat_file(storage.join(root, n)) for n in names if fs.exists(storage.join(root, n))}
 
     final = artifact.manifest.get("metrics", {})  # a train run's per-epoch names keep their histories;
-    kept = EPOCH_METRICS if artifact.stage == "train" else ()  # a search's run has none (test_acc was lost)
-    log_metrics(handle, {k: v for k, v in final.items() if k not in kept})
+    per_epoch = EPOCH_METRICS if artifact.stage == "train" else ()  # a search's run has none (test_acc was lost)
+    log_metrics(handle, {k: v for k, v in final.items() if k not in per_epoch})
     log_files(handle, read("model.json", "curves.png", "manifest.json", "search.png", "trials.md"))
     version = register_model(handle, cfg.tracking.model_name, read("model.pt", "model.json"))
     end(handle, "FINISHED")

@@ -43,6 +43,7 @@ class TrialLogger(MLflowLoggerCallback):
         # A dead server must cost one short request, not MLflow's default retries with backoff.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         self._trial_runs = {}
+        self._earlier: dict[str, str] | None = None  # trial name -> run id of an interrupted attempt, read once
         self._guard("setup", super().setup)
 
     def log_trial_start(self, trial) -> None:
@@ -59,19 +60,21 @@ class TrialLogger(MLflowLoggerCallback):
 
     def _resume_run(self, trial) -> None:
         """Adopt this trial's run of an interrupted attempt of the same search (same parent run): a
-        resume had started a second child run per trial, the first left RUNNING for good."""
+        resume had started a second child run per trial, the first left RUNNING for good. The parent's
+        child runs are listed once per search (one request, not one per trial start)."""
         from mlflow import MlflowClient
 
         client = MlflowClient(tracking_uri=self.tracking_uri)
-        experiment = client.get_experiment_by_name(self.experiment_name) if self.experiment_name else None
-        parent = (self.tags or {}).get("mlflow.parentRunId")
-        if experiment is None or parent is None:
-            return
-        found = client.search_runs([experiment.experiment_id], max_results=1, filter_string=(
-            f"tags.trial_name = '{trial}' and tags.`mlflow.parentRunId` = '{parent}'"))
-        if found:
-            self._trial_runs[trial] = found[0].info.run_id
-            client.update_run(found[0].info.run_id, status="RUNNING")
+        if self._earlier is None:
+            self._earlier = {}
+            experiment = client.get_experiment_by_name(self.experiment_name) if self.experiment_name else None
+            if experiment is not None and (parent := (self.tags or {}).get("mlflow.parentRunId")) is not None:
+                for run in client.search_runs([experiment.experiment_id], max_results=10_000,
+                                              filter_string=f"tags.`mlflow.parentRunId` = '{parent}'"):
+                    self._earlier.setdefault(run.data.tags.get("trial_name", ""), run.info.run_id)
+        if (run_id := self._earlier.get(str(trial))) is not None:
+            self._trial_runs[trial] = run_id
+            client.update_run(run_id, status="RUNNING")
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         """A search that ends with trials unfinished (Ctrl-C, Tune's stop): their runs end KILLED, not

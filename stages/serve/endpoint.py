@@ -119,7 +119,7 @@ def endpoint_ray_address(cfg: ServeConfig) -> tuple[str, str]:
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"an endpoint answers on port {cfg.port} but {path} does not name its Ray; "
                           f"pass --set ray.address=<that Ray's address> to update it") from None
-    if record.get("host", cfg.host) != cfg.host:  # the rollout had said "done" and kept the old address
+    if (host := record.get("host", cfg.host)) != cfg.host:  # the rollout had said "done", kept the old address
         log.warning("serve: serve.host=%s is not applied by a rolling update: the endpoint keeps listening on %s; "
-                    "stop it and start it again to change its address", cfg.host, record["host"])
-    return address, record.get("host", cfg.host)
+                    "stop it and start it again to change its address", cfg.host, host)
+    return address, host
