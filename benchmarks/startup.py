@@ -39,6 +39,7 @@ from typing import Any
 
 from benchmarks.common import REPO, fmt, loadavg, md_table, ratio, targets_table
 from benchmarks.user_runs import raymill, train_sets
+from stages.train.timings import WORKER_SETUP
 
 __all__ = ["add_arguments", "run", "render"]
 
@@ -245,10 +246,16 @@ def _hosts_lines(hosts: list[dict[str, Any]]) -> list[str]:
              "what `auto` picks for this shape on one node: stages/train/solo.py):", ""]
     rows = [[d["host"], fmt(d["wall_s"], 1), fmt(d["train"], 2), fmt(d["parts"]["epochs (real work)"], 2),
              fmt(d["fixed_s"], 2), fmt(next(v for k, v in d["parts"].items() if k.startswith("Ray:")), 2),
-             fmt(d["parts"]["worker: start and model (CUDA, DDP)"], 2),
+             fmt(_worker_setup(d["parts"]), 2),
              fmt(d["parts"]["last report and Ray's shutdown"], 2)] for d in hosts]
     return lines + md_table(["host", "demo wall", "train stage", "epochs", "fixed cost", "Ray's part",
                              "worker: start and model", "last report and shutdown"], rows, "lrrrrrrr") + [""]
+
+
+def _worker_setup(parts: dict[str, float]) -> float:
+    """The part's seconds; results recorded before 2026-11-29 carry its old label, which named CUDA
+    and DDP on CPU runs too."""
+    return parts[WORKER_SETUP] if WORKER_SETUP in parts else parts["worker: start and model (CUDA, DDP)"]
 
 
 def _hosts_targets(hosts: list[dict[str, Any]]) -> list[dict[str, Any]]:

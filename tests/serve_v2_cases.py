@@ -153,6 +153,8 @@ V2_BAD = {  # id: ((body, headers), status, words in the error)
                                      "unknown input '\\ud800'"),
     "lone surrogate as datatype": (_body({"inputs": [{**_ONE, "datatype": "\ud800", "data": [_B64]}]}), 400,
                                    "has datatype"),
+    "id not a string": (_body({"id": {"a": [1]}, "inputs": [{**_ONE, "data": [_B64]}]}), 400, "'id' must be a string"),
+    "id too long": (_body({"id": "x" * 257, "inputs": [{**_ONE, "data": [_B64]}]}), 400, "at most 256 characters"),
     "shape [true]": (_body({"inputs": [{**_ONE, "shape": [True], "data": [_B64]}]}), 400, "send shape [N]"),
     "output named twice": (_body({"inputs": [{**_ONE, "data": [_B64]}],
                                   "outputs": [{"name": "class_name"}, {"name": "class_name"}]}), 400, "requested twice"),

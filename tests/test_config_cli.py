@@ -95,7 +95,10 @@ def test_config_error_exits_2_with_key_path():
 
 def test_config_files_that_say_less_than_they_seem_to(tmp_path, caplog):
     """A key twice (YAML keeps the last silently), a tab, a list, an empty file."""
-    cases = {"dup.yaml": ("train:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n", "'lr' is set twice in one section (line 4)"),
+    cases = {"dup.yaml": ("train:\n  lr: 0.1\n  epochs: 2\n  lr: 0.2\n", "'train.lr' is set twice (line 4)"),
+             "dup_section.yaml": ("train:\n  lr: 0.1\netl:\n  image_size: 32\ntrain:\n  epochs: 2\n",
+                                  "'train' is set twice (line 5)"),
+             "open.yaml": ("train:\n  lr: [0.1\n", "open.yaml', line 3"),
              "tab.yaml": ("train:\n\tlr: 0.1\n", "indent with spaces, not tabs"),
              "list.yaml": ("- train\n", "must hold a mapping of sections")}
     for name, (text, fragment) in cases.items():
@@ -198,7 +201,7 @@ def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
         with pytest.raises(SystemExit) as usage:  # once the current folder: read, or written into
             main(["etl", *empty])
         assert usage.value.code == 2 and "is empty; name a folder" in capsys.readouterr().err
-    shard = next(out.glob("shards/*.tar"))
+    shard = next(out.glob("shards/tar/split=*/*.tar"))
     for command in (["etl", "--input", str(src)], ["infer", "--model", str(out), "--data", str(out)]):
         with pytest.raises(SystemExit) as usage:  # was NotADirectoryError, exit 1, once Ray was up
             main([*command, "--output", str(shard / "preds")])

@@ -67,6 +67,20 @@ def test_parquet_reads_with_pyarrow_and_labels_match_folders(tree, published):
     assert np.abs(decode_rgb(sample["image"], 32).astype(int) - expected).mean() < 8
 
 
+def test_the_parquet_folder_reads_whole_with_a_split_column(published):
+    """As a user reads it, with no manifest: the tar shards had sat in the same folder (pandas
+    failed on them) and the split was only in the file names."""
+    import pandas as pd
+
+    m = published.manifest
+    frame = pd.read_parquet(Path(published.path) / "shards" / "parquet")
+    assert len(frame) == m["totals"]["rows_out"]
+    by_split = frame.groupby("split", observed=True).size().to_dict()
+    assert by_split == {split: sum(counts.values()) for split, counts in m["counts"].items() if sum(counts.values())}
+    assert {p.parent.name for p in (Path(published.path) / "shards" / "tar").rglob("*.tar")} <= \
+        {f"split={split}" for split in m["counts"]}
+
+
 def test_tar_shards_read_with_webdataset_library(published):
     import webdataset as wds
 

@@ -81,7 +81,7 @@ def test_a_damaged_shard_is_refused_before_any_prediction(setup, tmp_path):
     data, model_path = setup
     copy = tmp_path / "ds"
     shutil.copytree(data.path, copy)
-    shard = next(copy.glob("shards/test-*.parquet"))
+    shard = next(copy.glob("shards/parquet/split=test/*.parquet"))
     damaged = bytearray(shard.read_bytes())
     for i in range(200, len(damaged) - 200, 700):
         damaged[i] ^= 0x10

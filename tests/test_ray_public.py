@@ -170,3 +170,30 @@ def test_session_never_puts_credentials_in_the_runtime_env(joins_cluster, monkey
                              "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S",  # ray_start.TRAIN_POLL_S, for Tune's trainers
                              "OMP_WAIT_POLICY",  # ray_start.OMP_WAIT_POLICY: CPU workers' idle threads sleep
                              "RAY_SERVE_LOG_TO_STDERR"}  # Serve's actors log to files only (no -v)
+
+
+def test_local_workers_run_the_checkout_the_driver_runs(tmp_path):
+    """A notebook that puts a checkout on its own sys.path (beside the editable install of another
+    one) had its Ray workers import the other copy: a reviewer's ETL failed on that copy's
+    half-edited file. A copy of stages/ marked as the driver's must be what a worker imports."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "stages", checkout / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    (checkout / "stages" / "MARK").write_text("this copy")
+    (checkout / "notebooks").mkdir()
+    script = f"""
+import sys
+sys.path.insert(0, {str(checkout)!r})  # what the notebooks' first cell does
+import ray, stages
+from stages.common import session
+from stages.common.config import RayConfig
+session.start(RayConfig(num_cpus=1, include_dashboard=False))
+where = ray.get(ray.remote(lambda: __import__("stages").__file__).remote())
+print("DRIVER", stages.__file__)
+print("WORKER", where)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=checkout / "notebooks", env=env,
+                          capture_output=True, text=True, timeout=180)
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("DRIVER", "WORKER")))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert lines["DRIVER"].startswith(str(checkout)) and lines["WORKER"] == lines["DRIVER"], lines

@@ -248,7 +248,7 @@ def test_tune_parent_run_with_one_child_per_trial(tmp_path, ray_session, mlflow_
         import ray.tune
 
         for epoch in range(1, 5):  # poor trials (low quality) are stopped by ASHA at epoch 1
-            ray.tune.report({"epoch": epoch, "val_acc": config["quality"] * epoch / 4})
+            ray.tune.report({"epoch": epoch, "val_acc": config["quality"] * epoch / 4, "test_acc": 0.5})
             time.sleep(0.2)
 
     cfg = load_config(None, [f"tracking.uri={mlflow_server.uri}", "tracking.experiment=tune-test"])
@@ -274,6 +274,7 @@ def test_tune_parent_run_with_one_child_per_trial(tmp_path, ray_session, mlflow_
     assert outcomes["0.1"] == outcomes["0.2"] == ("stopped_early", "KILLED")  # ASHA-stopped, visibly
     child = children[0]
     assert len(_client(mlflow_server.uri).get_metric_history(child.info.run_id, "val_acc")) >= 1
+    assert not any(k.startswith("test_") for r in children for k in r.data.metrics)  # the hand-off's only
 
 
 def test_a_pbt_exploit_logs_the_explored_config_as_metrics_and_tracking_goes_on(tmp_path, caplog):

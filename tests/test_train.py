@@ -76,12 +76,27 @@ def test_ddp_run_exports_model_metrics_and_stall_report(reference, dataset):
     assert parts[timings.EPOCHS] == pytest.approx(sum(h["local_wall_s"] for h in history), abs=1e-3)
     assert sum(parts.values()) == pytest.approx(m["metrics"]["seconds"] + m["timings"]["publish_s"], abs=0.2)
     assert parts["Ray: controller and worker group start"] > 0.5  # processes start: never instant
-    assert parts["worker: start and model (CUDA, DDP)"] > 0.1  # 2 ranks: DDP's wrap, torch._dynamo's import
+    assert parts[timings.WORKER_SETUP] > 0.1  # 2 ranks: DDP's wrap, torch._dynamo's import
     assert "worker: model, DDP, decode pool, restore" not in parts  # this raymill's rows split it in three
     # rows an earlier attempt or fit wrote are not split: their clocks are not this fit's
     resumed = [history[0], {**history[1], "loop_at": history[1]["at"] - 1, "resumed": True}]
     assert timings.split(m, resumed) is None
     assert timings.split(m, [{**history[0], "loop_at": history[0]["loop_at"] - 3600}, history[1]]) is None
+
+
+def test_an_etl_rerun_over_the_same_images_keeps_the_published_model(reference, dataset, tmp_path):
+    """The data is compared by content: an overwritten ETL output (a new run id and manifest, the
+    same shards' bytes) had made train republish its model, with this call's seconds, and
+    register it in MLflow again. Other content is not the same data."""
+    from stages.etl import stage as etl
+
+    cfg = _cfg()
+    again = etl.run(cfg.etl, str(Path(dataset.path).parent / "src"), str(tmp_path / "ds"))
+    assert again.manifest["run_id"] != dataset.manifest["run_id"]
+    assert train.published(cfg.train, again, reference.path, 0).manifest == reference.manifest
+    other = etl.run(cfg.etl.model_copy(update={"image_size": 16}), str(Path(dataset.path).parent / "src"),
+                    str(tmp_path / "ds16"))
+    assert train.published(cfg.train, other, reference.path, 0) is None
 
 
 def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:
@@ -266,7 +281,7 @@ def test_corrupt_shards_are_refused_before_training(dataset, tmp_path):
 
     copy = tmp_path / "ds"
     shutil.copytree(dataset.path, copy)
-    shard = next(copy.glob("shards/train-*.parquet"))
+    shard = next(copy.glob("shards/parquet/split=train/*.parquet"))
     shard.write_bytes(shard.read_bytes()[:-10])
     from stages.common.artifacts import load_artifact
 

@@ -455,3 +455,26 @@ def test_a_search_whose_every_trial_diverges_says_so(dataset, tmp_path):
                "tune.search_space={lr: {type: choice, values: [1.0e12]}}", "train.optimizer=sgd")
     with pytest.raises(tune.TuneError, match="1 diverged .* lower tune.search_space.lr"):
         tune.run(cfg.tune, cfg.train, dataset, str(tmp_path / "tune"), seed=0, ray_cfg=cfg.ray)
+
+
+def test_the_best_entry_is_handed_on_only_from_a_checkpoint_that_still_holds_it(tmp_path):
+    """A PBT trial that exploited a donor numbers its checkpoints from the donor's, so the folder an
+    earlier epoch reported can hold a later epoch (seen: checkpoint_000001 overwritten): that
+    entry is passed over for the next best whose checkpoint holds what it scored."""
+    from stages.common.config import TuneConfig
+    from stages.tune import results
+
+    def checkpoint(name: str, epoch: int, val_acc: float) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "meta.json").write_text(json.dumps({"epoch": epoch, "step": 0, "val": {"val_acc": val_acc}}))
+        return str(folder)
+
+    overwritten = checkpoint("checkpoint_000001", 3, 0.40)  # reported as epoch 1 at 0.90
+    holds = checkpoint("checkpoint_000002", 2, 0.80)
+    trials = [{"trial_id": "a", "status": "TERMINATED",
+               "candidates": [{"epoch": 1, "value": 0.90, "checkpoint_path": overwritten},
+                              {"epoch": 2, "value": 0.80, "checkpoint_path": holds},
+                              {"epoch": 4, "value": 0.95, "checkpoint_path": str(tmp_path / "gone")}]}]
+    best = results.pick_best(trials, TuneConfig(), str(tmp_path), None)
+    assert best["entry"]["checkpoint_path"] == holds and best["entry"]["value"] == 0.80

@@ -17,8 +17,7 @@ import numpy as np
 
 from stages import etl, infer, train, tune
 from stages.common import session, storage, tracking
-from stages.common.artifacts import (MANIFEST, Artifact, config_hash, content_config, data_fingerprint, listed_files,
-                                     load_artifact)
+from stages.common.artifacts import MANIFEST, Artifact, config_hash, content_config, data_fingerprint, listed_files
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, output_lock
 from stages.feed import streaming
@@ -50,12 +49,13 @@ def stage(name: str, cfg: Config, section: Any, inputs: dict[str, Any],
         marker = storage.read_json_if_any(fs, marker_path, {})
         same = marker.get("key") == key
         if same and not cfg.run.force and (published := storage.read_small_if_any(fs, manifest_path)) is not None:
-            manifest_hash = json.loads(published).get("config_hash")
+            manifest = json.loads(published)
             unchanged = marker.get("manifest_sha256") == storage.sha256_bytes(published)
-            if unchanged and manifest_hash == key["config_hash"] and not _missing(fs, root, published):
-                if (why := stale(json.loads(published))) is None:
+            if unchanged and manifest.get("config_hash") == key["config_hash"] and not _missing(fs, root, published):
+                if (why := stale(manifest)) is None:
                     log.info("%s: reusing %s (inputs and config unchanged; --force recomputes)", name, out)
-                    return load_artifact(out, s3=cfg.s3), True
+                    # the bytes just checked against the record: reading them again was a GET more on S3
+                    return Artifact(manifest["kind"].removeprefix("raymill."), out.rstrip("/"), manifest), True
                 log.info("%s: %s; running it again", name, why)
             else:
                 log.info("%s: %s was replaced, or files it lists are gone, since this run published it; "

@@ -24,7 +24,7 @@ __all__ = [
 
 class RayConfig(Section):
     address: str | None = None  # None: embedded local Ray; "auto" or "host:port" joins a cluster
-    num_cpus: float | None = Field(None, gt=0)  # local Ray only; None = all cores of this machine
+    num_cpus: int | None = Field(None, ge=1)  # local Ray only; None = all cores; Ray takes whole CPUs only
     num_gpus: int | None = Field(None, ge=0)  # local Ray only
     object_store_memory_mb: int | None = None  # local Ray only; None = Ray's default
     # On: Ray Train frees the placement groups of stopped runs through the State API, which the

@@ -11,8 +11,10 @@ __all__ = ["Section", "RunsModel", "ImageFormats", "Distribution", "default_sear
 
 
 class Section(BaseModel):
-    # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly.
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # frozen: a stage can't mutate config behind the manifest's back; forbid: typos fail loudly;
+    # no inf/nan: `train.lr=inf` had trained to a NaN loss after Ray's start, and
+    # `serve.request_timeout_s=inf` served with no bound on a request at all.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunsModel(Section):
@@ -38,7 +40,13 @@ def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:
     if not names or unknown:
         raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
                          "[JPEG, PNG, WEBP, BMP]")
+    if shelled := [n for n in names if n in _RUNS_PROGRAMS]:
+        raise ValueError(f"{shelled}: Pillow renders these with Ghostscript, an outside program, on untrusted "
+                         "bytes; convert them to PNG first and leave them out")
     return names
+
+
+_RUNS_PROGRAMS = ("EPS", "PS")  # PostScript is a program: Pillow hands it to Ghostscript to render
 
 
 # Pillow format names (etl.allowed_formats, serve.allowed_formats): upper-cased, each one Pillow opens

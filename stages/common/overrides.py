@@ -43,19 +43,22 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-class _UniqueKeys(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping: YAML keeps the last silently, so
-    `lr: 0.1` and `lr: 0.2` in one file ran with 0.2 and no word."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise ConfigError(f"'{key}' is set twice in one section (line {key_node.start_mark.line + 1}); "
-                                  "keep one of the two")
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+def _refuse_repeats(node: yaml.Node, where: str = "") -> None:
+    """A key given twice in one mapping is a ConfigError naming its section and line: YAML keeps the
+    last silently, so `lr: 0.1` and `lr: 0.2` in one file ran with 0.2 and no word."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeats(item, f"{where}[{i}]")
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: set[str] = set()
+    for key_node, value in node.value:
+        key = str(key_node.value)
+        name = f"{where}.{key}" if where else key
+        if key in seen:
+            raise ConfigError(f"'{name}' is set twice (line {key_node.start_mark.line + 1}); keep one of the two")
+        seen.add(key)
+        _refuse_repeats(value, name)
 
 
 _SAID_EMPTY: set[str] = set()
@@ -67,12 +70,16 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' not found; pass --config with an existing YAML file")
     text = path.read_text()
     try:
-        data = yaml.load(text, Loader=_UniqueKeys)
+        tree = yaml.compose(text, Loader=yaml.SafeLoader)
+        if tree is not None:
+            _refuse_repeats(tree)
+        data = yaml.safe_load(text)
     except ConfigError as e:
         raise ConfigError(f"config file '{path}': {e}") from None
-    except yaml.YAMLError as e:
+    except yaml.YAMLError as e:  # its marks say "<unicode string>" for text: name the file instead
         fix = "; indent with spaces, not tabs" if "\t" in text else ""
-        raise ConfigError(f"config file '{path}' is not valid YAML{fix}: {e}") from None
+        where = str(e).replace('"<unicode string>"', f"'{path}'")
+        raise ConfigError(f"config file '{path}' is not valid YAML{fix}: {where}") from None
     if data is None:
         if str(path) not in _SAID_EMPTY:  # the CLI reads the file twice (Ray's address first)
             _SAID_EMPTY.add(str(path))

@@ -49,6 +49,30 @@ def _plain_prefixes_off_a_terminal() -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
+def _workers_import_this_code() -> None:
+    """Local workers run this process's `stages`, not another copy: a notebook or script that puts a
+    checkout on its own sys.path (beside an installed or editable raymill elsewhere, or none)
+    had its workers import the other copy (a reviewer's ETL failed on another checkout's half-edited
+    file) or nothing. A fresh interpreter in this folder with this environment is what a local worker
+    is: when it would find another `stages`, the checkout goes first on PYTHONPATH, which local
+    workers inherit. An installed raymill is left as it is."""
+    import subprocess
+    import sys
+
+    import stages
+
+    mine = os.path.dirname(os.path.dirname(os.path.abspath(stages.__file__)))
+    probe = "import importlib.util as u; s = u.find_spec('stages'); print(s.origin if s else '')"
+    try:
+        found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):  # cannot tell: leave the environment alone
+        return
+    if found and os.path.dirname(os.path.dirname(os.path.abspath(found))) == mine:
+        return
+    log.debug("ray: local workers get %s on PYTHONPATH (they would import %s)", mine, found or "no raymill")
+    os.environ["PYTHONPATH"] = os.pathsep.join([mine, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
 def start(cfg: RayConfig) -> dict[str, float]:
     """Start (or join) Ray once per process and return the cluster's resources.
 
@@ -84,6 +108,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
             # The dashboard agent's Prometheus endpoint listens on every interface without the
             # token; a local run has no Prometheus to scrape it. RAY_enable_metrics_collection=1 keeps it.
             os.environ.setdefault("RAY_enable_metrics_collection", "0")
+            _workers_import_this_code()
             if cfg.include_dashboard:
                 kwargs["dashboard_port"] = _point_state_api_at_own_dashboard(cfg.dashboard_host)
             # "local" always starts a fresh embedded Ray: without it ray.init() joins whatever

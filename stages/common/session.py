@@ -91,7 +91,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
               f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
               else f"{train.decode_threads} decode threads")
-    if say:  # not for a check made before Ray starts (plan_trials(say=False)): the plan is said once
+    if say:  # not for a check before the stage trains (plan_trials, plan_serve_and_train): said once
         log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
                  plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
@@ -261,7 +261,7 @@ def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict
                           f"{resources['GPU']:g}; lower serve.gpus_per_replica, set serve.use_gpu=false or add GPUs")
     rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
     try:
-        workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True)
+        workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True, say=False)
     except ConfigError as e:
         raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
                           f"training: lower {key} or serve.cpus_per_replica)") from None

@@ -103,7 +103,9 @@ class TrialLogger(MLflowLoggerCallback):
 
     def log_trial_result(self, iteration: int, trial, result: dict) -> None:
         if trial in self._trial_runs:  # the config is logged once (params, `config.*`), not per report
-            kept = {k: v for k, v in result.items() if k not in _BOOKKEEPING}
+            # test_*: the workers score the test split for the hand-off only; logged per trial, it
+            # put the test score beside every trial's val score for a person to choose by
+            kept = {k: v for k, v in result.items() if k not in _BOOKKEEPING and not k.startswith("test_")}
             self._guard("trial result", super().log_trial_result, iteration, trial, kept)
 
     def log_trial_end(self, trial, failed: bool = False) -> None:

@@ -61,7 +61,9 @@ MAX_JPEG_SCANS = 100
 # Leading bytes that only these formats write. Pillow says "cannot identify" both for bytes that are
 # no image and for an image whose header is damaged; the signature tells the two apart.
 _SIGNATURES = ((b"\x89PNG\r\n\x1a\n", "PNG"), (b"\xff\xd8\xff", "JPEG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
-               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+               (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"8BPS", "PSD"), (b"%!PS", "EPS"),
+               (b"\xc5\xd0\xd3\xc6", "EPS"), (b"\x00\x00\x00\x0cjP  \r\n", "JPEG2000"),
+               (b"\xffO\xffQ", "JPEG2000"), (b"qoif", "QOI"), (b"\x00\x00\x01\x00", "ICO"))
 
 
 def _signature(data: bytes) -> str | None:
@@ -89,12 +91,15 @@ def open_image(data: bytes, allowed_formats: tuple[str, ...], max_pixels: int) -
     """Parse the header only: format and size are checked before any pixel is decoded."""
     if not data:
         raise BadImage("empty_file", "0 bytes")
-    try:
-        img = Image.open(io.BytesIO(data))
+    try:  # only the allowed formats' parsers read untrusted bytes (JPEG's opens an MPO too)
+        img = Image.open(io.BytesIO(data), formats=allowed_formats)
     except UnidentifiedImageError:
-        if (fmt := _signature(data)) is not None:  # e.g. a PNG whose IHDR fails its CRC: damaged, not foreign
+        if (fmt := _signature(data)) is not None and fmt not in allowed_formats:
+            raise BadImage("unsupported_format", f"{fmt} (by its signature); allowed: "
+                                                 f"{', '.join(allowed_formats)}") from None
+        if fmt is not None:  # e.g. a PNG whose IHDR fails its CRC: damaged, not foreign
             raise BadImage("corrupt", f"a {fmt} signature, but its header does not parse") from None
-        raise BadImage("not_an_image", "no known image signature") from None
+        raise BadImage("not_an_image", "no known image signature, or one of a format not allowed") from None
     except Image.DecompressionBombError as e:  # Pillow's own guard (raymill lifts it; preprocess.py keeps it)
         raise BadImage("decompression_bomb", str(e)) from None
     except Exception as e:  # Pillow raises many types on malformed headers; a file cut inside its header

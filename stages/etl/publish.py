@@ -10,7 +10,7 @@ from stages.common import storage
 from stages.common.artifacts import write_manifest
 from stages.common.locks import STAGE_RECORD
 
-__all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "is_shard_file"]
+__all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "prune_empty_folders", "is_shard_file"]
 
 log = logging.getLogger("stages.etl.stage")  # the stage's lines, under the stage's logger
 
@@ -46,9 +46,7 @@ def remove_run_files(fs, root: str, run_id: str) -> None:
         for path in fs.find(root):
             if run_id in path.rsplit("/", 1)[-1]:
                 fs.rm_file(path)
-        shards = storage.join(root, "shards")
-        if fs.isdir(shards) and not fs.ls(shards):  # a local folder the run made (S3 has none)
-            fs.rmdir(shards)
+        prune_empty_folders(fs, root)
     except Exception as e:  # the endpoint may be the thing that failed
         log.warning("etl: could not remove unpublished files of run %s: %s", run_id, e)
 
@@ -66,6 +64,7 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
     for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
         if is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
             fs.rm_file(storage.join(root, relative))
+    prune_empty_folders(fs, root)
     fs.invalidate_cache(root)
     listed = storage.files_under(fs, root)
     leftovers = [p for p in listed if is_shard_file(p) and p not in keep | named]
@@ -78,6 +77,18 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
         log.warning("etl: %d file(s) in '%s' were not written by raymill etl and are left in place (%s); they "
                     "are no part of the dataset, which manifest.json lists", len(foreign), root,
                     ", ".join(foreign[:3]))
+
+
+def prune_empty_folders(fs, root: str) -> None:
+    """Remove the folders under shards/ that hold no file any more (a local output: S3 has no
+    folders), deepest first, then shards/ itself when empty."""
+    shards = storage.join(root, "shards")
+    if not storage.is_local(fs) or not fs.isdir(shards):  # an object store's rmdir is a bucket's
+        return
+    folders = [d for d, _, _ in fs.walk(shards)]
+    for folder in sorted(folders, key=lambda d: -d.count("/")):
+        if fs.isdir(folder) and not fs.ls(folder):
+            fs.rmdir(folder)
 
 
 def is_shard_file(relative: str) -> bool:

@@ -19,12 +19,19 @@ from stages.common import storage
 from stages.etl import sources
 from stages.etl.images import BadImage, decode_rgb, encode
 
-__all__ = ["process_task", "parquet_bytes", "tar_bytes", "read_parquet_table", "iter_tar",
+__all__ = ["process_task", "shard_path", "parquet_bytes", "tar_bytes", "read_parquet_table", "iter_tar",
            "count_rows", "SCHEMA"]
 
 SCHEMA = pa.schema([("key", pa.string()), ("path", pa.string()), ("label", pa.int32()),
                     ("image", pa.binary()), ("sha256", pa.string())])
 ROW_GROUP_ROWS = 128  # small row groups: readers stream a shard without holding all of it
+
+
+def shard_path(fmt: str, split: str, name: str) -> str:
+    """`shards/<format>/split=<split>/<name>.<format>`: one folder per format, so
+    `pd.read_parquet("DST/shards/parquet")` (or Ray Data's, Spark's, DuckDB's reader) reads the whole
+    set with a `split` column from the hive-style folder, where a flat folder mixed tar files in."""
+    return f"shards/{fmt}/split={split}/{name}.{fmt}"
 
 
 def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: dict,
@@ -39,10 +46,10 @@ def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: d
         (quarantine if "reason" in record else good).append(record)
     shard_meta = []
     for part, rows in enumerate(_split_by_bytes(good, cfg["shard_max_mb"] * 1e6)):
-        stem = f"shards/{task['split']}-{task['index']:05d}-{part:02d}-{run_id}"
+        name = f"{task['split']}-{task['index']:05d}-{part:02d}-{run_id}"
         for fmt in cfg["formats"]:
             data = parquet_bytes(rows, cfg) if fmt == "parquet" else tar_bytes(rows, cfg, classes)
-            relative = f"{stem}.{fmt}"
+            relative = shard_path(fmt, task["split"], name)
             storage.write_bytes_atomic(out_fs, storage.join(out_root, relative), data)
             shard_meta.append({"path": relative, "split": task["split"], "format": fmt,
                                "rows": len(rows), "bytes": len(data),

@@ -20,7 +20,7 @@ from stages.model.checkpoint_io import CheckpointRefused, damage, load_plain
 from stages.etl.sources import READ_KEYS
 from stages.model.predict import evaluate_split, load_model
 from stages.common import console, storage
-from stages.common.artifacts import Artifact, base_manifest, config_hash, unpublish, write_manifest
+from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, unpublish, write_manifest
 from stages.common.config import TrainConfig, section_dict
 
 __all__ = ["publish", "save_model", "model_info", "init_lineage", "init_inputs", "state_hash", "read_checkpoint", "curves", "test_metrics"]
@@ -165,7 +165,8 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
         storage.write_bytes_atomic(fs, storage.join(root, name), payload)
     last = history[-1] if history else {}
     manifest = base_manifest("train", section_dict(cfg), {"data": data.path,
-                             "data_manifest_hash": info["data_manifest_hash"], "seed": loop_config["seed"],
+                             "data_manifest_hash": info["data_manifest_hash"],
+                             "data_fingerprint": data_fingerprint(data.manifest), "seed": loop_config["seed"],
                              **init_inputs(loop_config)})
     manifest.update({
         "resource_plan": plan.as_dict(), "checkpoint": {"best": best_checkpoint.path,

@@ -37,6 +37,9 @@ HEADER = "Inference-Header-Content-Length"
 _LENGTH = struct.Struct("<I")
 
 
+MAX_ID_CHARS = 256  # a request id echoed in the response: a correlation key, not a payload
+
+
 class V2Error(Exception):
     """A request the protocol refuses: `{"error": message}` with `status` (4xx)."""
 
@@ -117,7 +120,11 @@ def parse_infer(body: bytes, header_length: str | None, max_images: int) -> Infe
     images = _tensor_images(tensor, binary)
     if len(images) != shape[0]:
         raise V2Error(400, f"input '{INPUT}' declares shape [{shape[0]}] but holds {len(images)} element(s)")
-    return InferRequest(header.get("id"), images, _requested_outputs(header))
+    request_id = header.get("id")
+    # the protocol's id is a string, echoed back: any JSON value of any size had been echoed
+    if request_id is not None and not (isinstance(request_id, str) and len(request_id) <= MAX_ID_CHARS):
+        raise V2Error(400, f"'id' must be a string of at most {MAX_ID_CHARS} characters")
+    return InferRequest(request_id, images, _requested_outputs(header))
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[dict, bytes]:

@@ -27,7 +27,7 @@ from stages.train.loop import train_loop
 from stages.common import cluster, console, fingerprint, session, storage
 from stages.common import tracking_model
 from stages.common.tracking import log_params
-from stages.common.artifacts import Artifact, config_hash, find_published
+from stages.common.artifacts import Artifact, data_fingerprint, find_published
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
@@ -182,9 +182,12 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
 
 
 def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> Artifact | None:
-    """The model this config, seed and data already published in `out`, or None."""
-    done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_manifest_hash":
-                                                            config_hash(data.manifest), **init_inputs(cfg, s3)}, s3)
+    """The model this config, seed and data already published in `out`, or None. The data is
+    compared by content (its shards' digests), as tune's and `raymill run`'s reuse are: an ETL
+    rerun over the same images (a new run id, a new manifest) had republished the same model with
+    this call's seconds and registered it in MLflow again."""
+    done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_fingerprint":
+                                                            data_fingerprint(data.manifest), **init_inputs(cfg, s3)}, s3)
     if done is not None:
         log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
                  "(--overwrite trains again)", out)

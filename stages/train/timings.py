@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["split", "EPOCHS", "RAY_START"]
+__all__ = ["split", "EPOCHS", "RAY_START", "WORKER_SETUP"]
 
 EPOCHS = "epochs (real work)"  # the epochs' own training passes; every other part is the fixed cost
+# the train function's start to its model on its device (and wrapped in DDP where ranks > 1): the same
+# words on a CPU or a GPU run, so the label never names a device the run did not use
+WORKER_SETUP = "worker: start, model on its device, DDP wrap"
 # Ray's part by the run's host (stages.common.session.train_host)
 RAY_START = {"ray_train": "Ray: controller and worker group start", "tune_trial": "Ray: Tune's trial actor start"}
 
@@ -40,7 +43,7 @@ def split(manifest: dict[str, Any], history: list[dict[str, Any]],
     worker = first["at"] - own(first) - first["loop_at"]  # the attempt's start to epoch 1's first step
     if {"model_at", "ready_at"} <= set(first):  # rows of this raymill: the set-up in three parts
         model, restore = first["model_at"] - first["loop_at"], first["ready_at"] - first["model_at"]
-        workers = {"worker: start and model (CUDA, DDP)": model, "worker: restore check": restore,
+        workers = {WORKER_SETUP: model, "worker: restore check": restore,
                    "worker: first feed's start (decode pool), row bookkeeping": worker - model - restore}
     else:
         workers = {"worker: model, DDP, decode pool, restore": worker}

@@ -166,12 +166,13 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         params = {**{k: _trial_config(result, ray_dir, s3).get(k) for k in searched_keys(cfg)},
                   **_trained_params(result, searched_keys(cfg))}
         history, diverged = _history(result, cfg.metric)
-        # epochs_run is what the scheduler saw; `kept` adds checkpoints Tune was never told about
-        # (a report in flight at an interruption, or the epoch a stopped run finished meanwhile).
-        epochs_run = max((h["epoch"] for h in history), default=0)
+        # `kept` adds checkpoints Tune was never told about (a report in flight at an interruption,
+        # or the epoch a stopped run finished meanwhile): epochs that ran, so they count in epochs_run
+        # (an interrupted trial had shown epochs_run 0 beside a best_epoch 1).
         seen = {h["epoch"] for h in history}
         kept = [h for h in _checkpoint_history(ray_dir, s3, trial_id, cfg.metric) if h["epoch"] not in seen]
         candidates = sorted(history + kept, key=lambda h: h["epoch"])
+        epochs_run = max((h["epoch"] for h in candidates), default=0)
         pick = max if cfg.mode == "max" else min
         best = pick(history or candidates, key=lambda h: h["value"]) if candidates else None
         status = _status(result, trial_id, ended)
@@ -179,7 +180,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
             planned = trial_train_config(train_cfg, params, cfg).epochs
         except ValueError:  # params that fail validation fail the trial too
             planned = cfg.max_epochs
-        ended = outcome(status, diverged, epochs_run, planned)
+        ended = outcome(status, diverged, max(seen, default=0), planned)  # by what the scheduler saw
         error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
         wall = (result.metrics or {}).get("time_total_s")
         rows.append({"trial_id": trial_id, "status": status, "outcome": ended, "params": params,
@@ -212,24 +213,38 @@ def write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |" for row in table]
     counts = {o: sum(t["outcome"] == o for t in trials) for o in OUTCOMES}
+    if left := sum(t["outcome"] not in OUTCOMES for t in trials):  # an interrupted search's
+        counts["unfinished"] = left
     md += ["", ", ".join(f"{n} {o.replace('_', ' ')}" for o, n in counts.items()), ""]
     storage.write_bytes_atomic(fs, storage.join(root, "trials.csv"), buf.getvalue().encode())
     storage.write_bytes_atomic(fs, storage.join(root, "trials.md"), "\n".join(md).encode())
 
 
 def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | None:
-    """{"trial", "entry"}: the best epoch over all finished trials whose checkpoint still exists."""
-    import pyarrow.fs as pafs
+    """{"trial", "entry"}: the best epoch over all finished trials whose checkpoint still holds it.
 
+    Retention may have deleted an epoch's checkpoint; and a PBT trial that exploited a donor numbers
+    its next checkpoints from the donor's, so a folder its earlier epoch reported can hold a later
+    epoch's weights (seen: checkpoint_000001 overwritten). A checkpoint is taken only when its own
+    meta.json names the entry's epoch and value: the model handed on is the one the entry scored.
+    """
     fs, _ = _fs(ray_dir, s3)
     candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["candidates"]
                   if isinstance(h["checkpoint_path"], str)]
     sign = -1 if cfg.mode == "max" else 1
     # best value first; ties: the earlier epoch, then the earlier trial
     candidates.sort(key=lambda c: (sign * c[0]["value"], c[0]["epoch"], trials.index(c[1])))
-    for entry, trial in candidates:  # retention may have deleted some epochs' checkpoints
-        if fs.get_file_info(f"{entry['checkpoint_path']}/meta.json").type != pafs.FileType.NotFound:
+    for entry, trial in candidates:
+        try:
+            with fs.open_input_stream(f"{entry['checkpoint_path']}/meta.json") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):  # deleted by retention, or incomplete: meta.json is written last
+            continue
+        held = meta.get("val", {}).get(cfg.metric)
+        if meta.get("epoch") == entry["epoch"] and held is not None and math.isclose(held, entry["value"]):
             return {"trial": trial, "entry": entry}
+        log.info("tune: %s holds epoch %s now, not the epoch %d its trial %s reported there; passed over",
+                 entry["checkpoint_path"], meta.get("epoch"), entry["epoch"], trial["trial_id"])
     return None
 
 
