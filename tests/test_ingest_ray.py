@@ -154,22 +154,33 @@ def test_each_epoch_starts_while_the_one_before_trains_in_fused_tasks(dataset):
 def test_verdicts_name_the_other_path_as_the_fix():
     starved, busy = EpochTimes(100, 9.0, 1.0, 10.0), EpochTimes(100, 0.1, 9.9, 10.0)
     assert "train.ingest=ray_data" in verdict(starved, "GPU", "stream")
-    waits = lambda start, early=0.0, late=None, warm=True: StartWaits(start, early, late, warm)
+    waits = lambda start, early=0.0, late=None, warm=True, ahead=False: StartWaits(start, early, late, warm, ahead)
     assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", ray_waits=waits(1.0))
     started = verdict(starved, "GPU", "ray_data", ray_waits=waits(8.0))
-    assert "Ray Data's start is the weakest link, 8.0 s of the 9.0 s" in started and "paid once a run" in started
+    assert "Ray Data's start is the weakest link, 8.0 s of the 9.0 s" in started and "train more epochs" in started
     # every epoch cold (train.next_epoch_at=1): the start is paid every epoch, and the fix says so
     cold_each = verdict(starved, "GPU", "ray_data", ray_waits=waits(8.0, warm=False))
-    assert "paid once a run" not in cold_each and "train.next_epoch_at=0.5" in cold_each
+    assert "train more epochs" not in cold_each and "train.next_epoch_at=0.5" in cold_each
+    # begun during the epoch before and still not ready: more epochs or an earlier start fix nothing
+    behind = verdict(starved, "GPU", "ray_data", ray_waits=waits(8.0, ahead=True))
+    assert "cannot build an epoch ahead" in behind and "train more epochs" not in behind
+    # a CPU run: stall 40%, but decode at the step's 1,000 img/s takes 1000/9000 = 11% of the cores:
+    # not decode (a review's "CPU-bound ... store decoded" there would have won back <= 11%)
+    stalled = EpochTimes(6000, 4.0, 6.0, 10.0)  # device rate 1,000 img/s
+    elsewhere = verdict(stalled, "CPU", "stream", {"processes": 2, "images_per_s": 9000.0})
+    assert "needs only 11% of the cores" in elsewhere and "store decoded" not in elsewhere
+    shared = verdict(stalled, "CPU", "stream", {"processes": 2, "images_per_s": 1500.0})  # 67% of the cores
+    assert shared.startswith("CPU-bound: decode (2 procs") and "store decoded" in shared
     # a fresh run's epoch 1 began while its worker started: the wait is in its first half, the second kept up
     cold = verdict(starved, "GPU", "ray_data", ray_waits=waits(0.0, 8.6, 0.05))
     assert "Ray Data's start is the weakest link, 8.6 s of the 9.0 s wait came in the epoch's first half" in cold
     # two ranks' parts, summed: means, as the verdict's other times; no second half, no late stall
     train = _cfg().train
-    assert ingest_ray.judged_waits([2.0, 3.0, 0.4, 4.0], 2, train) == (1.0, 1.5, 0.1, True)
-    assert ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0], 1, train).late_stall is None
+    assert ingest_ray.judged_waits([2.0, 3.0, 0.4, 4.0, 2.0], 2, train) == (1.0, 1.5, 0.1, True, True)
+    assert ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0, 0.0], 1, train).late_stall is None
+    assert not ingest_ray.judged_waits([1.0, 1.0, 0.0, 0.0, 0.0], 1, train).ahead
     assert ingest_ray.judged_waits([], 2, train) is None
-    assert not ingest_ray.judged_waits([1.0] * 4, 1, _cfg("train.next_epoch_at=1").train).warm
+    assert not ingest_ray.judged_waits([1.0] * 5, 1, _cfg("train.next_epoch_at=1").train).warm
     # an early wait whose second half still stalls, or a wait spread over the epoch, is Ray Data's rate
     for early, late in ((8.6, 0.4), (4.5, 0.9)):
         assert "Ray Data is the weakest link" in verdict(starved, "GPU", "ray_data", ray_waits=waits(0.0, early, late))
@@ -186,3 +197,21 @@ def test_two_nodes_decode_off_the_accelerator_node(tmp_path):
     assert result["worker_nodes"] == [result["accelerator_node"]]
     assert result["decode_nodes"] and result["accelerator_node"] not in result["decode_nodes"]
     assert set(result["decode_nodes"]) <= {result["cpu_node"]}
+
+
+def test_a_runs_figures_cover_all_its_epochs_not_the_last():
+    """A review's 4-epoch ray_data run: 272/427/771/1,843 img/s. The last epoch, fed by the one
+    before, had stood for the run (1,843 img/s, compute-bound) where it averaged ~509."""
+    from stages.feed.meters import over_epochs
+
+    rows = [{"epoch": e, "wall_s": w, "images_per_s": r, "stall_fraction": st, "device_utilisation": 1 - st,
+             "verdict": v} for e, w, r, st, v in [(1, 4.0, 272, 0.57, "input-bound: Ray Data's start"),
+                                                  (2, 2.5, 427, 0.58, "input-bound: Ray Data's start ahead"),
+                                                  (3, 1.4, 771, 0.18, "input-bound: Ray Data is"),
+                                                  (4, 0.65, 1843, 0.01, "compute-bound: the CPU")]]
+    run = over_epochs(rows)
+    images = 272 * 4.0 + 427 * 2.5 + 771 * 1.4 + 1843 * 0.65
+    assert run["images_per_s"] == pytest.approx(images / 8.55)
+    assert run["stall_fraction"] == pytest.approx((0.57 * 4 + 0.58 * 2.5 + 0.18 * 1.4 + 0.01 * 0.65) / 8.55)
+    assert run["verdict"] == "input-bound: Ray Data's start" and run["verdict_epochs"] == [1, 2, 3]
+    assert over_epochs([])["verdict"] is None

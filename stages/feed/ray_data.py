@@ -276,10 +276,12 @@ class WarmEpochs:
         return _Started(self.shard_of(SPLITS[epoch % len(SPLITS)]), self.cfg, self.seed, epoch, self.rank)
 
     def epoch(self, epoch: int) -> "ShardBatches":
-        started = self.next[1] if self.next and self.next[0] == epoch else self.start(epoch)
+        ahead = bool(self.next and self.next[0] == epoch)
+        started = self.next[1] if ahead else self.start(epoch)
         self.next = None
         after = (lambda: self.begin(epoch + 1)) if epoch + 1 < self.cfg.epochs and self.at else None
-        return ShardBatches(started, on_batch=(self.at, after) if after else None, half=max(1, self.steps // 2))
+        return ShardBatches(started, on_batch=(self.at, after) if after else None, half=max(1, self.steps // 2),
+                            ahead=ahead)
 
     def begin(self, epoch: int) -> None:
         """Start `epoch`'s execution now (once); epoch(epoch) then reads it."""
@@ -298,8 +300,9 @@ class ShardBatches:
     """
 
     def __init__(self, started: _Started, on_batch: tuple[int, Callable[[], None]] | None = None,
-                 half: int = 1):
+                 half: int = 1, ahead: bool = False):
         self.started, self.on_batch, self.half = started, on_batch, half  # on_batch (n, f): f() once n batches are here
+        self.ahead = ahead  # its execution began while the epoch before trained (WarmEpochs)
         self.wait_s, self.start_wait_s, self.early_wait_s = 0.0, 0.0, 0.0
         self.late_wall_s = 0.0
         self.decode_nodes, self.decoded_in_epoch = set(), 0
@@ -359,15 +362,17 @@ def waits(feed) -> list[float]:
     half, and the second half's wall), to sum over ranks; [] for the other feeds."""
     if not isinstance(feed, ShardBatches):
         return []
-    return [feed.start_wait_s, feed.early_wait_s, feed.wait_s - feed.early_wait_s, feed.late_wall_s]
+    return [feed.start_wait_s, feed.early_wait_s, feed.wait_s - feed.early_wait_s, feed.late_wall_s,
+            float(feed.ahead)]
 
 
 def judged_waits(sums: list[float], world: int, cfg: TrainConfig) -> StartWaits | None:
     """meters.verdict's ray_waits: means over ranks, as its other times (rank 0's own: "5.6 s of the 5.3 s wait")."""
     if not sums:
         return None
-    start, early, late, late_wall = (v / world for v in sums)
-    return StartWaits(start, early, late / late_wall if late_wall > 0 else None, cfg.next_epoch_at < 1)
+    start, early, late, late_wall, ahead = (v / world for v in sums)
+    return StartWaits(start, early, late / late_wall if late_wall > 0 else None, cfg.next_epoch_at < 1,
+                      ahead >= 0.5)
 
 
 def annotate(artifact, ingest: dict[str, Any], s3: Any | None = None):

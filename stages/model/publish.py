@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stages.feed import streaming
+from stages.feed import meters, streaming
 from stages.model.checkpoint_io import CheckpointRefused, damage, load_plain
 from stages.etl.sources import READ_KEYS
 from stages.model.predict import evaluate_split, load_model
@@ -176,16 +176,15 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
         "metrics": {"test_acc": test["acc"], "test_rows": test["rows"], "test_scored_in": test["where"],
                     "best_val_acc": info["val_acc"],
                     "epochs": len(history), "seconds": round(seconds, 1),
-                    "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
-                    "device_utilisation": last.get("device_utilisation"), "tier": last.get("tier"),
-                    "verdict": last.get("verdict")},
+                    **meters.over_epochs(history), "tier": last.get("tier")},
         "files": sorted(files) + ["model.pt", "model.json"],
         "timings": {**(timings or {}), "publish_s": time.perf_counter() - started}})
     write_manifest(out, manifest, s3)
     m = manifest["metrics"]
-    log.info(f"train: test_acc {console.score(m['test_acc'])} on {m['test_rows']} images, best val_acc "
-             f"{console.score(m['best_val_acc'])}, {m['seconds']:.0f}s; bottleneck: stall "
-             f"{m['stall_fraction'] or 0:.1%}, {m['verdict']}")
+    log.info("train: test_acc %s on %d images, best val_acc %s, %.0fs; over its %d epoch(s) %s img/s, stall "
+             "%.1f%%; bottleneck (epochs %s): %s", console.score(m["test_acc"]), m["test_rows"],
+             console.score(m["best_val_acc"]), m["seconds"], len(history), f"{m['images_per_s'] or 0:,.0f}",
+             100 * (m["stall_fraction"] or 0), ", ".join(map(str, m["verdict_epochs"])) or "-", m["verdict"])
     return Artifact("train", str(out).rstrip("/"), manifest)
 
 

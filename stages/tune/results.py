@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stages.feed import meters
 from stages.model.publish import (curves, init_inputs, init_lineage, model_info, read_checkpoint, save_model,
                                   state_hash, test_metrics)
 from stages.common import console, storage
@@ -352,13 +353,13 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
         "data": data.path, "data_manifest_hash": config_hash(data.manifest),
         "data_fingerprint": data_fingerprint(data.manifest), "train": section_dict(train_cfg), "seed": seed,
         **init_inputs(loop)})
-    last = meta["history"][-1] if meta["history"] else {}
+    feed = meters.over_epochs(meta["history"])  # the best trial's epochs to its checkpoint, not its last one's
     val_acc = meta.get("val", {}).get("val_acc")
     metrics = {"best_val_acc": val_acc, f"best_{cfg.metric}": entry["value"], "model_val_acc": val_acc,
                "test_acc": test["acc"], "test_rows": test["rows"], "trials": len(trials), **counts,
                "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
-               "images_per_s": last.get("images_per_s"), "stall_fraction": last.get("stall_fraction"),
-               "verdict": last.get("verdict"), **_startup_summary(trials)}
+               "images_per_s": feed["images_per_s"], "stall_fraction": feed["stall_fraction"],
+               "verdict": feed["verdict"], **_startup_summary(trials)}
     manifest.update({
         "resource_plan": {"concurrent_trials": plan.concurrent_trials, "trial_in_function": plan.in_function,
                           "trial_resources": plan.trial_resources(tcfg.worker_resources), **plan.workers.as_dict()},
