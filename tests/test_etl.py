@@ -290,3 +290,36 @@ def test_s3_failure_mid_write_publishes_nothing(tree, s3_bucket, ray_session, ra
     assert proxy.puts > 2
     fs.invalidate_cache()
     assert fs.find(f"{bucket}/ds") == []  # no manifest, no shard, nothing left behind
+
+
+def test_only_the_allowed_formats_parsers_read_untrusted_bytes():
+    """Pillow tried every plugin's header parser on any bytes before the allow-list was checked; a
+    format left out is now named by its signature without its parser running. A BMP whose header
+    declares a negative width (read unsigned) is corrupt, not a bomb; EPS (Ghostscript) is refused."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    from stages.common.config import ConfigError, load_config
+    from stages.etl.pixels import BadImage, open_image
+
+    def encoded(fmt: str) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (4, 4)).save(out, fmt)
+        return out.getvalue()
+
+    allowed = ("JPEG", "PNG")
+    for fmt, reason in (("TIFF", "unsupported_format"), ("PPM", "unsupported_format"), ("PNG", None)):
+        try:
+            open_image(encoded(fmt), allowed, 10**6)
+            said = None
+        except BadImage as e:
+            said = e.reason
+        assert said == reason, (fmt, said)
+    negative = bytearray(encoded("BMP"))
+    struct.pack_into("<i", negative, 18, -5)
+    with pytest.raises(BadImage, match="corrupt: the header declares 4294967291x4 px"):
+        open_image(bytes(negative), ("BMP",), 10**7)
+    with pytest.raises(ConfigError, match="Ghostscript"):
+        load_config(None, ["etl.allowed_formats=[PNG, EPS]"])

@@ -197,3 +197,19 @@ print("WORKER", where)
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("DRIVER", "WORKER")))
     assert done.returncode == 0, done.stderr[-2000:]
     assert lines["DRIVER"].startswith(str(checkout)) and lines["WORKER"] == lines["DRIVER"], lines
+
+
+def test_a_copy_in_the_drivers_folder_is_named_not_hidden(tmp_path, monkeypatch, caplog):
+    """Ray puts the driver's folder first on a local worker's path, before PYTHONPATH: a process
+    run from another checkout's root cannot hand its workers its own copy, so it says so."""
+    import logging
+
+    from stages.common import ray_start
+
+    shutil.copytree(REPO / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", "")
+    caplog.set_level(logging.WARNING, logger="stages.common.ray_start")
+    ray_start._workers_import_this_code()
+    assert f"local workers would import {tmp_path}/stages (this folder)" in caplog.text
+    assert os.environ["PYTHONPATH"] == ""  # no use: the folder comes first

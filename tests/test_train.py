@@ -97,6 +97,16 @@ def test_an_etl_rerun_over_the_same_images_keeps_the_published_model(reference, 
     other = etl.run(cfg.etl.model_copy(update={"image_size": 16}), str(Path(dataset.path).parent / "src"),
                     str(tmp_path / "ds16"))
     assert train.published(cfg.train, other, reference.path, 0) is None
+    # a model published before manifests named the fingerprint: still reused by the manifest's hash
+    import shutil
+
+    older = tmp_path / "older"
+    shutil.copytree(reference.path, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    del manifest["inputs"]["data_fingerprint"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    assert train.published(cfg.train, dataset, str(older), 0) is not None
+    assert train.published(cfg.train, again, str(older), 0) is None  # another manifest: unknown content
 
 
 def _kill_a_worker_after(checkpoint_dir: Path, killed: list) -> None:

@@ -478,3 +478,27 @@ def test_the_best_entry_is_handed_on_only_from_a_checkpoint_that_still_holds_it(
                               {"epoch": 4, "value": 0.95, "checkpoint_path": str(tmp_path / "gone")}]}]
     best = results.pick_best(trials, TuneConfig(), str(tmp_path), None)
     assert best["entry"]["checkpoint_path"] == holds and best["entry"]["value"] == 0.80
+
+
+def test_every_trial_recorded_finished_is_finished_not_only_the_first(tmp_path):
+    """A loop variable had reused the name of the finished trials' set: from the second trial on,
+    the check was a substring test on the first trial's outcome ("completed"), and a resumed
+    search whose trials ran to their end (saved done:false by Tune) stayed UNFINISHED for good."""
+    import types
+
+    import pandas as pd
+
+    from stages.common.config import TrainConfig, TuneConfig
+    from stages.tune import results
+
+    ray_dir = tmp_path / "ray"
+    grid = []
+    for trial_id in ("aaaa1", "bbbb2", "cccc3"):
+        results.mark_finished(str(ray_dir), trial_id, None)
+        frame = pd.DataFrame([{"epoch": e, "position_step": 0, "val_acc": 0.5 + e / 10} for e in (1, 2)])
+        grid.append(types.SimpleNamespace(path=str(ray_dir / f"trial-{trial_id}"), error=None, config={"lr": 0.1},
+                                          metrics={"done": False, "epoch": 2}, metrics_dataframe=frame))
+    cfg = TuneConfig(max_epochs=2, search_space={"lr": {"type": "loguniform", "lower": 0.01, "upper": 0.2}})
+    rows = results.summaries(grid, cfg, TrainConfig(epochs=2), str(ray_dir), None)
+    assert [(r["trial_id"], r["status"], r["outcome"]) for r in rows] == \
+        [(t, "TERMINATED", "completed") for t in ("aaaa1", "bbbb2", "cccc3")]

@@ -17,7 +17,7 @@ from stages.common.config import ConfigError
 
 __all__ = ["Artifact", "MANIFEST", "InputNotPublishedError", "load_input",
            "ModelNotFoundError", "check_model_folder", "checksum_mismatch", "code_version",
-           "new_run_id", "write_manifest", "load_artifact",
+           "new_run_id", "write_manifest", "load_artifact", "find_published", "published_output", "made_from",
            "base_manifest", "config_hash", "content_config", "data_fingerprint", "manifest_kind"]
 
 MANIFEST = storage.MANIFEST
@@ -142,13 +142,23 @@ def find_published(out: str, stage: str, config: dict[str, Any], inputs: dict[st
 
     A finished stage is handed back, not re-fitted: re-fitting re-published the same model and
     registered it in MLflow again, and a restored Tune snapshot can run its last trial again."""
+    done = published_output(out, stage, s3)
+    return done if done is not None and made_from(done, config, inputs) else None
+
+
+def published_output(out: str, stage: str, s3: Any | None = None) -> Artifact | None:
+    """`out`'s published output of `stage`, or None (none, another kind, or not a manifest)."""
     try:
-        done = load_artifact(out, stage, s3)
-        have = done.manifest.get("inputs", {})
-        same = done.manifest.get("config") == config and all(have.get(k) == v for k, v in inputs.items())
-    except (FileNotFoundError, ValueError, AttributeError):  # none, another kind, or not an object
+        return load_artifact(out, stage, s3)
+    except (FileNotFoundError, ValueError, AttributeError):
         return None
-    return done if same else None
+
+
+def made_from(done: Artifact, config: dict[str, Any], inputs: dict[str, Any]) -> bool:
+    """Whether a published output was made from this config and these inputs."""
+    have = done.manifest.get("inputs")
+    return (isinstance(have, dict) and done.manifest.get("config") == config
+            and all(have.get(k) == v for k, v in inputs.items()))
 
 
 def listed_files(manifest: dict[str, Any]) -> list[str]:

@@ -18,6 +18,9 @@ class ConfigError(ValueError):
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Turn ["etl.image_size=64", ...] into a nested dict; values are parsed as YAML scalars."""
+    if isinstance(items, (str, dict)):  # a library caller's one string was read as its characters
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got a {type(items).__name__}; "
+                          "write e.g. load_config(path, ['train.epochs=3'])")
     nested: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -43,22 +46,27 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _refuse_repeats(node: yaml.Node, where: str = "") -> None:
+def _refuse_repeats(node: yaml.Node, where: str = "", walked: set[int] | None = None) -> None:
     """A key given twice in one mapping is a ConfigError naming its section and line: YAML keeps the
-    last silently, so `lr: 0.1` and `lr: 0.2` in one file ran with 0.2 and no word."""
+    last silently, so `lr: 0.1` and `lr: 0.2` in one file ran with 0.2 and no word. An alias is the
+    node it names: each node is walked once (an anchor inside itself had recursed for ever)."""
+    walked = set() if walked is None else walked
+    if id(node) in walked:
+        return
+    walked.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _refuse_repeats(item, f"{where}[{i}]")
+            _refuse_repeats(item, f"{where}[{i}]", walked)
     if not isinstance(node, yaml.MappingNode):
         return
     seen: set[str] = set()
     for key_node, value in node.value:
         key = str(key_node.value)
         name = f"{where}.{key}" if where else key
-        if key in seen:
+        if key in seen and key != "<<":  # merge keys may repeat
             raise ConfigError(f"'{name}' is set twice (line {key_node.start_mark.line + 1}); keep one of the two")
         seen.add(key)
-        _refuse_repeats(value, name)
+        _refuse_repeats(value, name, walked)
 
 
 _SAID_EMPTY: set[str] = set()

@@ -11,7 +11,7 @@ from stages.common.cluster import cluster_resources
 from stages.common.config import RayConfig
 from stages.common.exposure import check_loopback, keep_local_on_loopback
 
-__all__ = ["start", "dashboard_url"]
+__all__ = ["start", "start_if_needed", "dashboard_url"]
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,12 @@ def _workers_import_this_code() -> None:
         found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):  # cannot tell: leave the environment alone
         return
-    if found and os.path.dirname(os.path.dirname(os.path.abspath(found))) == mine:
+    other = os.path.dirname(os.path.dirname(os.path.abspath(found))) if found else None
+    if other == mine:
+        return
+    if other == os.getcwd():  # Ray puts the driver's folder first on a local worker's path, before PYTHONPATH
+        log.warning("ray: local workers would import %s/stages (this folder) while this process runs "
+                    "%s/stages; run from another folder, or from that checkout", other, mine)
         return
     log.debug("ray: local workers get %s on PYTHONPATH (they would import %s)", mine, found or "no raymill")
     os.environ["PYTHONPATH"] = os.pathsep.join([mine, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
@@ -126,6 +131,16 @@ def start(cfg: RayConfig) -> dict[str, float]:
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
+
+
+def start_if_needed() -> None:
+    """For a stage called as a library before any Ray: Ray as raymill starts it (loopback, token),
+    joining RAY_ADDRESS when set (a script under `ray job submit`), not Ray's auto-init (every
+    interface, all cores, no word). Nothing when Ray is up: the caller's own `ray.init` stands."""
+    import ray
+
+    if not ray.is_initialized():
+        start(RayConfig(address=os.environ.get("RAY_ADDRESS") or None))
 
 
 def _point_state_api_at_own_dashboard(host: str) -> int:

@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 from stages.common.cluster import cluster_resources, local_cpus, units_that_fit
 from stages.common.config import ConfigError, InferConfig, ServeConfig, TrainConfig, TuneConfig
 from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noqa: F401 (re-exported)
-from stages.common.ray_start import dashboard_url, start  # noqa: F401 (re-exported)
+from stages.common.ray_start import dashboard_url, start, start_if_needed  # noqa: F401 (re-exported)
 
-__all__ = ["start", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "local_cpus",
+__all__ = ["start", "start_if_needed", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "local_cpus",
            "WorkerPlan",
            "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
            "ServePlan", "plan_serve", "plan_infer", "planned_actors"]

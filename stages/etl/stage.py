@@ -20,7 +20,7 @@ from typing import Any
 
 from stages.common import console, session, storage
 from stages.common.artifacts import Artifact, base_manifest, new_run_id
-from stages.common.config import ConfigError, EtlConfig, RayConfig, section_dict
+from stages.common.config import ConfigError, EtlConfig, section_dict
 from stages.common.locks import output_lock
 from stages.etl import checks
 from stages.etl.checks import (InputNotFoundError, OutputExistsError, check_apart, check_output,  # noqa: F401 (API)
@@ -137,6 +137,7 @@ def run(cfg: EtlConfig, source: str, out: str, *, s3: Any | None = None,
     it (`raymill run` keys the stage by its fingerprint); else ETL lists the source itself.
     """
     preflight(source, out, s3, overwrite)
+    session.start_if_needed()  # a library call first: before the task check, outside the stage's clock
     _check_task_fits(cfg)
     with output_lock(out, "etl", s3):
         return _run_locked(cfg, source, out, s3, overwrite, listing)
@@ -198,10 +199,6 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
     """Every shard task's result (stages.etl.shards.process_task), through Ray Data, or as plain
     Ray tasks below etl.ray_data_min_files: each task is a whole shard's work and returns only
     metadata, so both are the same map; Ray Data's start is a fixed cost that a small job notices."""
-    import ray
-
-    if not ray.is_initialized():  # a library call first: Ray as raymill starts it (loopback, token),
-        session.start(RayConfig())  # not Ray's auto-init (every interface, all cores, no word)
     fn_kwargs = {"cfg": section_dict(cfg), "source": source, "out": out,
                  "s3": storage.s3_options(s3), "run_id": run_id, "classes": classes}
     rows = [{"task": json.dumps(t)} for t in tasks]

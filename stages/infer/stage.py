@@ -30,7 +30,7 @@ import torch
 
 from stages.common import console, session, storage
 from stages.common.artifacts import Artifact, base_manifest, unpublish, write_manifest
-from stages.common.config import ConfigError, InferConfig, RayConfig, section_dict
+from stages.common.config import ConfigError, InferConfig, section_dict
 from stages.common.locks import foreign_files, output_lock
 from stages.infer import decode as infer_decode
 from stages.infer import plan as planning
@@ -81,7 +81,7 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         runtime.check_engine(model, info, cfg.engine, "infer.engine")
         # a library call with no Ray yet: Ray as raymill starts it (loopback, token), not ray.data's
         # auto-init (every interface, all cores, no word)
-        start_ray = start_ray or (lambda: session.start(RayConfig()))
+        start_ray = start_ray or session.start_if_needed
         ray_started = time.perf_counter()  # Ray's start is not the stage's work: metrics' seconds leave it out
         start_ray()
         started += time.perf_counter() - ray_started

@@ -27,7 +27,7 @@ from stages.train.loop import train_loop
 from stages.common import cluster, console, fingerprint, session, storage
 from stages.common import tracking_model
 from stages.common.tracking import log_params
-from stages.common.artifacts import Artifact, data_fingerprint, find_published
+from stages.common.artifacts import Artifact, config_hash, data_fingerprint, made_from, published_output
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
@@ -186,8 +186,14 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     compared by content (its shards' digests), as tune's and `raymill run`'s reuse are: an ETL
     rerun over the same images (a new run id, a new manifest) had republished the same model with
     this call's seconds and registered it in MLflow again."""
-    done = find_published(out, "train", section_dict(cfg), {"seed": seed, "data_fingerprint":
-                                                            data_fingerprint(data.manifest), **init_inputs(cfg, s3)}, s3)
+    inputs, config = {"seed": seed, **init_inputs(cfg, s3)}, section_dict(cfg)
+    done = published_output(out, "train", s3)
+    by_content = {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}
+    if done is not None and not made_from(done, config, by_content):
+        # a model published before manifests named the fingerprint: by the data manifest's hash
+        older = "data_fingerprint" not in (done.manifest.get("inputs") or {})
+        if not (older and made_from(done, config, {**inputs, "data_manifest_hash": config_hash(data.manifest)})):
+            done = None
     if done is not None:
         log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
                  "(--overwrite trains again)", out)

@@ -181,13 +181,15 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
             planned = trial_train_config(train_cfg, params, cfg).epochs
         except ValueError:  # params that fail validation fail the trial too
             planned = cfg.max_epochs
-        ended = outcome(status, diverged, max(seen, default=0), planned)  # by what the scheduler saw
+        # by what the scheduler saw; its own name: reusing `ended` (the finished trials' set) had made
+        # every trial after the first UNFINISHED in a resumed search (a substring test on "completed")
+        result_outcome = outcome(status, diverged, max(seen, default=0), planned)
         error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
         wall = (result.metrics or {}).get("time_total_s")
-        rows.append({"trial_id": trial_id, "status": status, "outcome": ended, "params": params,
+        rows.append({"trial_id": trial_id, "status": status, "outcome": result_outcome, "params": params,
                      "best": best["value"] if best else None, "best_epoch": best["epoch"] if best else None,
                      "epochs_run": epochs_run, "epochs_planned": planned,
-                     "stopped_early": ended == "stopped_early",
+                     "stopped_early": result_outcome == "stopped_early",
                      "wall_s": round(float(wall), 1) if wall is not None else None, "error": error,
                      "startup_s": _startup_s(result),
                      "history": history, "candidates": candidates,
@@ -358,8 +360,7 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
     metrics = {"best_val_acc": val_acc, f"best_{cfg.metric}": entry["value"], "model_val_acc": val_acc,
                "test_acc": test["acc"], "test_rows": test["rows"], "trials": len(trials), **counts,
                "seconds": round(seconds_so_far + time.perf_counter() - started, 1),
-               "images_per_s": feed["images_per_s"], "stall_fraction": feed["stall_fraction"],
-               "verdict": feed["verdict"], **_startup_summary(trials)}
+               **feed, **_startup_summary(trials)}
     manifest.update({
         "resource_plan": {"concurrent_trials": plan.concurrent_trials, "trial_in_function": plan.in_function,
                           "trial_resources": plan.trial_resources(tcfg.worker_resources), **plan.workers.as_dict()},
