@@ -200,9 +200,17 @@ def probe(url: str, data: Artifact, s3: Any, split: str, requests: int = 50) -> 
     refs = streaming.shard_refs(data.manifest, data.path, split, "tar") or \
         streaming.shard_refs(data.manifest, data.path, split, "parquet")
     cache = streaming.ShardCache(streaming.CACHE_DIR, streaming.CACHE_MAX_BYTES, s3)
-    rows = [r for ref in refs[:2] for r in streaming.read_shard(cache.local_path(ref), ref.format)][:requests]
-    if storage.stored_raw(data.manifest, refs[0].format):
-        raise ValueError("probe needs encoded images; keep tar in etl.formats")
+    if not refs or storage.stored_raw(data.manifest, refs[0].format):
+        raise ValueError(f"probe needs encoded images of split '{split}'; keep tar in etl.formats")
+    rows: list = []
+    for ref in refs:  # shards until there are enough (the first two had capped 40 requests at 17)
+        rows += streaming.read_shard(cache.local_path(ref), ref.format)
+        if len(rows) >= requests:
+            break
+    distinct = len(rows)
+    if not distinct:
+        raise ValueError(f"probe: split '{split}' holds no images to send")
+    rows = [rows[i % distinct] for i in range(requests)]  # a split smaller than `requests`: sent again
     codec = "image/png" if data.manifest["config"]["codec"] == "png" else "image/jpeg"
     latencies, correct = [], 0
     for key, label, image in rows:
@@ -214,6 +222,6 @@ def probe(url: str, data: Artifact, s3: Any, split: str, requests: int = 50) -> 
         correct += body["class_index"] == label
     stats = {"url": url, "requests": len(rows), "p50_ms": float(np.percentile(latencies, 50)),
              "p99_ms": float(np.percentile(latencies, 99)), "accuracy": correct / max(1, len(rows))}
-    log.info("serve: %d requests, p50 %.1f ms, p99 %.1f ms, accuracy %.3f", stats["requests"],
-             stats["p50_ms"], stats["p99_ms"], stats["accuracy"])
+    log.info("serve: %d requests (%d distinct images), p50 %.1f ms, p99 %.1f ms, accuracy %.3f", stats["requests"],
+             min(distinct, requests), stats["p50_ms"], stats["p99_ms"], stats["accuracy"])
     return stats

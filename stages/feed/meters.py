@@ -183,6 +183,11 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
                 f"{t.stall:.0%}; the step's host work is the limit (kernel launches, syncs, or threads "
                 f"beside the loop holding the GIL): raise train.batch_size, decode in processes "
                 f"(train.decode_processes), or use a larger model per step{have}")
+    if device == "CPU" and ingest == "stream" and decode is None and not (tier and tier.startswith("decoded")):
+        # decode threads run on the step's own cores, so their share is in the step's time: "input
+        # keeps up" had hidden a decode that cost ~30% of the throughput (a review: 1,548 img/s on raw)
+        return (f"compute-bound: the CPU ≈ {rate}, its step sharing the cores with the decode threads (their "
+                "share is in the step's time); train.decode_processes decodes apart, in processes")
     return f"compute-bound: the {device} is the weakest link ≈ {rate}, input keeps up{have}"
 
 
