@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
-from stages.common.config_parts import Distribution, ImageFormats, RunsModel, Section, tune_defaults
+from stages.common.config_parts import (SET_BY_TUNE, SHARED_IN_SEARCH, Distribution, ImageFormats, RunsModel,
+                                        Section, tune_defaults)
 from stages.common.overrides import ConfigError, merge, parse_overrides, read_config_file
 from stages.common.storage import check_init_from, check_location, check_named, check_output_place
 
@@ -231,7 +232,8 @@ class TuneConfig(Section):
         known = set(TrainConfig.model_fields)
         for key in space:
             if key.split(".")[0] not in known:
-                raise ValueError(f"search_space key '{key}' is not a train.* field; valid: {sorted(known)}")
+                searchable = sorted(known - set(SET_BY_TUNE) - set(SHARED_IN_SEARCH))
+                raise ValueError(f"search_space key '{key}' is not a train.* field; searchable: {searchable}")
         return space
 
     def models(self, train_model: str) -> list[str]:

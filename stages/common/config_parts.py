@@ -7,7 +7,15 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
 
 __all__ = ["Section", "RunsModel", "ImageFormats", "Distribution", "default_search_space", "flat_space",
-           "tune_defaults"]
+           "tune_defaults", "SET_BY_TUNE", "SHARED_IN_SEARCH"]
+
+# train.* keys a search space may not hold (stages.tune.checks says why, naming the fix): those tune
+# sets for every trial, and those every trial must share (the search's plan, host and checks are
+# made once: a sampled ingest=ray_data had failed every such trial; a sampled init_from or use_gpu
+# had been recorded in best.json while the trial trained from scratch, on the CPU).
+SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
+SHARED_IN_SEARCH = ("ingest", "host", "use_gpu", "gpus_per_worker", "cpus_per_worker", "init_from", "cache_dir",
+                    "storage_path", "max_failures")
 
 
 class Section(BaseModel):

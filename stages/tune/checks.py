@@ -8,16 +8,11 @@ from typing import Any
 
 from stages.common import session
 from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
+from stages.common.config_parts import SET_BY_TUNE, SHARED_IN_SEARCH
 
 __all__ = ["check_search", "check_room", "trial_train_config", "searched_keys", "METRICS", "PBT_KEYS"]
 
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
-_SET_BY_TUNE = {"num_workers": "tune.workers_per_trial", "min_workers": "tune.workers_per_trial"}
-# Keys every trial must share: the search's plan, host and checks are made once, for all trials (a
-# sampled ingest=ray_data had failed every such trial; a sampled init_from or use_gpu had been
-# recorded in best.json while the trial trained from scratch, on the CPU).
-_SHARED = ("ingest", "host", "use_gpu", "gpus_per_worker", "cpus_per_worker", "init_from", "cache_dir",
-           "storage_path", "max_failures")
 BETTER = {"val_acc": "max", "val_loss": "min"}  # the mode each metric ranks by
 PBT_KEYS = ("lr", "momentum", "weight_decay")  # what PBT explores: the optimiser's knobs
 
@@ -96,10 +91,10 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
         raise ConfigError("tune.search_space.epochs: PBT compares trials and clones one into another at "
                           "the same epoch, so every trial runs tune.max_epochs; remove it from the space")
     for key, dist in cfg.search_space.items():
-        if key in _SET_BY_TUNE:
-            raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {_SET_BY_TUNE[key]} in a "
+        if key in SET_BY_TUNE:
+            raise ConfigError(f"tune.search_space.{key}: train.{key} is set by {SET_BY_TUNE[key]} in a "
                               f"search; remove it from the search space")
-        if key in _SHARED:
+        if key in SHARED_IN_SEARCH:
             raise ConfigError(f"tune.search_space.{key}: every trial of a search shares train.{key} (its plan and "
                               f"checks are made once); set --set train.{key}=... for the whole search instead")
         if dist.type == "randint" and (dist.lower != int(dist.lower) or dist.upper != int(dist.upper)):
