@@ -182,9 +182,9 @@ def publish(cfg, data: Artifact, out: str, result, plan, loop_config: dict, seco
     write_manifest(out, manifest, s3)
     m = manifest["metrics"]
     log.info("train: test_acc %s on %d images, best val_acc %s, %.0fs; over its %d epoch(s) %s img/s, stall "
-             "%.1f%%; bottleneck (epochs %s): %s", console.score(m["test_acc"]), m["test_rows"],
+             "%.1f%%; bottleneck in %d of them: %s", console.score(m["test_acc"]), m["test_rows"],
              console.score(m["best_val_acc"]), m["seconds"], len(history), f"{m['images_per_s'] or 0:,.0f}",
-             100 * (m["stall_fraction"] or 0), ", ".join(map(str, m["verdict_epochs"])) or "-", m["verdict"])
+             100 * (m["stall_fraction"] or 0), len(m["verdict_epochs"]), m["verdict"])
     return Artifact("train", str(out).rstrip("/"), manifest)
 
 
