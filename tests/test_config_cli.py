@@ -227,6 +227,23 @@ def test_a_model_that_cannot_take_the_image_size_exits_2_before_any_work(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+def test_a_gpu_asked_of_a_local_ray_with_none_exits_2_before_mlflows_store(tmp_path, ray_session, capsys):
+    """It had been refused by the plan after Ray's start, leaving OUT/mlflow.db behind."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    src, ds, smoke = tmp_path / "src", tmp_path / "ds", str(REPO / "configs/smoke.yaml")
+    make_tree(src, per_class=3, bad=False)
+    assert main(["etl", "--input", str(src), "--output", str(ds), "--set", "etl.image_size=16"]) == 0
+    capsys.readouterr()
+    for command in ("train", "tune"):
+        assert main([command, "--data", str(ds), "--output", str(tmp_path / command), "--config", smoke,
+                     "--set", "train.use_gpu=true"]) == 2
+        assert "train.use_gpu=true, but this machine has no GPU torch can use" in capsys.readouterr().err
+        assert not (tmp_path / command / "mlflow.db").exists()
+
+
 def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_session, capsys):
     endpoint, _ = s3_bucket
     make_tree(tmp_path / "src", per_class=2, bad=False)

@@ -172,6 +172,7 @@ def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models:
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:
+            preflight.check_local_gpus(cfg)
             preflight.beside_ray(cfg, out)
         yield
 

@@ -103,6 +103,20 @@ def check_init_source(cfg: Config, models: list[str]) -> None:
         init_source.check(cfg.train.init_from, cfg.s3, tuple(models), width)
 
 
+def check_local_gpus(cfg: Config) -> None:
+    """train.use_gpu where a local Ray would have no GPU: refused before Ray's start and MLflow's store
+    (it had been refused by the plan after both, leaving OUT/mlflow.db). A cluster's GPUs, and a
+    ray.num_gpus the user set, are known only to Ray: the plan checks those."""
+    if not cfg.train.use_gpu or cfg.ray.address is not None or cfg.ray.num_gpus is not None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("train.use_gpu=true, but this machine has no GPU torch can use, and a local Ray "
+                          "(ray.address unset) has only this machine's; set train.use_gpu=false, or join a "
+                          "cluster with GPUs (ray.address)")
+
+
 def beside_ray(cfg: Config, store: str) -> dict[str, float]:
     """Start Ray in this thread while torch and Ray Train import in a thread beside it, and MLflow's
     store in `store` opens in another (`raymill run` at its first stage that computes; `raymill
