@@ -115,7 +115,7 @@ def cmd_etl(args) -> int:
         session.start(cfg.ray)
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite, listing=listing)
     t = artifact.manifest["totals"]  # the stage has logged its full summary: stdout says where it went
-    print(f"etl: rows_out={t['rows_out']} quarantined={t['quarantined']} -> {artifact.path}")
+    print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} -> {artifact.path}")
     return 0
 
 

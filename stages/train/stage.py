@@ -190,14 +190,28 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     done = published_output(out, "train", s3)
     by_content = {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}
     if done is not None and not made_from(done, config, by_content):
-        # a model published before manifests named the fingerprint: by the data manifest's hash
+        # a model published before manifests named the fingerprint: by the data manifest's hash, or
+        # by its run state's fingerprint (data content), kept beside the checkpoints (an ETL rerun to
+        # the new layout had republished every older model and registered it in MLflow again)
         older = "data_fingerprint" not in (done.manifest.get("inputs") or {})
-        if not (older and made_from(done, config, {**inputs, "data_manifest_hash": config_hash(data.manifest)})):
+        if not (older and (made_from(done, config, {**inputs, "data_manifest_hash": config_hash(data.manifest)})
+                           or made_from(done, config, inputs) and _state_made_by(cfg, out, seed, data, s3))):
             done = None
     if done is not None:
         log.info("train: %s already holds this run's model (same config, seed and data); reusing it "
                  "(--overwrite trains again)", out)
     return done
+
+
+def _state_made_by(cfg: TrainConfig, out: str, seed: int, data: Artifact, s3: Any | None) -> bool:
+    """Whether `out`'s run state records this config, seed and data content (the fingerprint file
+    `fingerprint.guard` writes beside it). Not with init weights: their content is read to train."""
+    if cfg.init_from:
+        return False
+    fs, root = storage.filesystem(cfg.storage_path or storage.join(out, "ray"), s3)
+    stored = storage.read_json_if_any(fs, storage.join(root, run_name(cfg, out) + fingerprint.SUFFIX), {})
+    return isinstance(stored, dict) and \
+        stored.get("digest") == fingerprint.for_train(section_dict(cfg), seed, data.manifest).digest
 
 
 def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str, resumes: bool,
