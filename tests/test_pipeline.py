@@ -76,3 +76,27 @@ def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):
     with pytest.raises(ConfigError, match="run.source"):  # a missing source: refused before config.yaml is rewritten
         pipeline.run(load_config(REPO / "configs/smoke.yaml", [f"run.source={tmp_path / 'none'}", f"run.dir={run}"]))
     assert (run / "config.yaml").read_text() == "{}"
+
+
+def test_an_object_stores_folder_marker_is_no_file_and_clearing_keeps_the_lock(s3_bucket):
+    """Ray Tune's storage writes zero-byte `prefix/` folder markers to S3 (the console's "Create
+    folder" too). s3fs lists one as an entry of the folder itself: clearing a recomputed stage had
+    removed it recursively, the whole prefix with the lock this run held, then failed on the next
+    entry (FileNotFoundError, exit 1); and a marker alone had counted as someone's file."""
+    import boto3
+
+    from stages.common import storage
+    from stages.common.config import S3Config
+    from stages.common.locks import LOCK_NAME, foreign_files
+
+    endpoint, bucket = s3_bucket
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for key in ("r1/train/", f"r1/train/{LOCK_NAME}", "r1/train/stage.json", "r1/train/curves.png",
+                "r1/train/ray/", "r1/train/ray/x.json", "empty/"):
+        client.put_object(Bucket=bucket, Key=key, Body=b"" if key.endswith("/") else b"x")
+    fs, root = storage.filesystem(f"s3://{bucket}/r1/train", S3Config(endpoint_url=endpoint))
+    pipeline._clear(fs, root, ours=True)
+    left = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="r1/")["Contents"]}
+    assert f"r1/train/{LOCK_NAME}" in left and not left & {"r1/train/stage.json", "r1/train/curves.png",
+                                                           "r1/train/ray/x.json"}
+    assert foreign_files(f"s3://{bucket}/empty", lambda rel: False, S3Config(endpoint_url=endpoint)) == []

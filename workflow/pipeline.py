@@ -93,7 +93,7 @@ def _clear(fs, root: str, ours: bool) -> None:
     run.dir/etl made by hand had its files deleted without a word."""
     if not fs.exists(root):
         return
-    paths = [p for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME]
+    paths = [p for p in storage.children(fs, root) if p.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME]
     if paths and not ours:
         raise ConfigError(f"'{root}' holds files raymill run did not write (no stage.json), e.g. "
                           f"'{paths[0]}'; move them, or choose another run.dir")

@@ -186,7 +186,7 @@ def _check_run_dir(cfg: Config) -> None:
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     if fs.exists(root) and not fs.isdir(root):
         raise ConfigError(f"run.dir '{cfg.run.dir}' is a file; choose a folder")
-    entries = fs.ls(root, detail=False) if fs.exists(root) else []
+    entries = storage.children(fs, root) if fs.exists(root) else []  # a folder marker is no file
     if entries and not fs.exists(storage.join(root, "config.yaml")):
         raise ConfigError(f"run.dir '{cfg.run.dir}' holds files that no raymill run wrote (no config.yaml), "
                           f"e.g. '{entries[0]}'; choose an empty or new run.dir")

@@ -113,7 +113,7 @@ def mismatch(stored: dict[str, Any] | None, expected: Fingerprint) -> str | None
 
 def _has_state(fs, folder: str) -> bool:
     try:
-        return fs.isdir(folder) and bool(fs.ls(folder))
+        return fs.isdir(folder) and bool(storage.children(fs, folder))
     except FileNotFoundError:
         return False
 

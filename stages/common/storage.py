@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "read_json_if_any",
-           "read_small", "read_small_if_any", "files_under", "is_local", "sha256_file",
+           "read_small", "read_small_if_any", "files_under", "children", "is_local", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
            "check_named", "check_output_place", "check_init_from"]
 
@@ -206,8 +206,17 @@ def files_under(fs: fsspec.AbstractFileSystem, root: str, listed: list[str] | No
     """Every file under the folder `root` as a path relative to it, from one listing (a LIST on
     S3, not a request per file). `listed`: the folder's `fs.find(root)`, when the caller has it."""
     prefix = root.rstrip("/") + "/"
-    return [p[len(prefix):] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
-            for p in (fs.find(root) if listed is None else listed)]
+    relative = [p[len(prefix):] if p.startswith(prefix) else p.rsplit("/", 1)[-1]
+                for p in (fs.find(root) if listed is None else listed)]
+    return [r for r in relative if r and not r.endswith("/")]  # an object store's folder markers: no files
+
+
+def children(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    """The entries directly in the folder `root`, without the folder itself: s3fs lists a zero-byte
+    `root/` folder marker (Ray Tune's storage writes them, the S3 console's "Create folder" too) as an
+    entry of its own, and deleting it recursively had deleted the whole prefix, a held lock with it."""
+    me = root.rstrip("/")
+    return [p for p in fs.ls(root, detail=False) if p.rstrip("/") != me]
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

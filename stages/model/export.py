@@ -133,7 +133,7 @@ def _check_output(out: str, s3: Any | None, name: str) -> None:
         return
     if not fs.isdir(root):
         raise ExportError(f"--output '{out}' is a file; name a new or empty folder, or an earlier export")
-    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)} - {LOCK_NAME}
+    names = {p.rstrip("/").rsplit("/", 1)[-1] for p in storage.children(fs, root)} - {LOCK_NAME}
     kind = manifest_kind(fs, root)
     if not names:
         return
@@ -381,7 +381,7 @@ def _install(stage_dir: Path, name: str, files: dict[str, Path], out: str, s3: A
     export killed here leaves an unpublished folder, never a manifest over files it did not check."""
     unpublish(out, s3)
     fs, root = storage.filesystem(out, s3)
-    for path in fs.ls(root, detail=False):
+    for path in storage.children(fs, root):
         if path.rstrip("/").rsplit("/", 1)[-1] not in (LOCK_NAME, PIPELINE_MARKER):
             fs.rm(path, recursive=True)  # an earlier export's folders, whatever it was named
     if storage.is_remote(out):  # S3 has no folder rename: the files one by one, the manifest after them
