@@ -308,8 +308,10 @@ def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(t
     src, out = tmp_path / "src", tmp_path / "ds"
     make_tree(src, per_class=3, bad=False)
     etl.run(CFG, str(src), str(out))
-    foreign = out / "shards" / "train-00000-00-20990101T000000-abcdef.parquet"
-    foreign.write_bytes(b"another run's shard")
+    killed = out / "shards" / "train-00000-00-20990101T000000-abcdef.parquet"
+    killed.write_bytes(b"a killed run's shard")
+    foreign = out / "shards" / "notes.txt"
+    foreign.write_bytes(b"a user's file")
     from stages.etl import publish
 
     real = publish.write_manifest
@@ -324,7 +326,8 @@ def test_manifest_committed_despite_an_error_keeps_its_shards_and_others_files(t
     assert json.loads((out / "manifest.json").read_text())["run_id"] == second.manifest["run_id"]
     named = {s["path"] for s in second.manifest["shards"]} | {second.manifest["quarantine"]["path"]}
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
-    # The replaced run's files are gone; another run's shard, named by no manifest we replaced, is not ours.
+    # The replaced run's files are gone, and a killed run's shard (raymill's name, no manifest names it:
+    # a folder read would count its rows); a file of another name is not ours to delete.
     assert on_disk == named | {"manifest.json", str(foreign.relative_to(out))}
 
 

@@ -123,6 +123,7 @@ def cmd_verify(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import etl
     from stages.common.artifacts import manifest_kind
+    from stages.etl import integrity
 
     fs, root = storage.filesystem(args.dst, cfg.s3)
     if not fs.exists(root):  # a wrong path is a usage error; an unpublished folder is a problem found
@@ -132,6 +133,9 @@ def cmd_verify(args) -> int:
     problems = etl.verify(args.dst, cfg.s3)
     for line in problems:
         print(f"verify: {line}")
+    if unnamed := integrity.unnamed_run_files(args.dst, cfg.s3):  # a note: the dataset itself is whole
+        print(f"verify: note: {len(unnamed)} file(s) of killed runs that no manifest names (e.g. {unnamed[0]}): a "
+              f"folder read counts their rows; the next `raymill etl --overwrite` on this output removes them")
     print(f"verify: {'FAILED, ' + str(len(problems)) + ' problem(s)' if problems else 'ok'} ({args.dst})")
     return 1 if problems else 0
 

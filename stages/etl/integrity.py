@@ -19,9 +19,10 @@ from typing import Any
 
 from stages.common import storage
 from stages.common.artifacts import MANIFEST, load_artifact
+from stages.etl.publish import is_run_file
 from stages.etl.shards import count_rows
 
-__all__ = ["verify", "verify_once", "STAMP_DIR"]
+__all__ = ["verify", "verify_once", "unnamed_run_files", "STAMP_DIR"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,15 @@ def verify(out: str, s3: Any | None = None) -> list[str]:
     for entry in manifest["shards"] + [{**manifest["quarantine"], "format": None}]:
         problems += _entry_problems(fs, root, entry)
     return problems
+
+
+def unnamed_run_files(out: str, s3: Any | None = None) -> list[str]:
+    """Shard and quarantine files by raymill's names that the manifest does not name (a killed run's):
+    no part of the dataset, but a folder read (`pd.read_parquet("DST/shards/parquet")`) counts them."""
+    manifest = load_artifact(out, "etl", s3).manifest
+    fs, root = storage.filesystem(out, s3)
+    named = {s.get("path") for s in manifest.get("shards") or []} | {(manifest.get("quarantine") or {}).get("path")}
+    return [p for p in storage.files_under(fs, root) if is_run_file(p) and p not in named]
 
 
 def _rows_add_up(manifest: dict[str, Any]) -> list[str]:

@@ -4,13 +4,14 @@ manifest is out (stages.etl.stage)."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from stages.common import storage
 from stages.common.artifacts import write_manifest
 from stages.common.locks import STAGE_RECORD
 
-__all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "prune_empty_folders", "is_shard_file"]
+__all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "prune_empty_folders", "is_shard_file", "is_run_file"]
 
 log = logging.getLogger("stages.etl.stage")  # the stage's lines, under the stage's logger
 
@@ -54,8 +55,11 @@ def remove_run_files(fs, root: str, run_id: str) -> None:
 def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, Any] | None) -> None:
     """After an overwrite is published, delete the files of the manifest it replaced.
 
-    Only files that manifest named: another run's shards, or anything else in the folder, are not
-    ours to delete (a killed run's leftovers are listed in the log for the user to remove).
+    Those files, and the shards of killed runs (raymill's own file names: `<split>-<task>-<part>-
+    <run_id>` and `quarantine-<run_id>`, named by no manifest): this run holds the output's lock,
+    so no other ETL writes here, and a folder read (`pd.read_parquet("DST/shards/parquet")`, as the
+    README offers) had counted a killed run's rows with the published ones (520 rows for 200). Any
+    other file is left in place and named.
     """
     keep = {s["path"] for s in manifest["shards"]} | {manifest["quarantine"]["path"]}
     named = set()
@@ -67,12 +71,15 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
     prune_empty_folders(fs, root)
     fs.invalidate_cache(root)
     listed = storage.files_under(fs, root)
-    leftovers = [p for p in listed if is_shard_file(p) and p not in keep | named]
-    if leftovers:
-        log.warning("etl: %d file(s) in '%s' belong to no manifest (a killed run's?), left in place: %s",
-                    len(leftovers), root, ", ".join(p.rsplit("/", 1)[-1] for p in leftovers[:3]))
+    killed = [p for p in listed if is_run_file(p) and p not in keep]
+    for relative in killed:
+        fs.rm_file(storage.join(root, relative))
+    if killed:
+        prune_empty_folders(fs, root)
+        log.info("etl: removed %d file(s) of killed runs that no manifest names (%s)", len(killed),
+                 ", ".join(p.rsplit("/", 1)[-1] for p in killed[:3]))
     # someone's files beside a published output (a new output with them is refused before it starts)
-    if foreign := [p for p in listed if not (is_shard_file(p) or p in (storage.MANIFEST, STAGE_RECORD)
+    if foreign := [p for p in listed if not (is_run_file(p) or p in (storage.MANIFEST, STAGE_RECORD)
                                              or p.rsplit("/", 1)[-1].startswith("."))]:
         log.warning("etl: %d file(s) in '%s' were not written by raymill etl and are left in place (%s); they "
                     "are no part of the dataset, which manifest.json lists", len(foreign), root,
@@ -89,6 +96,16 @@ def prune_empty_folders(fs, root: str) -> None:
     for folder in sorted(folders, key=lambda d: -d.count("/")):
         if fs.isdir(folder) and not fs.ls(folder):
             fs.rmdir(folder)
+
+
+# raymill's own file names (stages.etl.shards.shard_path, stage's quarantine file), with the run id
+# `artifacts.new_run_id` makes: what a killed run can have left
+_RUN_FILE = re.compile(r"(?:^|/)(?:[a-z]+-\d{5}-\d{2}-|quarantine-)\d{8}T\d{6}-[0-9a-f]{6}\.(?:parquet|tar|jsonl)$")
+
+
+def is_run_file(relative: str) -> bool:
+    """A shard or quarantine file an ETL run of raymill writes, by its place and name."""
+    return is_shard_file(relative) and bool(_RUN_FILE.search(relative))
 
 
 def is_shard_file(relative: str) -> bool:

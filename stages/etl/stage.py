@@ -170,6 +170,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
     refused = f" (and {len(listing.rejected)} refused while listing)" if listing.rejected else ""
     log.info("etl: %d files in %d classes%s -> %d shard task(s), run %s",
              len(listing.files), len(listing.classes), refused, len(tasks), run_id)
+    publishing_started = False
     try:
         results = _execute(tasks, cfg, source, out, s3, run_id, listing.classes, len(listing.files))
         quarantine = _quarantine_rows(results, listing)
@@ -177,11 +178,14 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
         quarantine_rel = f"quarantine-{run_id}.jsonl"
         manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
+        publishing_started = True
         publishing.publish(out, manifest, s3, out_fs, out_root)
     except BaseException:
-        # A write can raise after the store committed it (an S3 response timeout): then the
-        # manifest names these shards, and deleting them would publish a dataset with holes.
-        if publishing.published_run(out_fs, out_root) not in (run_id, "unknown"):
+        # A manifest write can raise after the store committed it (an S3 response timeout): then
+        # the manifest names these shards, and deleting them would publish a dataset with holes.
+        # Before the publish step no manifest of this run can exist: asking a dead endpoint had said
+        # "cannot tell whether the manifest was published" over a run that never tried.
+        if not publishing_started or publishing.published_run(out_fs, out_root) not in (run_id, "unknown"):
             publishing.remove_run_files(out_fs, out_root, run_id)
         raise
     publishing.remove_stale(out_fs, out_root, manifest, previous)
