@@ -29,6 +29,17 @@ def _object_store_hint(e: Exception) -> str:
                 "AWS_SECRET_ACCESS_KEY, or the s3.* keys) and the bucket's policy for the s3:// paths given")
     if isinstance(e, FileNotFoundError) and "bucket does not exist" in str(e):
         return "; create the bucket, or fix the s3:// path that names it"
+    chain, x = [], e  # botocore's errors by name (its import is not this module's to pay), raised
+    while x is not None and len(chain) < 8:  # here or under a stage's error (a Ray task's, in its text)
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    said = " ".join(chain)
+    if "NoCredentialsError" in said:
+        return ("; no S3 credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), "
+                "or run where an instance role provides them")
+    if "EndpointConnectionError" in said:
+        return ("; the S3 endpoint does not answer: check s3.endpoint_url (or AWS_ENDPOINT_URL) and the network; "
+                "s3.max_attempts bounds the retries before this error")
     return ""
 
 
