@@ -84,8 +84,14 @@ def content_config(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in _HOW_NOT_WHAT}
 
 
+# 2 (2026-11-29): ETL shards under shards/<format>/split=<split>/; a train or tune manifest's
+# images_per_s, stall_fraction and verdict cover all epochs (verdict_epochs names them; 1: the last
+# epoch's); train's inputs name the data_fingerprint. Readers take both: paths come from the manifest.
+SCHEMA_VERSION = 2
+
+
 def base_manifest(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
-    return {"kind": f"raymill.{stage}", "schema_version": 1,
+    return {"kind": f"raymill.{stage}", "schema_version": SCHEMA_VERSION,
             "created_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "code": code_version(), "config": config, "config_hash": config_hash(content_config(config)),
             "inputs": inputs}
