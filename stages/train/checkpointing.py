@@ -59,7 +59,7 @@ def restore(w) -> bool:
             if damaged:  # a warning, which reaches the console: Ray had named the damaged one as resumed from
                 log.warning("train: skipped damaged checkpoint(s): %s; resumed from %s (epoch %d, step %d) instead",
                             "; ".join(damaged), candidate.path, w.epoch, w.step)
-            log.info(f"train: resumed from {candidate.path} at epoch {w.epoch} step {w.step}")
+            log.info("train: resumed from %s at epoch %d step %d", candidate.path, w.epoch, w.step)
         return True
     raise CheckpointRefused(f"no whole checkpoint to resume from: {'; '.join(damaged)}. Delete those folders to "
                             f"start over, or pass --overwrite")
@@ -90,5 +90,5 @@ def _load(w, folder: Path, meta: dict[str, Any]) -> None:
         # can't carry over. Restart the epoch; the weights and optimizer do.
         w.step, w.ledger = 0, {}
         if w.rank == 0:
-            log.info(f"train: world size changed {meta['world']} -> {w.world}; epoch {w.epoch + 1} restarts "
-                     f"from its first step")
+            log.info("train: world size changed %s -> %s; epoch %d restarts from its first step",
+                     meta["world"], w.world, w.epoch + 1)

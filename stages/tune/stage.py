@@ -194,9 +194,9 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
     ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
            "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
-    log.info(f"tune: {cfg.num_samples} trial(s), {cfg.scheduler}, {plan.concurrent_trials} at a time, "
-          f"{plan.workers.num_workers} worker(s) x {plan.workers.cpus_per_worker:g} CPU each; "
-          f"{ray_cfg.data_reserved_cpus:g} CPU kept for Ray Data")
+    log.info("tune: %d trial(s), %s, %d at a time, %d worker(s) x %g CPU each; %g CPU kept for Ray Data",
+             cfg.num_samples, cfg.scheduler, plan.concurrent_trials, plan.workers.num_workers,
+             plan.workers.cpus_per_worker, ray_cfg.data_reserved_cpus)
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_fingerprint": data_fingerprint(data.manifest), **init_inputs(ctx["loop"])}
     if callbacks:  # tracked (stages.common.tracking): the best model is logged after the search
@@ -257,7 +257,7 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
     fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
                       fix=f"use a new output folder, or delete '{ray_dir}' to start over")
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
-        log.info(f"tune: resuming the search in {ray_dir}/{EXPERIMENT} (finished trials are kept)")
+        log.info("tune: resuming the search in %s/%s (finished trials are kept)", ray_dir, EXPERIMENT)
         tune_console.verbosity()  # its switches: a restored RunConfig keeps `verbose`, not them (a resume
         # had drawn Tune's configuration box, its TensorBoard hint and its snapshot warnings)
         tuner = tune.Tuner.restore(experiment, trainable=trainable, resume_unfinished=True,
