@@ -405,3 +405,14 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line_not_tracebacks(tmp_path):
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 130 and "Traceback" not in out, out[-3000:]
     assert out.startswith("raymill demo-data: interrupted") or out.startswith("raymill: interrupted again"), out
+
+
+def test_an_input_that_is_not_there_is_not_offered_to_etl(tmp_path):
+    """A missing --data (a typo, a bucket that is not there) had been told to run ETL on it."""
+    from stages.common.artifacts import InputNotPublishedError, load_input
+
+    with pytest.raises(InputNotPublishedError, match="'.*gone' does not exist; pass a raymill etl output folder$"):
+        load_input(str(tmp_path / "gone"), "etl")
+    (tmp_path / "photos").mkdir()
+    with pytest.raises(InputNotPublishedError, match="run `raymill etl --input .*photos --output <dataset>` first"):
+        load_input(str(tmp_path / "photos"), "etl")

@@ -189,12 +189,24 @@ def load_input(path: str, stage: str, s3: Any | None = None, flag: str = "--data
     try:
         return load_artifact(path, stage, s3)
     except FileNotFoundError:
+        if not _exists(path, s3):  # a typo, or a bucket that is not there: not a folder of images to ETL
+            raise InputNotPublishedError(f"{flag} '{path}' does not exist; pass a raymill {stage} output folder"
+                                         + (" (check the bucket and the prefix)" if storage.is_remote(path) else "")
+                                         ) from None
         fix = (f"; for a folder of images, run `raymill etl --input {path} --output <dataset>` first and pass "
                f"<dataset> (or `raymill run`)") if stage == "etl" else f"; pass a raymill {stage} output folder"
         raise InputNotPublishedError(f"{flag} '{path}' is not a published raymill {stage} output (no {MANIFEST})"
                                      f"{fix}") from None
     except ValueError as e:
         raise InputNotPublishedError(f"{flag} '{path}': {e}") from None
+
+
+def _exists(path: str, s3: Any | None) -> bool:
+    try:
+        fs, root = storage.filesystem(path, s3)
+        return bool(fs.exists(root))
+    except Exception:  # cannot tell (a refused request): say what the listing said
+        return True
 
 
 class ModelNotFoundError(ConfigError):
