@@ -399,3 +399,17 @@ def test_an_interrupted_searchs_trial_runs_end_killed_and_a_resume_goes_on_in_th
     trial.set_status(Trial.TERMINATED)
     again.on_experiment_end([trial])
     assert client.get_run(run.info.run_id).info.status == "RUNNING"  # ended by log_trial_end, not here
+
+
+def test_a_stopped_searchs_trial_runs_end_with_it(tmp_path):
+    """After a search's Ctrl-C Tune did not call the trial logger's end: its in-flight trials' child
+    runs had stayed RUNNING for good. The parent's end takes its RUNNING children with it."""
+    cfg = load_config(None, [])
+    parent = tracking.start(cfg.tracking, str(tmp_path), "search", {"raymill.stage": "tune"})
+    client = _client(parent["uri"])
+    running = client.create_run(parent["experiment_id"], tags={"mlflow.parentRunId": parent["run_id"]})
+    done = client.create_run(parent["experiment_id"], tags={"mlflow.parentRunId": parent["run_id"]})
+    client.set_terminated(done.info.run_id, status="FINISHED")
+    tracking._end_children(parent, "KILLED")
+    assert client.get_run(running.info.run_id).info.status == "KILLED"
+    assert client.get_run(done.info.run_id).info.status == "FINISHED"

@@ -498,7 +498,14 @@ def test_every_trial_recorded_finished_is_finished_not_only_the_first(tmp_path):
         frame = pd.DataFrame([{"epoch": e, "position_step": 0, "val_acc": 0.5 + e / 10} for e in (1, 2)])
         grid.append(types.SimpleNamespace(path=str(ray_dir / f"trial-{trial_id}"), error=None, config={"lr": 0.1},
                                           metrics={"done": False, "epoch": 2}, metrics_dataframe=frame))
+    # a resumed trial whose Tune record kept only its epoch 1 (seen after a PBT resume) while its own
+    # checkpoints hold epoch 2: the row had said stopped_early with best epoch 1 beside 2 epochs run
+    grid[2].metrics_dataframe = grid[2].metrics_dataframe.iloc[:1]
+    kept = ray_dir / "trial-cccc3" / "checkpoint_000001"
+    kept.mkdir(parents=True)
+    (kept / "meta.json").write_text(json.dumps({"epoch": 2, "step": 0, "val": {"val_acc": 0.9}}))
     cfg = TuneConfig(max_epochs=2, search_space={"lr": {"type": "loguniform", "lower": 0.01, "upper": 0.2}})
     rows = results.summaries(grid, cfg, TrainConfig(epochs=2), str(ray_dir), None)
     assert [(r["trial_id"], r["status"], r["outcome"]) for r in rows] == \
         [(t, "TERMINATED", "completed") for t in ("aaaa1", "bbbb2", "cccc3")]
+    assert (rows[2]["epochs_run"], rows[2]["best_epoch"], rows[2]["best"]) == (2, 2, 0.9)

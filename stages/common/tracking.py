@@ -237,6 +237,17 @@ def end(handle: Handle, status: str = "FINISHED") -> None:
     _client(handle["uri"], handle["timeout_s"]).set_terminated(handle["run_id"], status=status)
 
 
+@_guarded()
+def _end_children(handle: Handle, status: str) -> None:
+    """A stopped parent's child runs still RUNNING end with it: after a search's Ctrl-C, Tune did not
+    call the trial logger's end (its in-flight trials' runs had stayed RUNNING for good). A resume
+    takes each up again (stages.common.tracking_tune.TrialLogger)."""
+    client = _client(handle["uri"], handle["timeout_s"])
+    for run in client.search_runs([handle["experiment_id"]], max_results=10_000, filter_string=(
+            f"tags.`mlflow.parentRunId` = '{handle['run_id']}' and attributes.status = 'RUNNING'")):
+        client.set_terminated(run.info.run_id, status=status)
+
+
 # ---- stage runs: what the pipeline and the CLI call ---------------------------------------------
 def _data_params(data: Artifact) -> dict[str, Any]:
     counts = data.manifest.get("counts", {})
@@ -289,9 +300,11 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
             _discard(handle)
             raise
         except KeyboardInterrupt:  # Ctrl-C, or a search stopped before its end (TuneInterrupted)
+            _end_children(handle, "KILLED")
             end(handle, "KILLED")
             raise
         except BaseException:
+            _end_children(handle, "FAILED")
             end(handle, "FAILED")
             raise
         _finish(cfg, handle, artifact, cfg.s3)

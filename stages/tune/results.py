@@ -175,15 +175,18 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         candidates = sorted(history + kept, key=lambda h: h["epoch"])
         epochs_run = max((h["epoch"] for h in candidates), default=0)
         pick = max if cfg.mode == "max" else min
-        best = pick(history or candidates, key=lambda h: h["value"]) if candidates else None
+        best = pick(candidates, key=lambda h: h["value"]) if candidates else None  # as pick_best ranks
         status = _status(result, trial_id, ended)
         try:
             planned = trial_train_config(train_cfg, params, cfg).epochs
         except ValueError:  # params that fail validation fail the trial too
             planned = cfg.max_epochs
-        # by what the scheduler saw; its own name: reusing `ended` (the finished trials' set) had made
-        # every trial after the first UNFINISHED in a resumed search (a substring test on "completed")
-        result_outcome = outcome(status, diverged, max(seen, default=0), planned)
+        # by what the scheduler saw, unless the trial's function recorded its own end (`ended`): Tune's
+        # record of a resumed trial can miss epochs its checkpoints hold (a PBT resume: its result.json
+        # kept epoch 1 of 3, and the row said stopped_early beside 3 epochs run). Its own name: reusing
+        # `ended` had made every trial after the first UNFINISHED in a resumed search.
+        ran = epochs_run if trial_id in ended else max(seen, default=0)
+        result_outcome = outcome(status, diverged, ran, planned)
         error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
         wall = (result.metrics or {}).get("time_total_s")
         rows.append({"trial_id": trial_id, "status": status, "outcome": result_outcome, "params": params,
