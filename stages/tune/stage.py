@@ -188,20 +188,26 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
     shards = train.check_data(train_cfg, data, s3, searched_models(cfg, train_cfg))  # the search's one data check
     init = train.check_init(train_cfg, data, s3, searched_models(cfg, train_cfg))  # every trial starts from it
     trained = init.train if init else train_cfg  # its mean/std where unset; key and manifest keep train_cfg
+    ray_dir = storage.join(out, "ray")
+    # The one resume guard of every stage, before Ray's start (a changed key had been refused 7-8 s
+    # later): the search's config, seed and data content are recorded beside its Tune state
+    # (`tune.fingerprint.json`) and a search made by others is refused.
+    key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
+           "data_fingerprint": data_fingerprint(data.manifest),
+           **init_inputs({"init": {"record": init.record}} if init else {})}
+    fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
+                      fix=f"use a new output folder, or delete '{ray_dir}' to start over")
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
-    ray_dir = storage.join(out, "ray")
     ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
            "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
     log.info("tune: %d trial(s), %s, %d at a time, %d worker(s) x %g CPU each; %g CPU kept for Ray Data",
              cfg.num_samples, cfg.scheduler, plan.concurrent_trials, plan.workers.num_workers,
              plan.workers.cpus_per_worker, ray_cfg.data_reserved_cpus)
-    key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
-           "data_fingerprint": data_fingerprint(data.manifest), **init_inputs(ctx["loop"])}
     if callbacks:  # tracked (stages.common.tracking): the best model is logged after the search
         tracking_model.warm_up()
-    grid = _fit(cfg, train_cfg, _make_driver(ctx), plan, ray_dir, s3, key, callbacks)
+    grid = _fit(cfg, train_cfg, _make_driver(ctx), plan, ray_dir, s3, callbacks)
     trials = tune_results.summaries(grid, cfg, train_cfg, ray_dir, s3)
     fs, root = storage.filesystem(out, s3)
     tune_results.write_tables(fs, root, trials, cfg)
@@ -242,8 +248,8 @@ def published(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str,
 
 
 def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPlan, ray_dir: str, s3,
-         key: dict, callbacks: Sequence[Any] = ()):
-    """Start the search, or resume the one saved in `ray_dir` if it was made with the same `key`."""
+         callbacks: Sequence[Any] = ()):
+    """Start the search, or resume the one saved in `ray_dir` (its fingerprint checked before Ray's start)."""
     from ray import tune
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
@@ -252,10 +258,6 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
     pafs, base = storage.pyarrow_filesystem(ray_dir, s3)
     experiment = f"{base}/{EXPERIMENT}"
     trainable = tune.with_resources(driver, plan.trial_resources(train_cfg.worker_resources))
-    # The one resume guard of every stage: the search's config, seed and data content are recorded
-    # beside its Tune state (`tune.fingerprint.json`) and a search made by others is refused.
-    fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
-                      fix=f"use a new output folder, or delete '{ray_dir}' to start over")
     if tune.Tuner.can_restore(experiment, storage_filesystem=pafs):
         log.info("tune: resuming the search in %s/%s (finished trials are kept)", ray_dir, EXPERIMENT)
         tune_console.verbosity()  # its switches: a restored RunConfig keeps `verbose`, not them (a resume
