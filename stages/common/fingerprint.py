@@ -22,7 +22,7 @@ from stages.common.artifacts import config_hash, data_fingerprint
 from stages.common.config import ConfigError
 
 __all__ = ["Fingerprint", "TRAIN_RESUMABLE", "compute", "for_train", "differences", "mismatch",
-           "guard", "clear"]
+           "guard", "holds_state", "clear"]
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,12 @@ def mismatch(stored: dict[str, Any] | None, expected: Fingerprint) -> str | None
     if stored["digest"] == expected.digest:
         return None
     return "; ".join(differences(stored.get("parts", {}), expected.parts)) or "the fingerprint differs"
+
+
+def holds_state(state_uri: str, name: str, s3: Any | None = None) -> bool:
+    """Whether `<state_uri>/<name>` holds run state (what `guard` would check, before it records)."""
+    fs, root = storage.filesystem(state_uri, s3)
+    return _has_state(fs, storage.join(root, name))
 
 
 def _has_state(fs, folder: str) -> bool:

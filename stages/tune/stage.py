@@ -189,16 +189,19 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
     init = train.check_init(train_cfg, data, s3, searched_models(cfg, train_cfg))  # every trial starts from it
     trained = init.train if init else train_cfg  # its mean/std where unset; key and manifest keep train_cfg
     ray_dir = storage.join(out, "ray")
-    # The one resume guard of every stage, before Ray's start (a changed key had been refused 7-8 s
-    # later): the search's config, seed and data content are recorded beside its Tune state
-    # (`tune.fingerprint.json`) and a search made by others is refused.
+    # The one resume guard of every stage: the search's config, seed and data content are recorded
+    # beside its Tune state (`tune.fingerprint.json`) and a search made by others is refused, before
+    # Ray's start (it had been 7-8 s later); a fresh one is recorded once its plan holds.
     key = {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
            "data_fingerprint": data_fingerprint(data.manifest),
            **init_inputs({"init": {"record": init.record}} if init else {})}
-    fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,
-                      fix=f"use a new output folder, or delete '{ray_dir}' to start over")
+    guard = lambda: fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,  # noqa: E731
+                                      fix=f"use a new output folder, or delete '{ray_dir}' to start over")
+    if fingerprint.holds_state(ray_dir, EXPERIMENT, s3):
+        guard()
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
+    guard()
     ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
            "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
