@@ -213,3 +213,31 @@ def test_a_copy_in_the_drivers_folder_is_named_not_hidden(tmp_path, monkeypatch,
     ray_start._workers_import_this_code()
     assert f"local workers would import {tmp_path}/stages (this folder)" in caplog.text
     assert os.environ["PYTHONPATH"] == ""  # no use: the folder comes first
+
+
+def test_a_callers_own_ray_after_shutdown_finds_its_own_state_api(tmp_path):
+    """Ray's processes take RAY_API_SERVER_ADDRESS (this Ray's dashboard) from the driver's start;
+    the driver drops it after. It had stayed set: a notebook's own `ray.init()` after
+    `ray.shutdown()` sent its State API calls to raymill's dead dashboard ("Failed to make request"),
+    whatever address they named (Ray reads the variable first)."""
+    script = """
+import os
+from stages.common import session
+from stages.common.config import RayConfig
+session.start(RayConfig(num_cpus=1))
+import ray
+from ray.util.state import list_actors
+print("DRIVER", os.environ.get("RAY_API_SERVER_ADDRESS"))
+print("WORKER", ray.get(ray.remote(lambda: os.environ.get("RAY_API_SERVER_ADDRESS")).remote()))
+ray.shutdown()
+ray.init(address="local", num_cpus=1, include_dashboard=True)
+# its own Ray by address (another test's Ray may be up); the variable, when set, overrides it
+print("ACTORS", len(list_actors(address=ray.get_runtime_context().gcs_address)))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("DRIVER", "WORKER", "ACTORS")))
+    assert lines["DRIVER"] == "None" and lines["WORKER"].startswith("http://127.0.0.1:"), lines
+    assert lines["ACTORS"].isdigit(), lines

@@ -57,6 +57,10 @@ def new_run_id() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
 
 
+# what new_run_id makes, for recognising a run's files by name
+RUN_ID_PATTERN = r"\d{8}T\d{6}-[0-9a-f]{6}"
+
+
 def config_hash(section: dict[str, Any]) -> str:
     return storage.sha256_bytes(json.dumps(section, sort_keys=True).encode())[:16]
 

@@ -101,6 +101,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "1" if console.verbose() else "0")
     _plain_prefixes_off_a_terminal()
     if first:
+        saved = {name: os.environ.get(name) for name in _FOR_RAY_ONLY}
         kwargs: dict = {"include_dashboard": cfg.include_dashboard, "dashboard_host": cfg.dashboard_host,
                         "logging_level": logging.INFO if console.verbose() else logging.WARNING}
         os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
@@ -120,7 +121,10 @@ def start(cfg: RayConfig) -> dict[str, float]:
             # cluster last wrote /tmp/ray/ray_current_cluster on this machine.
             kwargs.update(address="local", num_cpus=cfg.num_cpus, num_gpus=cfg.num_gpus,
                           object_store_memory=(cfg.object_store_memory_mb or 0) * 2**20 or None)
-        context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        try:
+            context = ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+        finally:
+            _restore(saved)
         if not cfg.address:
             check_loopback()
         if getattr(context, "dashboard_url", None):
@@ -131,6 +135,21 @@ def start(cfg: RayConfig) -> dict[str, float]:
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
+
+
+# Set for Ray's own processes, which take this process's environment when a local Ray starts. The
+# driver drops them after: a library caller's own later `ray.init` (after `ray.shutdown`) had
+# inherited metrics off, and its State API calls went to this Ray's dead dashboard ("Failed to
+# make request"). State API calls in this process name their Ray (cluster._holdings).
+_FOR_RAY_ONLY = ("RAY_API_SERVER_ADDRESS", "RAY_enable_metrics_collection")
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def start_if_needed() -> None:

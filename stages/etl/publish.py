@@ -4,12 +4,12 @@ manifest is out (stages.etl.stage)."""
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from stages.common import storage
 from stages.common.artifacts import write_manifest
 from stages.common.locks import STAGE_RECORD
+from stages.etl import shards
 
 __all__ = ["publish", "published_run", "remove_run_files", "remove_stale", "prune_empty_folders", "is_shard_file", "is_run_file"]
 
@@ -68,14 +68,13 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
     for relative in sorted(named - keep - {None}):  # a planted '../x' or '/x' names no shard of ours
         if is_shard_file(relative) and ".." not in relative.split("/") and fs.exists(storage.join(root, relative)):
             fs.rm_file(storage.join(root, relative))
-    prune_empty_folders(fs, root)
     fs.invalidate_cache(root)
     listed = storage.files_under(fs, root)
     killed = [p for p in listed if is_run_file(p) and p not in keep]
     for relative in killed:
         fs.rm_file(storage.join(root, relative))
+    prune_empty_folders(fs, root)
     if killed:
-        prune_empty_folders(fs, root)
         log.info("etl: removed %d file(s) of killed runs that no manifest names (%s)", len(killed),
                  ", ".join(p.rsplit("/", 1)[-1] for p in killed[:3]))
     # someone's files beside a published output (a new output with them is refused before it starts)
@@ -98,14 +97,9 @@ def prune_empty_folders(fs, root: str) -> None:
             fs.rmdir(folder)
 
 
-# raymill's own file names (stages.etl.shards.shard_path, stage's quarantine file), with the run id
-# `artifacts.new_run_id` makes: what a killed run can have left
-_RUN_FILE = re.compile(r"(?:^|/)(?:[a-z]+-\d{5}-\d{2}-|quarantine-)\d{8}T\d{6}-[0-9a-f]{6}\.(?:parquet|tar|jsonl)$")
-
-
 def is_run_file(relative: str) -> bool:
     """A shard or quarantine file an ETL run of raymill writes, by its place and name."""
-    return is_shard_file(relative) and bool(_RUN_FILE.search(relative))
+    return is_shard_file(relative) and bool(shards.RUN_FILE.search(relative))
 
 
 def is_shard_file(relative: str) -> bool:

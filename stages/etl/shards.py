@@ -9,13 +9,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import tarfile
 from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.common import storage
+from stages.common import artifacts, storage
 from stages.etl import sources
 from stages.etl.images import BadImage, decode_rgb, encode
 
@@ -34,6 +35,19 @@ def shard_path(fmt: str, split: str, name: str) -> str:
     return f"shards/{fmt}/split={split}/{name}.{fmt}"
 
 
+def shard_name(split: str, index: int, part: int, run_id: str) -> str:
+    """A shard's file name, less its format's suffix: the split, the task, the part, the run."""
+    return f"{split}-{index:05d}-{part:02d}-{run_id}"
+
+
+def quarantine_path(run_id: str) -> str:
+    return f"quarantine-{run_id}.jsonl"
+
+
+# the names above, for any run: what a killed run can have left (stages.etl.publish.is_run_file)
+RUN_FILE = re.compile(rf"(?:^|/)(?:[a-z]+-\d{{5}}-\d{{2}}-|quarantine-){artifacts.RUN_ID_PATTERN}\.(?:parquet|tar|jsonl)$")
+
+
 def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: dict,
                  run_id: str, classes: list[str]) -> dict[str, str]:
     """One shard task (Ray Data map fn, or a plain Ray task): decode its files, write its shards, return metadata."""
@@ -46,7 +60,7 @@ def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: d
         (quarantine if "reason" in record else good).append(record)
     shard_meta = []
     for part, rows in enumerate(_split_by_bytes(good, cfg["shard_max_mb"] * 1e6)):
-        name = f"{task['split']}-{task['index']:05d}-{part:02d}-{run_id}"
+        name = shard_name(task["split"], task["index"], part, run_id)
         for fmt in cfg["formats"]:
             data = parquet_bytes(rows, cfg) if fmt == "parquet" else tar_bytes(rows, cfg, classes)
             relative = shard_path(fmt, task["split"], name)

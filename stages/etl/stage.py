@@ -176,7 +176,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
         quarantine = _quarantine_rows(results, listing)
         _check_bad_fraction(cfg, quarantine, len(listing.files) + len(listing.rejected), out)
         manifest = _manifest(cfg, source, run_id, listing, results, quarantine, started)
-        quarantine_rel = f"quarantine-{run_id}.jsonl"
+        quarantine_rel = shards.quarantine_path(run_id)
         manifest["quarantine"] = _write_quarantine(out_fs, out_root, quarantine_rel, quarantine)
         publishing_started = True
         publishing.publish(out, manifest, s3, out_fs, out_root)

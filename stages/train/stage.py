@@ -131,6 +131,11 @@ def run_name(cfg: TrainConfig, out: str) -> str:
     return f"train-{storage.sha256_bytes(str(out).rstrip('/').encode())[:10]}"
 
 
+def state_location(cfg: TrainConfig, out: str) -> tuple[str, str]:
+    """Where `out`'s Ray Train run state lives: the storage URI and the run's name in it."""
+    return cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
+
+
 def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storage_uri: str, name: str,
                   s3: Any | None = None, callbacks: Sequence[Any] = (), metric: str = "val_acc",
                   mode: str = "max", datasets: dict | None = None):
@@ -188,8 +193,7 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     this call's seconds and registered it in MLflow again."""
     inputs, config = {"seed": seed, **init_inputs(cfg, s3)}, section_dict(cfg)
     done = published_output(out, "train", s3)
-    by_content = {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}
-    if done is not None and not made_from(done, config, by_content):
+    if done is not None and not made_from(done, config, {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}):
         # a model published before manifests named the fingerprint: by the data manifest's hash, or
         # by its run state's fingerprint (data content), kept beside the checkpoints (an ETL rerun to
         # the new layout had republished every older model and registered it in MLflow again)
@@ -208,8 +212,9 @@ def _state_made_by(cfg: TrainConfig, out: str, seed: int, data: Artifact, s3: An
     `fingerprint.guard` writes beside it). Not with init weights: their content is read to train."""
     if cfg.init_from:
         return False
-    fs, root = storage.filesystem(cfg.storage_path or storage.join(out, "ray"), s3)
-    stored = storage.read_json_if_any(fs, storage.join(root, run_name(cfg, out) + fingerprint.SUFFIX), {})
+    state_uri, name = state_location(cfg, out)
+    fs, root = storage.filesystem(state_uri, s3)
+    stored = storage.read_json_if_any(fs, storage.join(root, name + fingerprint.SUFFIX), {})
     return isinstance(stored, dict) and \
         stored.get("digest") == fingerprint.for_train(section_dict(cfg), seed, data.manifest).digest
 
@@ -276,7 +281,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     shards = check_data(cfg, data, s3)
     init = check_init(cfg, data, s3)  # before Ray starts; `trained`: its mean/std where unset
     trained = init.train if init else cfg
-    state_uri, name = cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
+    state_uri, name = state_location(cfg, out)
     made_by = fingerprint.for_train(section_dict(cfg), seed, data.manifest, init.record["sha256"] if init else None)
     resumes = fingerprint.guard(state_uri, name, made_by, s3, overwrite=overwrite)
     ingest_ray.check_plan(cfg, ray_cfg.data_reserved_cpus)

@@ -197,11 +197,12 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
            **init_inputs({"init": {"record": init.record}} if init else {})}
     guard = lambda: fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,  # noqa: E731
                                       fix=f"use a new output folder, or delete '{ray_dir}' to start over")
-    if fingerprint.holds_state(ray_dir, EXPERIMENT, s3):
+    if resumes := fingerprint.holds_state(ray_dir, EXPERIMENT, s3):
         guard()
     resources = session.start(ray_cfg)
     plan = session.plan_trials(cfg, train_cfg, resources, ray_cfg.data_reserved_cpus)
-    guard()
+    if not resumes:  # this run holds the output's lock: no other search wrote state meanwhile
+        guard()
     ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
            "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
