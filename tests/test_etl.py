@@ -240,6 +240,10 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     bad = [{"reason": "truncated", "path": f"cat/{i:02d}.jpg"} for i in range(12)]
     with pytest.raises(etl.EtlError, match=r"cat/00.jpg \(truncated\); .*cat/09.jpg \(truncated\); and 2 more"):
         etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 0.0}), bad, 201, str(out))
+    # not one image: a wrong input (exit 2), whatever the threshold; raising it had published 0 rows
+    with pytest.raises(etl.NoImagesError, match=r"none of the 12 files is an image") as refused:
+        etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 1.0}), bad, 12, str(out))
+    assert "max_bad_fraction" not in str(refused.value)
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):

@@ -171,18 +171,16 @@ def cmd_train(args) -> int:
 def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]):
     """The output's lock for the whole command, then Ray's start with torch's import beside it
     (workflow.preflight), unless `out` already holds a published output: the stage then reuses it,
-    or refuses to overwrite it, and needs no Ray. A model that cannot take the data's image size,
+    or refuses to overwrite it, and needs no Ray. Data the manifest shows unfit (train.check_rows),
     and an output that is a file, another stage's, or another run's (locked), are refused first
     (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
     lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
     from stages.common.locks import output_lock
-    from stages.etl.checks import check_format
-    from stages.model.sizes import check_image_size
+    from stages.train.stage import check_rows
     from workflow import preflight
 
-    check_image_size(models, data.manifest["config"]["image_size"])
-    check_format(data.manifest, data.path, cfg.train.data_format)
+    check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
     preflight.check_init_source(cfg, models)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)

@@ -226,9 +226,8 @@ def _discard(handle: Handle) -> None:
     """A refused stage did no work: a run started for it is deleted (each refusal had left a FAILED
     run beside the real ones); a resumed run, which holds an earlier attempt's history, is ended."""
     client = _client(handle["uri"], handle["timeout_s"])
-    if handle.get("resumed"):
-        client.set_terminated(handle["run_id"], status="FAILED")
-    else:
+    client.set_terminated(handle["run_id"], status="FAILED")  # a deleted run had stayed RUNNING in the store
+    if not handle.get("resumed"):
         client.delete_run(handle["run_id"])
 
 

@@ -30,7 +30,7 @@ from stages.etl import publish as publishing
 from stages.etl import shards
 from stages.etl import sources
 
-__all__ = ["run", "EtlError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
+__all__ = ["run", "EtlError", "NoImagesError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
            "root_cause", "check_apart", "preflight", "check_output"]
 
 log = logging.getLogger(__name__)
@@ -276,13 +276,21 @@ def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:
 BAD_SHOWN = 10  # bad files a refused ETL names
 
 
+class NoImagesError(ConfigError):
+    """Not one file of the input is an image this ETL reads: the input is wrong (exit 2)."""
+
+
 def _check_bad_fraction(cfg: EtlConfig, quarantine: list, files_in: int, out: str) -> None:
     fraction = len(quarantine) / max(1, files_in)
-    if fraction > cfg.max_bad_fraction:
+    if fraction > cfg.max_bad_fraction or len(quarantine) >= files_in:
         reasons = Counter(q["reason"] for q in quarantine).most_common()
         # the files themselves: with nothing published there is no quarantine file to read them from
         shown = "; ".join(f"{q['path']} ({q['reason']})" for q in quarantine[:BAD_SHOWN])
         more = f"; and {len(quarantine) - BAD_SHOWN} more" if len(quarantine) > BAD_SHOWN else ""
+        if len(quarantine) >= files_in:  # raising the threshold had published a dataset of 0 rows
+            raise NoImagesError(f"none of the {files_in} files is an image this ETL reads; reasons: "
+                                f"{dict(reasons)}: {shown}{more}. Point --input at the image folder (or "
+                                f"add the files' format to etl.allowed_formats); nothing was published to '{out}'")
         raise EtlError(f"{len(quarantine)} of {files_in} files ({_percent(fraction)}) are bad, over "
                        f"etl.max_bad_fraction={cfg.max_bad_fraction}; reasons: {dict(reasons)}: {shown}{more}. "
                        f"Fix the input or raise etl.max_bad_fraction; nothing was published to '{out}'")

@@ -31,7 +31,7 @@ from stages.common.artifacts import Artifact, config_hash, data_fingerprint, mad
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
-__all__ = ["run", "published", "TrainError", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "published", "TrainError", "check_rows", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +40,45 @@ class TrainError(RuntimeError):
     """Training failed or diverged; the message says where the last good checkpoint is."""
 
 
-def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
-    """Verify the ETL output (local: re-hashed unless a stamp shows it unchanged since a clean check)
-    and list its shards per split.
-    `model_names`: the models that will train on it (a search's), train.model when empty."""
+_SAID: set[tuple[str, int]] = set()
+
+
+def check_rows(cfg: TrainConfig, data: Artifact, model_names: Sequence[str] = ()) -> None:
+    """The refusals the ETL manifest alone decides (no shard is read): the models' image size, the
+    shard format, train rows of two classes or more, val rows. `raymill train` and `tune` call it
+    before Ray's start and MLflow's store (a one-class refusal had come after Ray's start, 12 s, and
+    left a fresh output folder holding an mlflow.db); check_data calls it again."""
     manifest = data.manifest
     check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
     check_format(manifest, data.path, cfg.data_format)
+    if not any(s["split"] == "train" and s["format"] == cfg.data_format for s in manifest["shards"]):
+        raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
+    learned = sorted(c for c, n in manifest.get("counts", {}).get("train", {}).items() if n)
+    if len(learned) < 2:  # it would train to accuracy 1.000 and answer that class for any image
+        others = [c for c in manifest["classes"] if c not in learned]
+        fix = (more_rows_fix(manifest.get("layout"), "train", others) if len(manifest["classes"]) > 1
+               else "give each class its own folder (ETL's log names the folder to read when they sit one "
+                    "level lower)")
+        raise ConfigError(f"'{data.path}' has train rows of one class only ({', '.join(learned)}); a classifier "
+                          f"needs two or more: {fix}")
+    rows = sum(manifest.get("counts", {}).get("train", {}).values())
+    if cfg.batch_size > rows and (data.path, cfg.batch_size) not in _SAID:  # once a process: the CLI checks first
+        _SAID.add((data.path, cfg.batch_size))  # one step an epoch, of all rows: allowed, but rarely meant
+        log.warning("train: train.batch_size=%d is more than the %d train rows: each epoch is one step of them "
+                    "all; set train.batch_size to %d or less", cfg.batch_size, rows, rows // 4 if rows >= 8 else rows)
+    if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
+        # ranked the checkpoints, and the first epoch's model was published
+        raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
+                          f"val_acc: {more_rows_fix(manifest.get('layout'), 'val', manifest['classes'])}, then "
+                          "re-run ETL")
+
+
+def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """check_rows, then verify the ETL output (local: re-hashed unless a stamp shows it unchanged
+    since a clean check) and list its shards per split.
+    `model_names`: the models that will train on it (a search's), train.model when empty."""
+    manifest = data.manifest
+    check_rows(cfg, data, model_names)
     if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
         problems = integrity.verify_once(data.path, s3)  # re-hashes only what changed since a clean check
         if problems:
@@ -59,25 +91,6 @@ def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] 
         shards[split] = [{"uri": storage.join(root, s["path"]), "format": s["format"],
                           "rows": s["rows"], "bytes": s["bytes"], "sha256": s["sha256"]}
                          for s in manifest["shards"] if s["split"] == split and s["format"] == cfg.data_format]
-    if not shards["train"]:
-        raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
-    learned = sorted(c for c, n in manifest.get("counts", {}).get("train", {}).items() if n)
-    if len(learned) < 2:  # it would train to accuracy 1.000 and answer that class for any image
-        others = [c for c in manifest["classes"] if c not in learned]
-        fix = (more_rows_fix(manifest.get("layout"), "train", others) if len(manifest["classes"]) > 1
-               else "give each class its own folder (ETL's log names the folder to read when they sit one "
-                    "level lower)")
-        raise ConfigError(f"'{data.path}' has train rows of one class only ({', '.join(learned)}); a classifier "
-                          f"needs two or more: {fix}")
-    rows = sum(manifest.get("counts", {}).get("train", {}).values())
-    if cfg.batch_size > rows:  # one step an epoch, of all rows: allowed, but rarely meant
-        log.warning("train: train.batch_size=%d is more than the %d train rows: each epoch is one step of them "
-                    "all; set train.batch_size to %d or less", cfg.batch_size, rows, max(1, rows // 4))
-    if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
-        # ranked the checkpoints, and the first epoch's model was published
-        raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
-                          f"val_acc: {more_rows_fix(manifest.get('layout'), 'val', manifest['classes'])}, then "
-                          "re-run ETL")
     return shards
 
 
