@@ -17,7 +17,7 @@ from stages.etl.integrity import verify
 from stages.etl.images import decode_rgb
 from stages.common import storage
 from stages.common.artifacts import data_fingerprint
-from stages.common.config import EtlConfig, S3Config
+from stages.common.config import ConfigError, EtlConfig, S3Config
 from tests.conftest import BAD_FILES, FlakyS3Proxy, make_tree
 
 CFG = EtlConfig(image_size=32, shard_max_rows=10)
@@ -244,6 +244,13 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     with pytest.raises(etl.NoImagesError, match=r"none of the 12 files is an image") as refused:
         etl._check_bad_fraction(CFG.model_copy(update={"max_bad_fraction": 1.0}), bad, 12, str(out))
     assert "max_bad_fraction" not in str(refused.value)
+
+
+def test_a_class_name_of_two_lines_is_refused_naming_the_folder(tmp_path):
+    """labels.txt holds a class a line: a folder 'new\\nline' had shifted every exported label after it."""
+    make_tree(tmp_path / "src", per_class=1, bad=False, classes=("cat", "new\nline"))
+    with pytest.raises(ConfigError, match=r"class folder 'new\\nline' has a line break.*rename the folder"):
+        etl.discover(str(tmp_path / "src"))
 
 
 def test_missing_and_empty_inputs_say_what_was_looked_for(tmp_path):

@@ -18,7 +18,7 @@ import os
 import stat
 import unicodedata
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from stages.common import storage
 from stages.common.config import ConfigError, EtlConfig
@@ -73,6 +73,16 @@ def class_name(folder: str) -> str:
     """A class folder's name as a class: printable, and in Unicode NFC, so that a folder copied from
     macOS (NFD: 'e' + combining accent) and one made elsewhere (NFC: one code point) are one class."""
     return unicodedata.normalize("NFC", shown(folder))
+
+
+def check_printable(classes: Iterable[str]) -> None:
+    """Refuse a class name holding a line break or another control character: labels.txt (one class
+    a line: Triton's label_filename), logs and CSV outputs would read it as two (a folder named
+    'new\\nline' had shifted every exported label after it)."""
+    for name in classes:
+        if any(unicodedata.category(ch) in ("Cc", "Zl", "Zp") for ch in name):
+            raise ConfigError(f"class folder {ascii(name)} has a line break or control character in its name; "
+                              "rename the folder (a class name is one line of labels.txt)")
 
 
 def check_spellings(spellings: dict[str, set[str]]) -> None:

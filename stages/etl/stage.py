@@ -89,6 +89,7 @@ def discover(source: str, s3: Any | None = None, follow_symlinks: str = "inside_
     folders = [f for split in tree.splits for f in sources.top_folders(fs, storage.join(root, split))] \
         if tree.splits else sources.top_folders(fs, root)
     empty = sorted(set(folders) - classes)
+    sources.check_printable(classes | set(empty))
     return Listing(sorted(classes | set(empty)), files, rejected, hidden, sources.tree_fingerprint(entries, empty),
                    tree, left_out)
 

@@ -82,6 +82,9 @@ def _run_locked(cfg: ExportConfig, model_path: str, out: str, name: str, s3: Any
                 data: str | None) -> Artifact:
     started = time.perf_counter()
     model, info = predict.load_model(model_path, s3)
+    if broken := [c for c in info["classes"] if len(str(c).splitlines()) != 1]:  # an ETL before the check
+        raise ExportError(f"class {ascii(broken[0])} of '{model_path}' is not one line: labels.txt (one class a "
+                          "line) would misname every class after it; rename its folder, re-run ETL and train")
     images, split = check_images(info, cfg.check_images, s3, data)
     lay = triton.layout(cfg.format, cfg.probabilities)
     # no parameter asks for a gradient: a TorchScript model's answers had required one (a user's
