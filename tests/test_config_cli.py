@@ -184,7 +184,10 @@ def test_serve_refuses_a_missing_or_damaged_model_before_ray_starts(tmp_path):
 def test_demo_data_and_verify_exit_codes_without_ray(tmp_path):
     proc = _cli("demo-data", str(tmp_path / "d"), "--images", "20")
     assert proc.returncode == 0, proc.stderr
-    assert _cli("verify", str(tmp_path / "d")).returncode == 1  # no manifest: not published
+    refused = _cli("verify", str(tmp_path / "d"))  # an image folder: a usage error
+    assert refused.returncode == 2 and "is no ETL output (no manifest.json, no shards/)" in refused.stderr, refused.stderr
+    (tmp_path / "d" / "shards").mkdir()  # a killed ETL's output: a problem found
+    assert _cli("verify", str(tmp_path / "d")).returncode == 1
 
 
 def test_etl_cli_exit_codes(tmp_path, ray_session, capsys):
@@ -306,9 +309,15 @@ def test_etl_warns_of_a_class_with_images_but_no_train_rows(caplog):
                 "metrics": {"images_per_s": 1.0, "mb_written": 0.0, "seconds": 1.0}}
     with caplog.at_level(logging.WARNING, logger="stages.etl.stage"):
         etl._log_summary(manifest)
-    assert "['b'] have images but none in the train split" in caplog.text
+    assert "1 class(es) have images but none in the train split (b)" in caplog.text
     etl._log_summary({**manifest, "classes": ["a"], "counts": {"train": {"a": 3}, "val": {}, "test": {}}})
     assert "one class (a): a classifier needs at least two" in caplog.text
+    many = [f"c{i:04d}" for i in range(2000)]  # one warning had named 400 of 2,000 classes in 3,737 characters
+    caplog.clear()
+    etl._log_summary({**manifest, "classes": ["a", *many], "counts": {"train": {"a": 3}, "val": dict.fromkeys(many, 1),
+                                                                      "test": {}}})
+    assert "2000 class(es) have images but none in the train split (c0000, " in caplog.text
+    assert "c0009 and 1990 more)" in caplog.text and max(map(len, caplog.text.splitlines())) < 600
 
 
 def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, capsys):

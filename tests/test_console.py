@@ -7,6 +7,7 @@ promises (per-epoch metrics, the model, the infer accuracy).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from stages.common import tracking
+from stages.common import console, tracking
 from workflow import report
 
 MAX_LINES = 60  # the issue's target for `make run` after pip's own output
@@ -43,6 +44,7 @@ def test_run_console_is_short_and_tracked(smoke_run):
     assert not REPRS.search(output), REPRS.search(output).group(0)
     epochs = [line for line in lines if "train: epoch" in line]
     assert [re.search(r"epoch (\d+)/2", line).group(1) for line in epochs] == ["1", "2"], epochs
+    assert "train: epoch" not in done.stdout  # progress on stderr from either host (a trial actor's had been on stdout)
     assert "Reporting training result" not in output and "Execution plan of Dataset" not in output
     stdout = done.stdout.strip().splitlines()
     start = next(i for i, line in enumerate(stdout) if line.startswith("raymill run smoke:"))
@@ -248,3 +250,12 @@ def test_a_workers_sigterm_traceback_at_shutdown_is_dropped_only_when_it_ends_so
     f.write(head)  # cut off by the stream's end: shown, unjudged
     f.flush(final=True)
     assert out.getvalue() == head
+
+
+def test_verbose_keeps_raymills_own_lines_in_a_worker(monkeypatch):
+    """--verbose brings Ray's lines back; it had also dropped raymill's epoch lines in a worker."""
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    for name in ("raymill", "stages"):
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    console.quiet_train_worker()
+    assert logging.getLogger("raymill.train").getEffectiveLevel() == logging.INFO

@@ -233,7 +233,7 @@ def test_a_class_missing_from_train_and_an_empty_val_are_warned_with_the_fix_tha
     m = etl.run(cfg, str(tmp_path / "src"), str(tmp_path / "ds")).manifest
     assert set(m["counts"]["val"].values()) == {0} and m["counts"]["train"]["bird"] == 0
     assert all(set(c) == set(m["classes"]) for c in m["counts"].values())  # every class in every split
-    assert "['bird'] have images but none in the train split, so a model never learns them: add images to " \
+    assert "1 class(es) have images but none in the train split (bird), so a model never learns them: add images to " \
            "train/bird/" in caplog.text
     assert "the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints by val_acc): " \
            "add images to those class folders, or raise etl.split.val (the val split is hashed from its train/ " \

@@ -100,6 +100,9 @@ def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path
         serve.shutdown(cfg.serve)
         ray_serve.shutdown()  # Serve's proxy keeps its port for the whole Ray session
     _check_run_folder(tmp_path / "run", report, rows=160)
+    # the probe sends every test image (a split under 50 images, some twice): by image, serve's
+    # answers score as batch inference's (by request, a repeat had counted twice)
+    assert report["serve"]["accuracy"] == pytest.approx(report["test_accuracy"]), report["serve"]
 
     client = _client(mlflow_server.uri)
     (run,) = _runs(mlflow_server.uri, "pipeline-test")
@@ -114,6 +117,9 @@ def test_pipeline_with_serve_tracks_on_a_server_then_reuses_every_stage(tmp_path
     for key in ("train_loss", "train_acc", "val_acc", "images_per_s", "stall_fraction"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2], key
     assert 0 <= run.data.metrics["test_acc"] <= 1
+    shown = json.loads((Path(report["outputs"]["model"]) / "manifest.json").read_text())["metrics"]
+    for key in ("images_per_s", "stall_fraction"):  # the run's figures, as the manifest says them
+        assert run.data.metrics[f"run_{key}"] == pytest.approx(shown[key]), key
     assert run.data.metrics["infer_accuracy"] == pytest.approx(report["test_accuracy"])
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"model.json", "curves.png", "manifest.json"} <= names

@@ -141,6 +141,14 @@ def cmd_verify(args) -> int:
         raise ConfigError(f"'{args.dst}' does not exist; pass an ETL output folder")
     if (kind := manifest_kind(fs, root)) not in (None, "raymill.etl"):
         raise ConfigError(f"'{args.dst}' holds a {kind} output; `raymill verify` checks an ETL output folder")
+    if kind is None and not fs.exists(storage.join(root, "shards")):  # an image folder, say: a usage
+        # error (it had failed with exit 1, FileNotFoundError); shards without a manifest are a problem found
+        raise ConfigError(f"'{args.dst}' is no ETL output (no manifest.json, no shards/); pass the folder "
+                          "`raymill etl --output` wrote")
+    if kind is None:
+        print(f"verify: FAILED: '{args.dst}' holds shards but no manifest.json: an ETL run that did not publish "
+              "(killed, or still running); run `raymill etl --overwrite` on it again")
+        return 1
     problems = etl.verify(args.dst, cfg.s3)
     for line in problems:
         print(f"verify: {line}")

@@ -212,16 +212,16 @@ def probe(url: str, data: Artifact, s3: Any, split: str, requests: int = 50) -> 
         raise ValueError(f"probe: split '{split}' holds no images to send")
     rows = [rows[i % distinct] for i in range(requests)]  # a split smaller than `requests`: sent again
     codec = "image/png" if data.manifest["config"]["codec"] == "png" else "image/jpeg"
-    latencies, correct = [], 0
+    latencies, right = [], {}  # by image: one sent twice had counted twice (0.140 beside test_acc 0.129)
     for key, label, image in rows:
         request = urllib.request.Request(f"{url}/predict", data=image, headers={"Content-Type": codec})
         t = time.perf_counter()
         with urllib.request.urlopen(request, timeout=30) as response:
             body = json.loads(response.read())
         latencies.append((time.perf_counter() - t) * 1000)
-        correct += body["class_index"] == label
+        right.setdefault(key, body["class_index"] == label)
     stats = {"url": url, "requests": len(rows), "p50_ms": float(np.percentile(latencies, 50)),
-             "p99_ms": float(np.percentile(latencies, 99)), "accuracy": correct / max(1, len(rows))}
-    log.info("serve: %d requests (%d distinct images), p50 %.1f ms, p99 %.1f ms, accuracy %.3f", stats["requests"],
-             min(distinct, requests), stats["p50_ms"], stats["p99_ms"], stats["accuracy"])
+             "p99_ms": float(np.percentile(latencies, 99)), "accuracy": sum(right.values()) / max(1, len(right))}
+    log.info("serve: %d requests (%d distinct images), p50 %.1f ms, p99 %.1f ms, accuracy %.3f (of the distinct "
+             "images)", stats["requests"], len(right), stats["p50_ms"], stats["p99_ms"], stats["accuracy"])
     return stats

@@ -34,7 +34,9 @@ def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, f
 
 
 def _table(rows: list[dict], serve: dict | None) -> str:
-    lines = ["| stage | rows | seconds | images/s | note |", "|---|---:|---:|---:|---|"]
+    # images/s is the stage's rate while it worked (train: every epoch's images over the epochs' wall;
+    # infer: its predictions), not rows / seconds: the seconds hold the stage's fixed costs too
+    lines = ["| stage | rows | seconds | images/s at work | note |", "|---|---:|---:|---:|---|"]
     for r in rows:
         ips = "-" if not r["images_per_s"] else f"{r['images_per_s']:.0f}" if r["images_per_s"] >= 10 \
             else f"{r['images_per_s']:.2g}"
@@ -44,6 +46,9 @@ def _table(rows: list[dict], serve: dict | None) -> str:
     if serve:
         lines.append(f"| serve | {serve['requests']} | - | - | p50 {serve['p50_ms']:.1f} ms, "
                      f"p99 {serve['p99_ms']:.1f} ms |")
+    lines.append("")  # a line right below a table is one of its rows in GitHub's markdown
+    lines.append("images/s at work: train's over its epochs (every epoch's images), infer's over its predictions; "
+                 "the seconds also hold each stage's fixed costs")
     return "\n".join(lines)
 
 

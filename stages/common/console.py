@@ -17,7 +17,7 @@ from typing import Any
 from stages.common import benign
 
 __all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity",
-           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "train_logging_config", "quiet_train_worker", "epoch",
+           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "some", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp", "worker_lines_first"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
@@ -226,6 +226,8 @@ def quiet_train_worker() -> None:
     its file path, not `ray.train`, so `LoggingConfig(log_level=...)` does not hold it back
     (the execution context module of Ray Train V2, Ray 2.60).
     """
+    for name in _OURS:  # with --verbose too (its epoch lines had gone, with only Ray's left)
+        logging.getLogger(name).setLevel(logging.INFO)
     if verbose():
         return
     logging.getLogger().setLevel(logging.WARNING)
@@ -233,19 +235,26 @@ def quiet_train_worker() -> None:
     # came once per report of every Tune trial
     for name in ("ray.train", "ray.tune"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    for name in _OURS:
-        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def epoch_lines_here() -> None:
     """In a Tune trial actor that trains a whole run (stages.train.solo): the epoch lines to its
-    stdout, which Ray forwards to the driver's console. Train's workers get a console handler from
-    Ray Train; a trial actor has none, and its INFO records were dropped. Once a process."""
+    stderr, which Ray forwards to the driver's, as Ray Train's console handler does for its workers
+    (stdout had mixed them with the command's result line). A trial actor has no handler, and its
+    INFO records were dropped. Once a process; at INFO with --verbose too."""
+    log.setLevel(logging.INFO)
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))  # the line carries its "[raymill]"
         log.addHandler(handler)
         log.propagate = False  # never twice, whatever handler the root logger gets
+
+
+def some(names: list, limit: int = 10) -> str:
+    """A list for a log line, its first `limit` and how many more: one warning had named 400 of
+    2,000 classes in 3,737 characters."""
+    shown = ", ".join(map(str, names[:limit]))
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def score(value: float | None) -> str:

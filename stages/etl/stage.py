@@ -364,8 +364,9 @@ def _log_summary(m: dict[str, Any]) -> None:
              t["files_in"], t["rows_out"], t["quarantined"], x["images_per_s"], x["mb_written"], x["seconds"])
     empty = [c for c in m["classes"] if not any(counts.get(c) for counts in m["counts"].values())]
     if empty:  # still a class (the label space is the folders), but a model never sees one of it
-        log.warning("etl: class(es) %s have no usable image (the folder is empty or every file was quarantined); "
-                    "a model trained on this data never learns them: fix or remove those folders", empty)
+        log.warning("etl: %d class(es) have no usable image (%s; the folder is empty or every file was "
+                    "quarantined); a model trained on this data never learns them: fix or remove those folders",
+                    len(empty), console.some(empty))
     if (dup := m.get("duplicates") or {}).get("copies"):
         log.warning("etl: %d image(s) repeat another's bytes (e.g. %s)%s", dup["copies"], "; ".join(dup["examples"]),
                     f"; {dup['across_splits']} of them in another split than their copy, so val/test scores count "
@@ -375,8 +376,9 @@ def _log_summary(m: dict[str, Any]) -> None:
         log.warning("etl: one class (%s): a classifier needs at least two class folders", m["classes"][0])
     untrained = [c for c in m["classes"] if c not in empty and not m["counts"]["train"].get(c)]
     if untrained:  # a split hashes each file: a class of a few images can miss the train split
-        log.warning("etl: class(es) %s have images but none in the train split, so a model never learns "
-                    "them: %s", untrained, layouts.more_rows_fix(m.get("layout"), "train", untrained))
+        log.warning("etl: %d class(es) have images but none in the train split (%s), so a model never learns "
+                    "them: %s", len(untrained), console.some(untrained),
+                    layouts.more_rows_fix(m.get("layout"), "train", untrained[:10]))
     if sum(m["counts"]["train"].values()) and not sum(m["counts"]["val"].values()):  # not only train's refusal
         log.warning("etl: the val split is empty, and `raymill train` refuses such data (it ranks its checkpoints "
                     "by val_acc): %s", layouts.more_rows_fix(m.get("layout"), "val", m["classes"]))
