@@ -246,6 +246,29 @@ def test_too_many_bad_files_fails_and_publishes_nothing(tree, tmp_path, ray_sess
     assert "max_bad_fraction" not in str(refused.value)
 
 
+def test_etl_leaves_the_stamp_so_the_first_train_hashes_nothing(tree, tmp_path, monkeypatch, ray_session):
+    """ETL hashed every shard as it wrote it: its output is stamped as a clean check leaves it (the
+    first train had re-hashed them all). Known answer as above: bytes flipped behind the stamp's back
+    go unnoticed; an ordinary rewrite is named. Stamps are pruned to the most recently used."""
+    from stages.etl import integrity
+
+    monkeypatch.setattr(integrity, "STAMP_DIR", tmp_path / "stamps")
+    out = tmp_path / "ds"
+    art = etl.run(CFG, str(tree[0]), str(out))
+    assert len(list((tmp_path / "stamps").iterdir())) == 1
+    shard = out / art.manifest["shards"][0]["path"]
+    original, stat = shard.read_bytes(), shard.stat()
+    shard.write_bytes(original[:-1] + bytes([original[-1] ^ 0xFF]))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert integrity.verify_once(str(out)) == []
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert f"altered: {shard.relative_to(out)}" in "\n".join(integrity.verify_once(str(out)))
+    monkeypatch.setattr(integrity, "STAMPS_KEPT", 2)
+    for i in range(3):
+        integrity._write_stamp(tmp_path / "stamps" / f"other{i}.json", {"files": {}})
+    assert len(list((tmp_path / "stamps").glob("*.json"))) == 2
+
+
 def test_a_class_name_of_two_lines_is_refused_naming_the_folder(tmp_path):
     """labels.txt holds a class a line: a folder 'new\\nline' had shifted every exported label after it."""
     make_tree(tmp_path / "src", per_class=1, bad=False, classes=("cat", "new\nline"))

@@ -22,11 +22,12 @@ from stages.common.artifacts import MANIFEST, load_artifact
 from stages.etl.publish import is_run_file
 from stages.etl.shards import count_rows
 
-__all__ = ["verify", "verify_once", "unnamed_run_files", "STAMP_DIR"]
+__all__ = ["verify", "verify_once", "stamp_written", "unnamed_run_files", "STAMP_DIR"]
 
 log = logging.getLogger(__name__)
 
 STAMP_DIR = Path("~/.cache/raymill/verified")
+STAMPS_KEPT = 256  # the most recently used; a pruned one costs its output one full check
 
 
 def verify(out: str, s3: Any | None = None) -> list[str]:
@@ -102,11 +103,29 @@ def verify_once(out: str, s3: Any | None = None) -> list[str]:
     return problems
 
 
+def stamp_written(out: str) -> None:
+    """After ETL published the local output `out`: the stamp a clean `verify` leaves. The manifest's
+    digests are of the bytes ETL wrote, and a file changed since (size or mtime) is hashed again by
+    the next check: the first train after an ETL had re-hashed every shard ETL had just hashed
+    (2.98 s at 40k images, growing with the data)."""
+    if storage.is_remote(out):
+        return
+    root = Path(storage.local_path(out)).resolve()
+    manifest_bytes = (root / MANIFEST).read_bytes()
+    if (stats := _stats(root, _listed_files(json.loads(manifest_bytes)))) is not None:
+        _write_stamp(_stamp_path(root, manifest_bytes), {"output": str(root), "files": stats})
+
+
 def _stamped(stamp: Path) -> dict | None:
     try:
-        return json.loads(stamp.read_text()).get("files")
+        files = json.loads(stamp.read_text()).get("files")
     except (OSError, ValueError, AttributeError):  # none yet, or torn by a crash: check everything
         return None
+    try:
+        os.utime(stamp)  # used: the newest stay when old ones are pruned (_write_stamp)
+    except OSError:
+        pass
+    return files
 
 
 def _listed_files(manifest: dict[str, Any]) -> list[str]:
@@ -138,5 +157,8 @@ def _write_stamp(stamp: Path, payload: dict[str, Any]) -> None:
         tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(payload))
         os.replace(tmp, stamp)
+        kept = sorted(stamp.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in kept[STAMPS_KEPT:]:  # one a manifest: they had only grown (770 on a test box)
+            old.unlink(missing_ok=True)
     except OSError as e:
         log.info("etl: could not write the verification stamp %s (%s); the next run re-checks", stamp, e)

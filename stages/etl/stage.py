@@ -22,7 +22,7 @@ from stages.common import console, session, storage
 from stages.common.artifacts import Artifact, base_manifest, new_run_id
 from stages.common.config import ConfigError, EtlConfig, section_dict
 from stages.common.locks import output_lock
-from stages.etl import checks
+from stages.etl import checks, integrity
 from stages.etl.checks import (InputNotFoundError, OutputExistsError, check_apart, check_output,  # noqa: F401 (API)
                                preflight)
 from stages.etl import layout as layouts
@@ -190,6 +190,7 @@ def _run_locked(cfg: EtlConfig, source: str, out: str, s3: Any | None, overwrite
             publishing.remove_run_files(out_fs, out_root, run_id)
         raise
     publishing.remove_stale(out_fs, out_root, manifest, previous)
+    integrity.stamp_written(out)  # the first train reads no shard to check it
     _log_summary(manifest)
     return Artifact("etl", str(out).rstrip("/"), manifest)
 
