@@ -6,6 +6,7 @@ The console shows raymill's own lines; Ray's chatter stays in Ray's log files un
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -105,7 +106,9 @@ def cmd_demo_data(args) -> int:
     except ValueError as e:  # the arguments' checks (demo_data._check_args): a usage error
         raise ConfigError(str(e).replace("pass images >=", "pass --images >=")
                           .replace(" or lower classes", "")) from None
-    print(f"demo-data: wrote {info['images']} images in {len(info['classes'])} classes to {info['out']}")
+    same = info["images"] - info["written"]
+    kept = f" ({same} of them already there, unchanged)" if same else ""
+    print(f"demo-data: {info['images']} images in {len(info['classes'])} classes in {info['out']}{kept}")
     return 0
 
 
@@ -239,7 +242,8 @@ def _pairs(metrics: dict) -> str:
     ended mid-value: "device_utilisation": 0 for 0.55), floats to 4 significant digits."""
     shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()
              if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-    return " ".join(f"{k}={v}" for k, v in shown.items())
+    return " ".join(f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}"  # one token each
+                    for k, v in shown.items())
 
 
 def cmd_serve(args) -> int:
@@ -308,7 +312,7 @@ def cmd_run(args) -> int:
     summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))
     if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():  # a stage computed: flush
         ray.shutdown()  # Ray's last worker lines now, so the summary is the last thing printed
-    print(f"\n{summary}", flush=True)
+    print(summary, flush=True)  # stdout holds the summary only: no leading blank line
     return 0
 
 
@@ -357,7 +361,8 @@ def cmd_doctor(args) -> int:
         raise ConfigError(f"--pid {args.pid}: no such process on this machine")
     rows = exposure.rows(exposure.process_tree(args.pid) if args.pid else exposure.ray_processes())
     if not rows:
-        print("doctor: no Ray process of yours is listening on this machine")
+        print(f"doctor: no process under pid {args.pid} is listening" if args.pid else
+              "doctor: no Ray process of yours is listening on this machine")
         return 0
     print("| process | pid | address | port | kind | why |\n|---|---:|---|---:|---|---|")
     for r in rows:

@@ -309,7 +309,8 @@ def generate(
     png_fraction: float = 0.3,
     classes: int = 10,
 ) -> dict:
-    """Write `images` images spread evenly over `classes` classes; return {"images": n, "classes": [...], "bytes": total, "out": str(out)}.
+    """Write `images` images spread evenly over `classes` classes; return {"images": n, "classes":
+    [...], "bytes": total, "out": str(out), "written": the files written (the rest were there already)}.
 
     Image ``i`` (0-based) belongs to class ``CLASS_NAMES[i % classes]`` and is written to
     ``out/<class>/<class>_<i:05d>.jpg`` (or ``.png``, with probability ``png_fraction``).
@@ -332,7 +333,7 @@ def generate(
         (out_path / name).mkdir(exist_ok=True)
 
     written: set[Path] = set()
-    total = 0
+    total = changed = 0
     for i in range(images):
         rng = np.random.default_rng([seed, i])
         is_png = bool(rng.random() < png_fraction)
@@ -343,6 +344,7 @@ def generate(
         path = out_path / cls / f"{cls}_{i:05d}.{'png' if is_png else 'jpg'}"
         if not (path.is_file() and path.read_bytes() == data):  # the same bytes keep their mtime: a
             path.write_bytes(data)  # second `make run` had re-run ETL (the listing's mtimes had changed)
+            changed += 1
         written.add(path)
         total += len(data)
 
@@ -350,7 +352,7 @@ def generate(
     if others := sorted(p.name for p in out_path.iterdir() if p.is_dir() and p.name not in CLASS_NAMES):
         log.warning("demo-data: '%s' also holds folders that are not demo classes (%s): ETL would read them "
                     "as classes beside the demo's; generate into an empty or new folder", out, ", ".join(others[:3]))
-    return {"images": images, "classes": names, "bytes": total, "out": str(out)}
+    return {"images": images, "classes": names, "bytes": total, "out": str(out), "written": changed}
 
 
 def _remove_stale(out_path: Path, written: set[Path]) -> None:

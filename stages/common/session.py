@@ -321,7 +321,7 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
                    f"(with 1, requests wait out the new replica's start-up). To keep serving at full "
                    f"capacity, {fix}")
     plan = ServePlan(replicas, serve.cpus_per_replica, gpus, fit, surge_pct, warning)
-    log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, %d fit, max_surge_percent=%d",
+    log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, room for %d, max_surge_percent=%d",
              replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
     return plan
 

@@ -152,4 +152,5 @@ def check_format(manifest: dict[str, Any], path: str, data_format: str) -> None:
     formats = {s["format"] for s in manifest["shards"]}
     if data_format not in formats:
         raise ConfigError(f"train.data_format={data_format} but '{path}' holds only {sorted(formats)} shards; set "
-                          f"train.data_format or re-run ETL with that format")
+                          f"train.data_format={sorted(formats)[0]}, or re-run ETL with etl.formats holding "
+                          f"{data_format}")
