@@ -335,6 +335,14 @@ def test_a_locked_output_is_refused_before_ray_starts(tmp_path, ray_session, cap
     assert run.returncode == 2, run.stdout + run.stderr
     assert f"pid {holder.pid}" in run.stderr
     assert "ray dashboard" not in run.stderr and "[raymill] ray:" not in run.stderr, run.stderr
+    # a second `raymill run` into one run.dir (another source) had re-run ETL under the first one's
+    # training: its shards gone. Refused at once, naming run.dir and the holder, nothing written
+    with lock_held(tmp_path / "run", "pipeline") as holder:
+        run = subprocess.run([sys.executable, "-m", "workflow", "run", "--set", f"run.source={src}",
+                              "--set", f"run.dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=REPO)
+    assert run.returncode == 2 and f"run.dir '{tmp_path / 'run'}' is locked" in run.stderr, run.stderr
+    assert f"pid {holder.pid}" in run.stderr and not (tmp_path / "run" / "config.yaml").exists()
 
 
 def test_an_unusable_init_source_or_a_published_etl_output_exits_2_before_ray_starts(tmp_path, ray_session):

@@ -118,3 +118,31 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
     assert doctor.returncode == 0 and " 0 exposed" in doctor.stdout, doctor.stdout + doctor.stderr
     # off loopback: only Serve's replica-to-replica gRPC, and it refused a call without the token
     assert {r["kind"] for r in seen.values() if "ServeReplica" not in r["process"]} == {"loopback"}
+
+
+def test_serve_exits_when_its_ray_dies_and_frees_its_port(smoke_run):
+    """A killed raylet had left `raymill serve` asleep for good: its endpoint dead, its port claimed
+    (another serve on it refused), until someone found the process. Now: exit 1, a line saying so."""
+    import psutil
+
+    port = free_port()
+    proc = _cli("serve", "--model", str(smoke_run.run_dir / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        raylets = [p for p in psutil.Process(proc.pid).children(recursive=True) if "raylet" in p.name()]
+        assert raylets, "no raylet under raymill serve"
+        raylets[0].kill()
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 1 and "Ray node" in output and "start `raymill serve` again" in output, output[-3000:]
+    with socket.socket() as again:  # the port is free for the next serve
+        again.bind(("127.0.0.1", port))

@@ -148,6 +148,19 @@ def test_an_empty_split_is_a_config_error_and_a_smaller_etl_size_is_said(setup, 
     assert "stores images at 32 px and the model expects 48 px: they are upscaled" in caplog.text
 
 
+def test_an_actor_refuses_a_model_republished_after_the_driver_read_it(setup):
+    """The driver records the model it read; an actor that loaded another (a train --overwrite in
+    between) had predicted with it under the first one's name, classes and version."""
+    from stages.infer.predictors import BatchPredictor
+
+    _, model_path = setup
+    kwargs = {"model_path": model_path, "s3": {}, "top_k": 1, "use_gpu": False, "threads": 1}
+    read = json.loads((Path(model_path) / "model.json").read_text())["weights_sha256"]
+    assert BatchPredictor(**kwargs, weights_sha256=read).info["weights_sha256"] == read
+    with pytest.raises(RuntimeError, match="was republished during this infer"):
+        BatchPredictor(**kwargs, weights_sha256="0" * 64)
+
+
 def test_etl_test_split_matches_in_process_predictions(setup, tmp_path):
     """Shards through the two-stage plan (decode tasks, then the pool); the actor plan reads the tar
     shards below, and raw folders in the tests that follow."""

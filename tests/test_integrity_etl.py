@@ -249,6 +249,33 @@ def _s3_output(s3_bucket, name: str):
     return S3Config(endpoint_url=endpoint), f"s3://{bucket}/{name}", fs, f"{bucket}/{name}/{locks.LOCK_NAME}"
 
 
+def test_the_lock_is_re_entrant_for_its_thread_only(tmp_path):
+    """Two threads of one process (a notebook's, an app server's) had both passed the lock, and each
+    ETL removed the other's shards as a killed run's: a published dataset with 9 shards missing."""
+    import threading
+
+    out, held, done, seen = str(tmp_path / "ds"), threading.Event(), threading.Event(), []
+
+    def holder():
+        with locks.output_lock(out, "etl"), locks.output_lock(out, "etl"):  # the CLI's, then the stage's
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(locks.OutputLockedError, match="another thread of this process"):
+            with locks.output_lock(out, "etl"):
+                seen.append("passed")
+    finally:
+        done.set()
+        thread.join()
+    assert not seen
+    with locks.output_lock(out, "etl"):  # free again once the holding thread let go
+        pass
+
+
 def test_s3_lock_is_a_conditional_put_with_stale_takeover(s3_bucket):
     s3, out, fs, key = _s3_output(s3_bucket, "ds")
     with locks.output_lock(out, "etl", s3):

@@ -16,6 +16,7 @@ import threading
 import time
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -239,6 +240,14 @@ def test_a_replica_decodes_apart_from_its_batches_only_on_a_cuda_device(model_di
         assert torch.get_num_threads() == threads + 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_replica_serves_only_the_weights_its_app_was_deployed_with(model_dir):
+    """A replica Serve restarts after a republish had served the new model beside the old one."""
+    deployed = json.loads((Path(model_dir) / "model.json").read_text())["weights_sha256"]
+    assert serve_replica.Classifier(ServeConfig(), model_dir, None, deployed).info["weights_sha256"] == deployed
+    with pytest.raises(RuntimeError, match="other weights .* than this app was deployed with"):
+        serve_replica.Classifier(ServeConfig(), model_dir, None, "f" * 64)
 
 
 def test_failures_inside_the_app_are_never_500_and_leak_nothing(model_dir, monkeypatch):

@@ -285,8 +285,9 @@ def cmd_serve(args) -> int:
         print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}"
               f"/infer (Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to "
               f"NEW)", flush=True)
-        while True:
-            time.sleep(3600)
+        lost = serve.until_ray_lost()
+        log.error("serve: %s; %s no longer answers: start `raymill serve` again", lost, url)
+        return 1
     finally:
         record.unlink(missing_ok=True)
         # Our own Ray: the app ends with it, port closed at once (deleting it first left the proxy
@@ -306,10 +307,13 @@ def cmd_run(args) -> int:
 
         endpoint.claim_port(cfg.serve)  # held until the run ends (the kernel drops it then)
         endpoint.check_port_free(cfg.serve)
-    inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
-    from workflow import pipeline, report
+    from stages.common.locks import output_lock
 
-    summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))
+    with output_lock(cfg.run.dir, "pipeline", cfg.s3):  # one run a run.dir, refused before anything
+        inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
+        from workflow import pipeline, report
+
+        summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))
     if (ray := sys.modules.get("ray")) is not None and ray.is_initialized():  # a stage computed: flush
         ray.shutdown()  # Ray's last worker lines now, so the summary is the last thing printed
     print(summary, flush=True)  # stdout holds the summary only: no leading blank line

@@ -107,7 +107,13 @@ def run(cfg: Config, serve: bool = False, inputs: preflight.Inputs | None = None
     `inputs`: what `preflight.start(cfg)` returned (the CLI runs it before this module's imports);
     else it runs here. `started`: the caller's perf_counter() at its start (the report's total is
     the wait the caller saw). Ray starts at the first stage that must compute (`RayOnDemand`)."""
-    started = time.perf_counter() if started is None else started
+    with output_lock(cfg.run.dir, "pipeline", cfg.s3):  # the CLI took it first (re-entrant)
+        return _run_locked(cfg, serve, inputs, time.perf_counter() if started is None else started)
+
+
+def _run_locked(cfg: Config, serve: bool, inputs: preflight.Inputs | None, started: float) -> dict[str, Any]:
+    """One run a run.dir: a second `raymill run` into it, with another source, had re-run ETL under
+    the first one's training (its shards gone: FileNotFoundError, then advice to rerun)."""
     if inputs is None:
         inputs = preflight.start(cfg)
     ray_up = preflight.RayOnDemand(cfg)

@@ -19,6 +19,7 @@ import yaml
 from stages import etl
 from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
+from stages.common.locks import LOCK_NAME
 from stages.etl.checks import image_input, output_outside_outputs
 from stages.model import init_source
 from stages.model.sizes import check_image_size
@@ -186,7 +187,8 @@ def _check_run_dir(cfg: Config) -> None:
     fs, root = storage.filesystem(cfg.run.dir, cfg.s3)
     if fs.exists(root) and not fs.isdir(root):
         raise ConfigError(f"run.dir '{cfg.run.dir}' is a file; choose a folder")
-    entries = storage.children(fs, root) if fs.exists(root) else []  # a folder marker is no file
+    entries = [p for p in (storage.children(fs, root) if fs.exists(root) else [])  # a folder marker is no file,
+               if p.rstrip("/").rsplit("/", 1)[-1] != LOCK_NAME]  # nor the run's own lock
     if entries and not fs.exists(storage.join(root, "config.yaml")):
         raise ConfigError(f"run.dir '{cfg.run.dir}' holds files that no raymill run wrote (no config.yaml), "
                           f"e.g. '{entries[0]}'; choose an empty or new run.dir")

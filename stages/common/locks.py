@@ -45,7 +45,7 @@ STAGE_RECORD = "stage.json"
 HEARTBEAT_S = 30.0  # S3 only: how often the holder proves it is alive
 STALE_AFTER_S = 180.0  # S3 only: a lock not refreshed for this long belongs to a dead run
 
-_held: dict[str, int] = {}  # lock path -> depth, for re-entrancy within this process
+_held: dict[str, tuple[int, int]] = {}  # lock path -> (holding thread, depth), for re-entrancy
 _locks: dict[str, Any] = {}  # lock path -> the lock this process holds on it
 _held_guard = threading.Lock()
 
@@ -63,10 +63,11 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     that lies inside a published output: train and infer had written among an ETL output's shards."""
     fs, root = storage.filesystem(out, s3)
     if fs.isfile(root):
-        raise OutputKindError(f"output '{out}' is a file; --output names a folder (new, or this stage's own)")
+        raise OutputKindError(f"{_what(kind)} '{out}' is a file; {'run.dir' if kind == 'pipeline' else '--output'} "
+                              "names a folder (new, or this stage's own)")
     if (parent := enclosing_output(out, s3)) is not None:
-        raise OutputKindError(f"output '{out}' is inside the {parent[1]} output '{parent[0]}'; choose an output "
-                              "outside it")
+        raise OutputKindError(f"{_what(kind)} '{out}' is inside the {parent[1]} output '{parent[0]}'; choose "
+                              f"{'a run.dir' if kind == 'pipeline' else 'an output'} outside it")
     try:
         manifest = storage.read_json_if_any(fs, storage.join(root, MANIFEST))
     except ValueError:  # not JSON: some other tool's file
@@ -75,7 +76,7 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
         return
     found = manifest.get("kind", "unknown") if isinstance(manifest, dict) else "non-raymill"
     if found != f"raymill.{kind}":
-        raise OutputKindError(f"output '{out}' holds a published {found} output (its {MANIFEST}); writing "
+        raise OutputKindError(f"{_what(kind)} '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")
 
 
@@ -131,9 +132,15 @@ def _describe(holder: dict[str, Any] | None) -> str:
             f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, since {holder.get('since', '?')}")
 
 
+def _what(kind: str) -> str:
+    """What a message calls the locked folder: `raymill run`'s is its run.dir (it has no --output)."""
+    return "run.dir" if kind == "pipeline" else "output"
+
+
 def _locked_error(out: str, holder: dict[str, Any] | None) -> OutputLockedError:
-    return OutputLockedError(f"output '{out}' is locked by {_describe(holder)} ({LOCK_NAME}). Wait for it "
-                             f"to finish, or choose another --output; a lock whose process is gone is "
+    kind = (holder or {}).get("kind", "")
+    return OutputLockedError(f"{_what(kind)} '{out}' is locked by {_describe(holder)} ({LOCK_NAME}). Wait for it "
+                             f"to finish, or choose another output folder; a lock whose process is gone is "
                              f"taken over by itself")
 
 
@@ -141,22 +148,28 @@ def _locked_error(out: str, holder: dict[str, Any] | None) -> OutputLockedError:
 def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
     """Hold the exclusive lock on `out` (local folder or s3:// prefix) for the body of the `with`."""
     fs, path, key = _lock_path(out, s3)
+    me = threading.get_ident()
     with _held_guard:
-        depth = _held.get(key, 0)
-        if depth:
-            _held[key] = depth + 1
+        owner, depth = _held.get(key, (me, 0))
+        if depth and owner == me:
+            _held[key] = (me, depth + 1)
+    if depth and owner != me:  # re-entrant for the holding thread only: two threads of a notebook had
+        # both passed, and each removed the other's shards as a killed run's (a published hole)
+        raise OutputLockedError(f"{_what(kind)} '{out}' is locked by another thread of this process (pid {os.getpid()}), "
+                                f"which runs a raymill stage into it; wait for it to finish, or choose another "
+                                f"output folder")
     if depth:
         try:
             yield
         finally:
             with _held_guard:
-                _held[key] -= 1
+                _held[key] = (me, _held[key][1] - 1)
         return
     check_output_kind(out, kind, s3)
     lock = _S3Lock(fs, path, out, kind) if storage.is_remote(out) else _LocalLock(path, out, kind)
     lock.acquire()
     with _held_guard:
-        _held[key], _locks[key] = 1, lock
+        _held[key], _locks[key] = (me, 1), lock
     failed = False
     try:
         check_output_kind(out, kind, s3)  # again: the folder may have changed while we waited
@@ -215,7 +228,8 @@ class _LocalLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a name too long, a read-only or foreign folder: a usage error, nothing left
             self._remove_created()
-            raise OutputKindError(f"output '{self.out}' cannot be created or written ({e.strerror or type(e).__name__})"
+            raise OutputKindError(f"{_what(self.kind)} '{self.out}' cannot be created or written "
+                                  f"({e.strerror or type(e).__name__})"
                                   f"; name a folder you can write to") from None
         os.close(fd)
         for _ in range(20):
@@ -297,7 +311,7 @@ class _S3Lock:
             except FileExistsError:
                 pass
             except FileNotFoundError as e:  # s3fs: "The specified bucket does not exist"
-                raise ConfigError(f"output '{self.out}' cannot be written: {e}; create the bucket, or fix "
+                raise ConfigError(f"{_what(self.kind)} '{self.out}' cannot be written: {e}; create the bucket, or fix "
                                   "the s3:// path that names it") from None
             etag, holder = self._read()
             if etag is None:
@@ -339,7 +353,7 @@ class _S3Lock:
             etag, holder = self._read()
             mine = etag == self.etag
         if not mine:
-            raise OutputLockedError(f"output '{self.out}' lock ({LOCK_NAME}) was taken over by "
+            raise OutputLockedError(f"{_what(self.kind)} '{self.out}' lock ({LOCK_NAME}) was taken over by "
                                     f"{_describe(holder)} while this run held it (its heartbeat could not "
                                     f"be refreshed): nothing was published. Rerun once that run is done")
 

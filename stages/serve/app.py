@@ -23,7 +23,7 @@ from typing import Any
 
 from ray import serve
 
-from stages.common import cluster, console, session
+from stages.common import cluster, console, session, storage
 from stages.common.artifacts import check_model_folder
 from stages.common.config import ConfigError, RayConfig, ServeConfig
 from stages.model import runtime
@@ -31,7 +31,7 @@ from stages.serve.endpoint import base_url
 from stages.serve.http import SHED_ROOM, Ingress, admission
 from stages.serve.replica import Classifier
 
-__all__ = ["start", "update", "shutdown", "build_app", "deployment_options", "base_url", "ingress_env",
+__all__ = ["start", "update", "shutdown", "until_ray_lost", "build_app", "deployment_options", "base_url", "ingress_env",
            "apply_ingress_env"]
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,13 @@ def deployment_options(cfg: ServeConfig, plan: session.ServePlan | None = None) 
 def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None, plan: session.ServePlan | None = None):
     """The bound Serve application (not yet running): ingress -> model deployment, or one
     deployment holding both when serve.model_deployment is false."""
+    # Every replica, a restarted one too, loads the weights this deploy read: a replica restarted after
+    # a republish had served the new model beside the old one from one endpoint
+    fs, root = storage.filesystem(model_path, s3)
+    weights = storage.read_json(fs, storage.join(root, "model.json"))["weights_sha256"]
     if not cfg.model_deployment:
-        return Ingress.options(**deployment_options(cfg, plan)).bind(None, cfg, model_path, s3)
-    model = serve.deployment(Classifier).options(**deployment_options(cfg, plan)).bind(cfg, model_path, s3)
+        return Ingress.options(**deployment_options(cfg, plan)).bind(None, cfg, model_path, s3, weights)
+    model = serve.deployment(Classifier).options(**deployment_options(cfg, plan)).bind(cfg, model_path, s3, weights)
     # The ingress sheds past `admitted` with raymill's JSON 503 (stages.serve.http). Serve's router
     # queue in front of it must hold a burst too: at 2 (max_queued_requests) it had dropped 185 of
     # 200 simultaneous requests in plain text while the ingress replica had room for them all.
@@ -202,3 +206,20 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
     if not done.wait(wait_s):
         log.warning("serve: app %r is still stopping after %.0f s; Serve's controller finishes deleting it",
                     cfg.app_name, wait_s)
+
+
+def until_ray_lost(poll_s: float = 5.0) -> str:
+    """Block while this process's Ray node lives, and return what ended it. A killed raylet had
+    left `raymill serve` asleep for good: its endpoint dead, its port claimed, so another serve was
+    refused until someone found and killed the process."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    while True:
+        time.sleep(poll_s)
+        try:
+            alive = any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+        except Exception as e:  # Ray's GCS gone: its client fails (or Ray ends this process first)
+            return f"Ray stopped answering ({type(e).__name__}: {e})"
+        if not alive:
+            return f"this process's Ray node {node[:12]} died (its raylet stopped)"

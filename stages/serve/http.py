@@ -184,7 +184,8 @@ def admission(cfg: ServeConfig) -> Optional[int]:
 class Ingress:
     """One ingress replica: HTTP checks here, decode and forward pass in the model deployment."""
 
-    def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None):
+    def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None,
+                 weights_sha256: Optional[str] = None):
         self.cfg = cfg
         self.admission, self.in_flight = admission(cfg), 0
         # Bodies this replica reads at once: its running share (Serve's proxy buffers every passed-on one)
@@ -194,7 +195,7 @@ class Ingress:
             # runs the model, and torch (through the replica) took its RSS from 213 to 396 MB.
             from stages.serve.replica import Classifier
 
-            local = Classifier(cfg, model_path, s3)
+            local = Classifier(cfg, model_path, s3, weights_sha256)
             self.model = {name: _Local(getattr(local, name)) for name in _MODEL_METHODS}
         else:  # one handle per model method, made once (each attribute access builds a new handle)
             self.model = {name: getattr(model, name) for name in _MODEL_METHODS}

@@ -82,7 +82,7 @@ def _past_request_cap(costs: list[int], cfg: ServeConfig) -> dict[str, Any] | No
 class Classifier:
     """One model replica: loads the model once, then decodes, batches and classifies images."""
 
-    def __init__(self, cfg: ServeConfig, model_path: str, s3: Any | None = None):
+    def __init__(self, cfg: ServeConfig, model_path: str, s3: Any | None = None, weights_sha256: str | None = None):
         import torch
 
         self.cfg = cfg
@@ -94,6 +94,11 @@ class Classifier:
                         "(CUDA_VISIBLE_DEVICES=%s); it runs on the CPU", cfg.gpus_per_replica,
                         os.environ.get("CUDA_VISIBLE_DEVICES"))
         model, self.info = load_model(model_path, s3)
+        if weights_sha256 and self.info["weights_sha256"] != weights_sha256:  # not what the app was deployed with
+            raise RuntimeError(f"'{model_path}' now holds other weights ({self.info['weights_sha256'][:12]}) than "
+                               f"this app was deployed with ({weights_sha256[:12]}): a restarted replica refuses "
+                               "to serve a second model beside the running ones; roll the app out to the new one "
+                               "with `raymill serve` again")
         # On a CPU, onnxruntime: resnet18's forward pass of one image 3.27 ms against torch's 7.40 (1
         # thread, RESULTS.md engines). Threads: serve.torch_threads, else Ray's OMP_NUM_THREADS.
         self.model = runtime.for_device(model, self.info, cfg.engine, self.device, torch.get_num_threads(),
