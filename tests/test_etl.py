@@ -269,6 +269,17 @@ def test_etl_leaves_the_stamp_so_the_first_train_hashes_nothing(tree, tmp_path, 
     assert len(list((tmp_path / "stamps").glob("*.json"))) == 2
 
 
+def test_a_killed_runs_output_takes_the_same_command_again(tree, tmp_path, ray_session):
+    """A folder holding only a killed run's files (raymill's names, no manifest) is no dataset: the
+    same command runs again without --overwrite (it had been refused, "is not empty"), and its
+    publish removes them."""
+    killed = tmp_path / "ds" / "shards" / "parquet" / "split=train" / "train-00000-00-20990101T000000-abcdef.parquet"
+    killed.parent.mkdir(parents=True)
+    killed.write_bytes(b"half a shard")
+    art = etl.run(CFG, str(tree[0]), str(tmp_path / "ds"))
+    assert art.manifest["totals"]["rows_out"] > 0 and not killed.exists()
+
+
 def test_a_class_name_of_two_lines_is_refused_naming_the_folder(tmp_path):
     """labels.txt holds a class a line: a folder 'new\\nline' had shifted every exported label after it."""
     make_tree(tmp_path / "src", per_class=1, bad=False, classes=("cat", "new\nline"))

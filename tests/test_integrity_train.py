@@ -123,6 +123,30 @@ def test_overwrite_discards_state_and_unfingerprinted_state_is_refused(first_run
         fingerprint.guard(str(copy), "train", changed)
 
 
+def test_a_killed_runs_state_made_by_another_config_is_refused_before_ray(first_run, dataset, tmp_path):
+    """`raymill train` into an unpublished output whose run state another config made: exit 2 before
+    Ray's start and MLflow's store (the stage's guard had said it after both, 12 s in)."""
+    out = tmp_path / "train"
+    shutil.copytree(first_run.path, out)
+    (out / "manifest.json").unlink()  # killed before its publish: the state alone
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-m", "workflow", "train", "--data", dataset.path, "--output", str(out),
+                          "--config", str(SMOKE), *[a for kv in BASE for a in ("--set", kv)], "--set", "train.lr=0.2"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert run.returncode == 2 and "holds run state made with another config" in run.stderr, run.stderr
+    assert "lr" in run.stderr and "[raymill] ray:" not in run.stderr and "tracking:" not in run.stderr, run.stderr
+
+
+def test_a_run_whose_data_was_replaced_is_not_told_to_resume(dataset):
+    """A train that failed because an ETL --overwrite replaced its data had said "rerun the same
+    command to resume", which its fingerprint guard then refused."""
+    from stages.common.artifacts import Artifact
+
+    assert train._data_replaced(dataset, None) is None
+    started_on = Artifact("etl", dataset.path, {**dataset.manifest, "run_id": "20990101T000000-abcdef"})
+    assert "was replaced during the run" in train._data_replaced(started_on, None)
+
+
 def test_checkpoints_carry_the_fingerprint_and_a_foreign_one_is_refused(first_run):
     stored = json.loads((Path(first_run.path) / "ray/train.fingerprint.json").read_text())
     foreign = fingerprint.compute({**stored["parts"], "train": {**stored["parts"]["train"], "lr": 0.2}})

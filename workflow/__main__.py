@@ -5,7 +5,6 @@ The console shows raymill's own lines; Ray's chatter stays in Ray's log files un
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -167,9 +166,10 @@ def cmd_train(args) -> int:
     from stages import train
     from stages.common import tracking
     from stages.common.artifacts import load_input
+    from workflow import preflight
 
     data = load_input(args.data, "etl", cfg.s3)
-    with _locked_before_ray(cfg, data, args.output, args.overwrite, "train", [cfg.train.model]):
+    with preflight.locked_before_ray(cfg, data, args.output, args.overwrite, "train", [cfg.train.model]):
         artifact = tracking.train(cfg, data, args.output, lambda run: train.run(
             cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3, overwrite=args.overwrite,
             tracking=run), reuse=lambda: None if args.overwrite else train.published(
@@ -178,40 +178,18 @@ def cmd_train(args) -> int:
     return 0
 
 
-@contextlib.contextmanager
-def _locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]):
-    """The output's lock for the whole command, then Ray's start with torch's import beside it
-    (workflow.preflight), unless `out` already holds a published output: the stage then reuses it,
-    or refuses to overwrite it, and needs no Ray. Data the manifest shows unfit (train.check_rows),
-    and an output that is a file, another stage's, or another run's (locked), are refused first
-    (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
-    lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
-    from stages.common.artifacts import manifest_kind
-    from stages.common.locks import output_lock
-    from stages.train.stage import check_rows
-    from workflow import preflight
-
-    check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
-    preflight.check_init_source(cfg, models)
-    with output_lock(out, stage, cfg.s3):  # checks the output's kind too
-        fs, root = storage.filesystem(out, cfg.s3)
-        if overwrite or manifest_kind(fs, root) is None:
-            preflight.check_local_gpus(cfg)
-            preflight.beside_ray(cfg, out)
-        yield
-
-
 def cmd_tune(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import tune
     from stages.common import tracking
     from stages.common.artifacts import load_input
     from stages.tune.checks import check_room, check_search
+    from workflow import preflight
 
     check_search(cfg.tune, cfg.train)  # before Ray
     check_room(cfg.tune, cfg.train, cfg.ray)
     data = load_input(args.data, "etl", cfg.s3)
-    with _locked_before_ray(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model)):
+    with preflight.locked_before_ray(cfg, data, args.output, False, "tune", cfg.tune.models(cfg.train.model)):
         artifact = tracking.tune(cfg, data, args.output, lambda callbacks: tune.run(
             cfg.tune, cfg.train, data, args.output, seed=cfg.run.seed, ray_cfg=cfg.ray, s3=cfg.s3,
             callbacks=callbacks), reuse=lambda: tune.published(cfg.tune, cfg.train, data, args.output,
@@ -276,8 +254,18 @@ def cmd_serve(args) -> int:
     serve.apply_ingress_env(cfg.serve)  # Serve reads its ingress switches when Ray starts
     session.start(cfg.ray)
     # SIGTERM (systemd, Kubernetes, kill) ends it like Ctrl-C, from here: after ray.init, whose core
-    # worker installs its own handler (a "*** SIGTERM received" dump, exit 15), and before Serve starts
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # worker installs its own handler (a "*** SIGTERM received" dump, exit 15), and before Serve starts.
+    # Ray's node lost, deploying or serving: the same way out, exit 1, saying why
+    lost: list[str] = []
+
+    def on_lost(why: str) -> None:
+        lost.append(why)
+        log.error("serve: %s; port %d no longer answers: start `raymill serve` again", why, cfg.serve.port)
+        # a real signal to the main thread: it wakes a sleep or Ray's wait (interrupt_main wakes neither)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1 if lost else 143))
+    serve.watch_ray(on_lost)
     record = endpoint.record_endpoint(cfg.serve)  # before the port answers: a rollout may follow at once
     try:
         url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
@@ -285,9 +273,8 @@ def cmd_serve(args) -> int:
         print(f"serve: POST images to {url}/predict, or N at a time to {url}/v2/models/{cfg.serve.model_name}"
               f"/infer (Ctrl-C stops; `raymill serve --model NEW` with the same --port rolls this endpoint to "
               f"NEW)", flush=True)
-        lost = serve.until_ray_lost()
-        log.error("serve: %s; %s no longer answers: start `raymill serve` again", lost, url)
-        return 1
+        while True:
+            time.sleep(3600)
     finally:
         record.unlink(missing_ok=True)
         # Our own Ray: the app ends with it, port closed at once (deleting it first left the proxy

@@ -8,6 +8,7 @@ demo torch and `ray.init` took 5.0 s + 1.0 s one after the other, and 5.1 s side
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import threading
@@ -19,13 +20,14 @@ import yaml
 from stages import etl
 from stages.common import session, storage, tracking
 from stages.common.config import Config, ConfigError
-from stages.common.locks import LOCK_NAME
+from stages.common.locks import LOCK_NAME, output_lock
 from stages.etl.checks import image_input, output_outside_outputs
 from stages.model import init_source
 from stages.model.sizes import check_image_size
 from stages.tune.checks import check_room, check_search
 
-__all__ = ["Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits", "etl_inputs"]
+__all__ = ["Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits", "etl_inputs",
+           "locked_before_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -223,3 +225,26 @@ def warn_unused_read_keys(cfg: Config, model_path: str, command: str) -> None:
         log.warning("%s reads image files with the rules of the model's own ETL (model.json `read`), so %s %s "
                     "nothing here; retrain on data read that way to change them", command, ", ".join(ignored),
                     "does" if len(ignored) == 1 else "do")
+
+
+@contextlib.contextmanager
+def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: list[str]):
+    """The output's lock for the whole command, then Ray's start with torch's import beside it
+    (beside_ray), unless `out` already holds a published output: the stage then reuses it,
+    or refuses to overwrite it, and needs no Ray. Data the manifest shows unfit (train.check_rows),
+    and an output that is a file, another stage's, or another run's (locked), are refused first
+    (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
+    lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
+    from stages.common.artifacts import manifest_kind
+    from stages.train.stage import check_rows, check_state  # imports torch: the CLI has by now
+
+    check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
+    check_init_source(cfg, models)
+    with output_lock(out, stage, cfg.s3):  # checks the output's kind too
+        fs, root = storage.filesystem(out, cfg.s3)
+        if overwrite or manifest_kind(fs, root) is None:
+            if stage == "train" and not overwrite:
+                check_state(cfg.train, data, out, cfg.run.seed, cfg.s3)
+            check_local_gpus(cfg)
+            beside_ray(cfg, out)
+        yield

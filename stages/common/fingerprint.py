@@ -22,7 +22,7 @@ from stages.common.artifacts import config_hash, data_fingerprint
 from stages.common.config import ConfigError
 
 __all__ = ["Fingerprint", "TRAIN_RESUMABLE", "compute", "for_train", "differences", "mismatch",
-           "guard", "holds_state", "clear"]
+           "guard", "refuse_foreign", "holds_state", "clear"]
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +133,28 @@ def guard(state_uri: str, name: str, fp: Fingerprint, s3: Any | None = None, *, 
     """
     if overwrite:
         clear(state_uri, name, s3)
-    fs, root = storage.filesystem(state_uri, s3)
-    folder, fp_path = storage.join(root, name), storage.join(root, name + SUFFIX)
-    if _has_state(fs, folder):
-        stored = storage.read_json(fs, fp_path) if fs.exists(fp_path) else None
-        problem = mismatch(stored, fp)
-        if problem:
-            raise ConfigError(f"'{storage.join(state_uri, name)}' holds run state made with another config "
-                              f"or data ({problem}); resuming it would publish a model this config did "
-                              f"not make: {fix}")
+    if refuse_foreign(state_uri, name, fp, s3, fix=fix):
         log.info("resuming %s: its fingerprint %s matches", storage.join(state_uri, name), fp.digest)
         return True
-    storage.write_bytes_atomic(fs, fp_path, json.dumps(fp.as_dict(), indent=2).encode())
+    fs, root = storage.filesystem(state_uri, s3)
+    storage.write_bytes_atomic(fs, storage.join(root, name + SUFFIX), json.dumps(fp.as_dict(), indent=2).encode())
     return False
+
+
+def refuse_foreign(state_uri: str, name: str, fp: Fingerprint, s3: Any | None = None, *,
+                   fix: str = DEFAULT_FIX) -> bool:
+    """Whether `<state_uri>/<name>` holds run state, refusing (ConfigError) state another
+    fingerprint made. Writes nothing: a command checks it before Ray's start and MLflow's store."""
+    fs, root = storage.filesystem(state_uri, s3)
+    if not _has_state(fs, storage.join(root, name)):
+        return False
+    fp_path = storage.join(root, name + SUFFIX)
+    problem = mismatch(storage.read_json(fs, fp_path) if fs.exists(fp_path) else None, fp)
+    if problem:
+        raise ConfigError(f"'{storage.join(state_uri, name)}' holds run state made with another config "
+                          f"or data ({problem}); resuming it would publish a model this config did "
+                          f"not make: {fix}")
+    return True
 
 
 def clear(state_uri: str, name: str, s3: Any | None = None) -> None:

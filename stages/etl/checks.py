@@ -2,6 +2,7 @@
 start (~10 s on 2 cores) holding the output's lock, and `stages.etl.stage.run` again inside it."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ from stages.common.artifacts import manifest_kind
 from stages.common.config import ConfigError
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, enclosing_output, foreign_files
 from stages.etl import publish as publishing
+
+log = logging.getLogger("stages.etl.stage")  # the stage's lines
 
 __all__ = ["OutputExistsError", "InputNotFoundError", "check_format",
            "preflight", "check_apart", "check_output", "input_folder",
@@ -140,6 +143,12 @@ def used_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | No
     if ours and (foreign := foreign_files(out, publishing.is_shard_file, listed=ours)):
         raise OutputExistsError(f"output '{out}' holds files that raymill etl did not write (e.g. '{foreign[0]}'); "
                                 f"--overwrite replaces only an ETL output: choose an empty or new --output")
+    if ours and not overwrite and all(publishing.is_run_file(p[len(root.rstrip("/")) + 1:]) for p in ours):
+        # a killed run's files, by raymill's names: this run's publish removes them (remove_stale); the
+        # rerun had needed --overwrite for a folder that holds no dataset
+        log.info("etl: '%s' holds %d file(s) of a run that did not publish; they go once this run publishes",
+                 out, len(ours))
+        return None
     if ours and not overwrite:
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "
                                 f"--output so two runs' shards never mix")

@@ -31,16 +31,26 @@ STAMPS_KEPT = 256  # the most recently used; a pruned one costs its output one f
 
 
 def verify(out: str, s3: Any | None = None) -> list[str]:
-    """Recompute every shard's size, sha256 and row count; return one line per problem."""
+    """Recompute every shard's size, sha256 and row count; return one line per problem. An
+    `--overwrite` that publishes meanwhile is checked in turn: the old run's files go once the new
+    manifest is published, and a check of the old one had named them missing in a whole dataset."""
+    for _ in range(3):
+        run_id, problems = _verify_one(out, s3)
+        if not problems or load_artifact(out, "etl", s3).manifest.get("run_id") == run_id:
+            return problems
+    return problems
+
+
+def _verify_one(out: str, s3: Any | None) -> tuple[Any, list[str]]:
     artifact = load_artifact(out, "etl", s3)  # no manifest, or another stage's: the caller's error
     fs, root = storage.filesystem(out, s3)
     manifest = artifact.manifest
     if not isinstance(manifest.get("shards"), list) or not isinstance(manifest.get("quarantine"), dict):
-        return ["manifest.json lists no shards or no quarantine file: not an ETL manifest raymill wrote"]
+        return None, ["manifest.json lists no shards or no quarantine file: not an ETL manifest raymill wrote"]
     problems = _rows_add_up(manifest)
     for entry in manifest["shards"] + [{**manifest["quarantine"], "format": None}]:
         problems += _entry_problems(fs, root, entry)
-    return problems
+    return manifest.get("run_id"), problems
 
 
 def unnamed_run_files(out: str, s3: Any | None = None) -> list[str]:

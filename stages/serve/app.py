@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ray import serve
 
@@ -31,7 +31,7 @@ from stages.serve.endpoint import base_url
 from stages.serve.http import SHED_ROOM, Ingress, admission
 from stages.serve.replica import Classifier
 
-__all__ = ["start", "update", "shutdown", "until_ray_lost", "build_app", "deployment_options", "base_url", "ingress_env",
+__all__ = ["start", "update", "shutdown", "watch_ray", "build_app", "deployment_options", "base_url", "ingress_env",
            "apply_ingress_env"]
 
 log = logging.getLogger(__name__)
@@ -208,18 +208,24 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
                     cfg.app_name, wait_s)
 
 
-def until_ray_lost(poll_s: float = 5.0) -> str:
-    """Block while this process's Ray node lives, and return what ended it. A killed raylet had
-    left `raymill serve` asleep for good: its endpoint dead, its port claimed, so another serve was
-    refused until someone found and killed the process."""
+def watch_ray(on_lost: Callable[[str], None], poll_s: float = 5.0) -> threading.Thread:
+    """A daemon thread that calls `on_lost(why)` once this process's Ray node is gone. A killed
+    raylet had left `raymill serve` asleep for good (or stuck in its deploy): its endpoint dead,
+    its port claimed, so another serve was refused until someone found and killed the process."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    while True:
-        time.sleep(poll_s)
-        try:
-            alive = any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
-        except Exception as e:  # Ray's GCS gone: its client fails (or Ray ends this process first)
-            return f"Ray stopped answering ({type(e).__name__}: {e})"
-        if not alive:
-            return f"this process's Ray node {node[:12]} died (its raylet stopped)"
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            try:
+                alive = any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+            except Exception as e:  # Ray's GCS gone: its client fails (or Ray ends this process first)
+                return on_lost(f"Ray stopped answering ({type(e).__name__}: {e})")
+            if not alive:
+                return on_lost(f"this process's Ray node {node[:12]} died (its raylet stopped)")
+
+    thread = threading.Thread(target=watch, name="raymill-ray-watch", daemon=True)
+    thread.start()
+    return thread

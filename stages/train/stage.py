@@ -31,7 +31,7 @@ from stages.common.artifacts import Artifact, config_hash, data_fingerprint, mad
 from stages.common.config import ConfigError, RayConfig, TrainConfig, section_dict
 from stages.common.locks import output_lock
 
-__all__ = ["run", "published", "TrainError", "check_rows", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
+__all__ = ["run", "published", "TrainError", "check_rows", "check_state", "check_data", "check_init", "init_inputs", "check_image_size", "loop_config", "build_trainer", "run_name"]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,15 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     return done
 
 
+def check_state(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> None:
+    """Run state in `out` made by another config or data, refused before Ray's start and MLflow's
+    store (the stage's guard said it after both). With init weights the stage checks it: their
+    content is part of the fingerprint, read there."""
+    if not cfg.init_from:
+        state_uri, name = state_location(cfg, out)
+        fingerprint.refuse_foreign(state_uri, name, fingerprint.for_train(section_dict(cfg), seed, data.manifest), s3)
+
+
 def _state_made_by(cfg: TrainConfig, out: str, seed: int, data: Artifact, s3: Any | None) -> bool:
     """Whether `out`'s run state records this config, seed and data content (the fingerprint file
     `fingerprint.guard` writes beside it). Not with init weights: their content is read to train."""
@@ -253,7 +262,20 @@ def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str,
     return host
 
 
-def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
+def _data_replaced(data: Artifact, s3: Any | None) -> str | None:
+    """Why resuming cannot help when the ETL output was replaced under the run (its shards gone):
+    "rerun the same command" had led to a refusal of the state as another data's."""
+    try:
+        now = published_output(data.path, "etl", s3)
+    except Exception:  # unreadable now: the failure's own message stands
+        return None
+    if now is not None and now.manifest.get("run_id") == data.manifest.get("run_id"):
+        return None
+    return (f"its data '{data.path}' was replaced during the run (an ETL --overwrite: the shards it read are "
+            f"gone); train again on the new data with --overwrite")
+
+
+def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, data: Artifact, s3: Any | None = None):
     """`fit()`'s result, or the error a user acts on: where the last good checkpoint is, what a
     refused checkpoint or a missing node needs, how to resume after Ctrl-C."""
     resume = f"rerun the same command to resume from the last checkpoint in {out}"
@@ -273,7 +295,7 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
             raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out,
                                           worker_resources=cfg.worker_resources) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; "
-                         f"{resume}: {solo.first_line(e)}") from e
+                         f"{_data_replaced(data, s3) or resume}: {solo.first_line(e)}") from e
     finally:
         if main and handler is not None:
             signal.signal(signal.SIGINT, handler)
@@ -282,7 +304,8 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str):
             raise TrainError(refusal) from result.error
         last = result.checkpoint.path if result.checkpoint else "none"
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries "
-                         f"(last good checkpoint: {last}); {resume}: {solo.first_line(result.error)}") from result.error
+                         f"(last good checkpoint: {last}); {_data_replaced(data, s3) or resume}: "
+                         f"{solo.first_line(result.error)}") from result.error
     return result
 
 
@@ -318,7 +341,7 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
         tracking_model.warm_up()  # MLflow's requirement check, 2.9 s of publishing on 2 cores
     timings = {"before_fit_s": time.perf_counter() - started, "fit_started_at": time.time(), "host": host}
     with EpochLog(tracking, run_uri, s3):  # the epochs' MLflow points
-        result = _fit(cfg, fit, plan, out)
+        result = _fit(cfg, fit, plan, out, data, s3)
         timings["fit_ended_at"] = time.time()  # before the epochs' last MLflow points (EpochLog's exit)
     # The loop ends early only when the loss (or val loss) stops being finite. Its report of that
     # carries no checkpoint, and Train V2's result keeps only checkpointed metrics: the sign is a
