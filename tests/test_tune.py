@@ -320,6 +320,11 @@ def test_a_search_made_with_another_config_is_refused_naming_the_key(search, dat
         tune.run(cfg.tune, cfg.train, dataset, str(out), seed=0, ray_cfg=cfg.ray)
     assert (out / "manifest.json").read_bytes() == published
     assert (out / "ray" / "tune.fingerprint.json").exists()
+    # the same check the CLI makes before Ray's start and MLflow's store (it had come after both)
+    with pytest.raises(ConfigError, match=r"tune\.grace_period: 1 -> 2.*use a new output folder"):
+        tune.check_state(cfg.tune, cfg.train, dataset, str(out), 0)
+    same = _cfg()
+    tune.check_state(same.tune, same.train, dataset, str(out), 0)  # its own config: resumable
 
 
 def test_a_second_search_into_a_held_output_is_refused_before_anything_runs(dataset, tmp_path):

@@ -243,8 +243,12 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:
-            if stage == "train" and not overwrite:
+            if stage == "train" and not overwrite:  # run state another config or data made: before Ray
                 check_state(cfg.train, data, out, cfg.run.seed, cfg.s3)
+            elif stage == "tune":
+                from stages.tune.stage import check_state as check_search_state
+
+                check_search_state(cfg.tune, cfg.train, data, out, cfg.run.seed, cfg.s3)
             check_local_gpus(cfg)
             beside_ray(cfg, out)
         yield
