@@ -17,7 +17,7 @@ from typing import Any
 from stages.common import benign
 
 __all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity",
-           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "some", "train_logging_config", "quiet_train_worker", "epoch",
+           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "some", "root_cause", "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp", "worker_lines_first"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"
@@ -255,6 +255,20 @@ def some(names: list, limit: int = 10) -> str:
     2,000 classes in 3,737 characters."""
     shown = ", ".join(map(str, names[:limit]))
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def root_cause(e: BaseException) -> str:
+    """The deepest exception of the chain that says something. A Ray task or actor error's text is
+    the remote traceback: its last line is the remote error (Ray Data's SystemException under it
+    is empty, and once was all an actor that failed to start left in the message)."""
+    said = e
+    while e.__cause__ is not None:
+        e = e.__cause__
+        said = e if str(e).strip() else said
+    text = str(said).strip()
+    if '\n  File "' in text:  # a remote traceback: its last line names the error
+        text = text.splitlines()[-1]
+    return f"{type(said).__name__}: {text}"
 
 
 def score(value: float | None) -> str:

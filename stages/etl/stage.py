@@ -31,7 +31,7 @@ from stages.etl import shards
 from stages.etl import sources
 
 __all__ = ["run", "EtlError", "NoImagesError", "OutputExistsError", "InputNotFoundError", "discover", "split_of", "sample_key",
-           "root_cause", "check_apart", "preflight", "check_output"]
+           "check_apart", "preflight", "check_output"]
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _execute(tasks, cfg: EtlConfig, source: str, out: str, s3, run_id: str, clas
     try:
         return [json.loads(row["result"]) for row in engine(rows, fn_kwargs, cfg.cpus_per_task)]
     except Exception as e:
-        raise EtlError(f"ETL task failed, nothing was published: {root_cause(e)}") from e
+        raise EtlError(f"ETL task failed, nothing was published: {console.root_cause(e)}") from e
 
 
 def _with_ray_data(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
@@ -253,20 +253,6 @@ def _as_ray_tasks(rows: list[dict], fn_kwargs: dict, cpus: float) -> list[dict]:
 
 def _process_row(row: dict, fn_kwargs: dict) -> dict:
     return shards.process_task(row, **fn_kwargs)
-
-
-def root_cause(e: BaseException) -> str:
-    """The deepest exception of the chain that says something. A Ray task or actor error's text is
-    the remote traceback: its last line is the remote error (Ray Data's SystemException under it
-    is empty, and once was all an actor that failed to start left in the message)."""
-    said = e
-    while e.__cause__ is not None:
-        e = e.__cause__
-        said = e if str(e).strip() else said
-    text = str(said).strip()
-    if '\n  File "' in text:  # a remote traceback: its last line names the error
-        text = text.splitlines()[-1]
-    return f"{type(said).__name__}: {text}"
 
 
 def _quarantine_rows(results, listing: Listing) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from stages.infer import plan as planning
 from stages.infer.plan import InferError, Plan
 from stages.infer.predictors import BUSY, ENGINE, SCHEMA, BatchPredictor, Predictor
 from stages.model import predict, runtime
-from stages.etl.stage import check_apart, root_cause
+from stages.etl.stage import check_apart
 
 __all__ = ["run", "InferError", "Predictor", "BatchPredictor", "SCHEMA", "map_batches_kwargs"]
 
@@ -191,7 +191,7 @@ def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, weights: str, s
     except ConfigError:  # infer.engine=onnxruntime that cannot run this model: exit 2, the key named
         raise
     except Exception as e:  # as from the actors: the cause, and nothing published
-        raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
+        raise InferError(f"batch inference failed, nothing was published: {console.root_cause(e)}") from e
     finally:
         torch.set_num_threads(threads)
     return table, time.perf_counter() - started
@@ -251,7 +251,7 @@ def _execute(cfg: InferConfig, model_path: str, plan: Plan, info: dict, resource
     try:
         tables = list(ds.iter_batches(batch_size=None, batch_format="pyarrow"))
     except Exception as e:
-        raise InferError(f"batch inference failed, nothing was published: {root_cause(e)}") from e
+        raise InferError(f"batch inference failed, nothing was published: {console.root_cause(e)}") from e
     wall_s = time.perf_counter() - started
     return (pa.concat_tables(tables) if tables else _empty()), wall_s
 
