@@ -282,11 +282,11 @@ def epoch(row: dict[str, Any], epochs: int) -> None:
     A log record, not print(): Ray Train patches print() on workers to both print and log it,
     which showed every epoch line twice.
     """
-    log.info(f"[raymill] train: epoch {row['epoch']}/{epochs} loss {row['train_loss']:.3f} "
-             f"acc {row['train_acc']:.3f} val_acc {row['val_acc']:.3f} | {row['images_per_s']:.0f} images/s, "
-             f"input wait {row['wait_s']:.1f}s, device busy {row['compute_s']:.1f}s of "
-             f"{row.get('wall_s', 0):.1f}s ({row.get('device_utilisation', 0):.0%}), "
-             f"stall {row['stall_fraction']:.1%}, tier {row.get('tier', '-')} | {row['verdict']}")
+    log.info("[raymill] train: epoch %s/%s loss %.3f acc %.3f val_acc %.3f | %.0f images/s, input wait %.1fs, "
+             "device busy %.1fs of %.1fs (%.0f%%), stall %.1f%%, tier %s | %s", row["epoch"], epochs,
+             row["train_loss"], row["train_acc"], row["val_acc"], row["images_per_s"], row["wait_s"], row["compute_s"],
+             row.get("wall_s", 0), 100 * row.get("device_utilisation", 0), 100 * row["stall_fraction"],
+             row.get("tier", "-"), row["verdict"])
 
 
 def worker_lines_first() -> None:

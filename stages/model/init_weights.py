@@ -185,8 +185,8 @@ def _normalisation(augment: AugmentConfig, expected: tuple | None, uri: str) -> 
               if name not in augment.model_fields_set}
     for name, value in zip(("mean", "std"), expected):
         if name in augment.model_fields_set and tuple(getattr(augment, name)) != tuple(value):
-            log.warning(f"train: train.augment.{name}={list(getattr(augment, name))} was set explicitly; the "
-                        f"init weights '{uri}' expect {list(value)}: kept the setting")
+            log.warning("train: train.augment.%s=%s was set explicitly; the init weights '%s' expect %s: kept "
+                        "the setting", name, list(getattr(augment, name)), uri, list(value))
     return augment.model_copy(update=chosen), "init" if chosen else "config"
 
 
@@ -222,9 +222,9 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
             record["shipped"] = {"sha256": storage.sha256_bytes(shipped), "kind": "torch", "bytes": len(shipped)}
     why = "same classes" if head == "kept" else ("the source names no classes" if info is None
                                                  else "other classes" if not same_classes else "another shape")
-    log.info(f"train: init from {uri} ({kind}, {len(payload) / 1e6:.1f} MB, sha256 {record['sha256'][:12]}): "
-             f"{len(state)} tensors checked{' (took ' + ' and '.join(unwrapped) + ')' if unwrapped else ''}, "
-             f"head {head} ({why}), mean/std from {origin}")
+    log.info("train: init from %s (%s, %.1f MB, sha256 %s): %d tensors checked%s, head %s (%s), mean/std from %s",
+             uri, kind, len(payload) / 1e6, record["sha256"][:12], len(state),
+             " (took " + " and ".join(unwrapped) + ")" if unwrapped else "", head, why, origin)
     return InitPlan(record, cfg.model_copy(update={"augment": augment}), shipped)
 
 

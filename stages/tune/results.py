@@ -373,10 +373,10 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
                   "source": "trial checkpoint"},
         "metrics": metrics, "files": sorted({*files, "trials.csv", "trials.md", "model.pt", "model.json"})})
     write_manifest(out, manifest, s3)  # the publish step, last
-    log.info(f"tune: best {cfg.metric} {entry['value']:.3f} (trial {trial['trial_id']}, "
-             f"{json.dumps(trial['params'])}); {len(trials)} trials: {counts['completed']} completed, "
-             f"{counts['stopped_early']} stopped early, {counts['diverged']} diverged, {counts['failed']} failed; "
-             f"test_acc {console.score(test['acc'])}; {metrics['seconds']:.0f}s")
+    log.info("tune: best %s %.3f (trial %s, %s); %d trials: %d completed, %d stopped early, %d diverged, "
+             "%d failed; test_acc %s; %.0fs", cfg.metric, entry["value"], trial["trial_id"], json.dumps(trial["params"]),
+             len(trials), counts["completed"], counts["stopped_early"], counts["diverged"], counts["failed"],
+             console.score(test["acc"]), metrics["seconds"])
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
