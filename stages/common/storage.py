@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 __all__ = ["MANIFEST", "is_remote", "filesystem", "join", "write_bytes_atomic", "read_json", "read_json_if_any",
-           "read_small", "read_small_if_any", "files_under", "children", "is_local", "sha256_file",
+           "read_small", "read_small_if_any", "files_under", "children", "is_local", "shown", "sha256_file",
            "sha256_bytes", "s3_options", "local_path", "pyarrow_filesystem", "stored_raw", "check_location",
            "check_named", "check_output_place", "check_init_from"]
 
@@ -217,6 +217,12 @@ def children(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     entry of its own, and deleting it recursively had deleted the whole prefix, a held lock with it."""
     me = root.rstrip("/")
     return [p for p in fs.ls(root, detail=False) if p.rstrip("/") != me]
+
+
+def shown(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A path of `fs` as a user names it: `s3://bucket/key` on an object store (fsspec's paths drop
+    the scheme, and warnings had named S3 folders as 'bucket/key')."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -81,7 +81,7 @@ def remove_stale(fs, root: str, manifest: dict[str, Any], previous: dict[str, An
     if foreign := [p for p in listed if not (is_run_file(p) or p in (storage.MANIFEST, STAGE_RECORD)
                                              or p.rsplit("/", 1)[-1].startswith("."))]:
         log.warning("etl: %d file(s) in '%s' were not written by raymill etl and are left in place (%s); they "
-                    "are no part of the dataset, which manifest.json lists", len(foreign), root,
+                    "are no part of the dataset, which manifest.json lists", len(foreign), storage.shown(fs, root),
                     ", ".join(foreign[:3]))
 
 
