@@ -167,6 +167,10 @@ V2_BAD = {  # id: ((body, headers), status, words in the error)
     "past the request's pixels": (_body({"inputs": [{**_ONE, "shape": [4], "data": [_FLAT_4MP] * 4}]}), 413,
                                   "element 3: too_large"),
     "brotli body": ((b"{}", {"content-encoding": "br"}), 415, "unsupported_content_encoding"),
+    # what a page on another site may POST without asking: refused before the body is read
+    "text/plain body": (_body({"inputs": [{**_ONE, "data": [_B64]}]})[0:1] + ({"content-type": "text/plain"},), 415,
+                        "Content-Type 'text/plain'"),
+    "form body": ((b"a=1", {"content-type": "application/x-www-form-urlencoded"}), 415, "unsupported_media_type"),
 }
 
 

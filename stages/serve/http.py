@@ -66,6 +66,7 @@ _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
 # admission + 2 x SHED_ROOM Serve's proxy sheds in plain text.
 SHED_ROOM = 1024
 RETRY_AFTER = {"Retry-After": "1"}
+V2_MEDIA = ("", "application/json", "application/octet-stream")  # what /v2/.../infer accepts
 _V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
               "POST /v2/models/{name}[/versions/{version}]/infer")
 
@@ -283,6 +284,13 @@ class Ingress:
 
     async def _v2_infer(self, name: str, version: Optional[str], request: Request) -> Response:
         await self._v2_model(name, version)  # before reading the body: a wrong name costs no upload
+        # JSON, the binary extension's bytes, or none named (tritonclient names none). Not a browser
+        # form's or text/plain, which a page on another site may POST here without asking (/predict
+        # refuses them too)
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media not in V2_MEDIA:
+            raise V2Error(415, f"unsupported_media_type: Content-Type '{media}'; send application/json, or "
+                               "application/octet-stream with the binary extension's Inference-Header-Content-Length")
         async with self._admitted():
             return await self._v2_answer(name, request)
 
