@@ -208,13 +208,17 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
                     cfg.app_name, wait_s)
 
 
-def watch_ray(on_lost: Callable[[str], None], poll_s: float = 5.0) -> threading.Thread:
+def watch_ray(on_lost: Callable[[str], None], poll_s: float = 5.0) -> threading.Thread | None:
     """A daemon thread that calls `on_lost(why)` once this process's Ray node is gone. A killed
     raylet had left `raymill serve` asleep for good (or stuck in its deploy): its endpoint dead,
     its port claimed, so another serve was refused until someone found and killed the process."""
     import ray
 
-    node = ray.get_runtime_context().get_node_id()
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception as e:  # a Ray Client driver has no node of its own to watch
+        log.debug("serve: no node of this process to watch (%s)", e)
+        return None
 
     def watch() -> None:
         while True:
