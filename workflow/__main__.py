@@ -143,13 +143,13 @@ def cmd_verify(args) -> int:
         raise ConfigError(f"'{args.dst}' does not exist; pass an ETL output folder")
     if (kind := manifest_kind(fs, root)) not in (None, "raymill.etl"):
         raise ConfigError(f"'{args.dst}' holds a {kind} output; `raymill verify` checks an ETL output folder")
-    if kind is None and not fs.exists(storage.join(root, "shards")):  # an image folder, say: a usage
-        # error (it had failed with exit 1, FileNotFoundError); shards without a manifest are a problem found
-        raise ConfigError(f"'{args.dst}' is no ETL output (no manifest.json, no shards/); pass the folder "
-                          "`raymill etl --output` wrote")
-    if kind is None:
+    if not fs.exists(storage.join(root, storage.MANIFEST)):  # a manifest not raymill's: verify says so
+        if not fs.exists(storage.join(root, "shards")):  # an image folder, say: a usage error (it had
+            # failed with exit 1, FileNotFoundError); shards without a manifest are a problem found
+            raise ConfigError(f"'{args.dst}' is no ETL output (no manifest.json, no shards/); pass the folder "
+                              "`raymill etl --output` wrote")
         print(f"verify: FAILED: '{args.dst}' holds shards but no manifest.json: an ETL run that did not publish "
-              "(killed, or still running); run `raymill etl --overwrite` on it again")
+              "(killed, or still running); run the same `raymill etl` again")
         return 1
     problems = etl.verify(args.dst, cfg.s3)
     for line in problems:
@@ -265,7 +265,8 @@ def cmd_serve(args) -> int:
         signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1 if lost else 143))
-    serve.watch_ray(on_lost)
+    # a local Ray only: a joined cluster's app lives on without this machine's node
+    watch = serve.watch_ray(on_lost) if cfg.ray.address is None else None
     record = endpoint.record_endpoint(cfg.serve)  # before the port answers: a rollout may follow at once
     try:
         url = serve.start(cfg.serve, args.model, s3=cfg.s3, checked=True)  # check_model_folder above
@@ -276,6 +277,8 @@ def cmd_serve(args) -> int:
         while True:
             time.sleep(3600)
     finally:
+        if watch is not None:
+            watch.set()  # Ray's own teardown is no death
         record.unlink(missing_ok=True)
         # Our own Ray: the app ends with it, port closed at once (deleting it first left the proxy
         # up without routes: plain-text 404s for ~2 s, 266 of 989 answers of 4 clients)

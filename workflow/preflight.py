@@ -236,7 +236,8 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
     (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
     lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
-    from stages.train.stage import check_rows, check_state  # imports torch: the CLI has by now
+    from stages.train.checks import check_rows, check_state  # neither torch nor Ray: before both
+    from stages.tune.checks import check_state as check_search_state
 
     check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
     check_init_source(cfg, models)
@@ -246,8 +247,6 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
             if stage == "train" and not overwrite:  # run state another config or data made: before Ray
                 check_state(cfg.train, data, out, cfg.run.seed, cfg.s3)
             elif stage == "tune":
-                from stages.tune.stage import check_state as check_search_state
-
                 check_search_state(cfg.tune, cfg.train, data, out, cfg.run.seed, cfg.s3)
             check_local_gpus(cfg)
             beside_ray(cfg, out)

@@ -64,7 +64,8 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     fs, root = storage.filesystem(out, s3)
     if fs.isfile(root):
         raise OutputKindError(f"{_what(kind)} '{out}' is a file; {'run.dir' if kind == 'pipeline' else '--output'} "
-                              "names a folder (new, or this stage's own)")
+                              f"names a folder (new, or {'an earlier run' if kind == 'pipeline' else 'this stage'}"
+                              "'s own)")
     if (parent := enclosing_output(out, s3)) is not None:
         raise OutputKindError(f"{_what(kind)} '{out}' is inside the {parent[1]} output '{parent[0]}'; choose "
                               f"{'a run.dir' if kind == 'pipeline' else 'an output'} outside it")
@@ -75,6 +76,9 @@ def check_output_kind(out: str, kind: str, s3: Any | None = None) -> None:
     if manifest is None:
         return
     found = manifest.get("kind", "unknown") if isinstance(manifest, dict) else "non-raymill"
+    if kind == "pipeline":  # a run.dir holds no manifest of its own: any is another output's
+        raise OutputKindError(f"run.dir '{out}' holds a published {found} output (its {MANIFEST}); a run there "
+                              "would write among its files: choose an empty or new run.dir")
     if found != f"raymill.{kind}":
         raise OutputKindError(f"{_what(kind)} '{out}' holds a published {found} output (its {MANIFEST}); writing "
                               f"raymill.{kind} there would unpublish it. Choose another --output")

@@ -127,10 +127,10 @@ PUBLISHED = ("output '{out}' already holds a published dataset; pass --overwrite
 def check_output(out: str, s3: Any | None = None, overwrite: bool = False) -> dict[str, Any] | None:
     """`run`'s output check, for a caller that holds the output's lock before Ray's start (the CLI):
     a used output or someone's files there are refused without waiting for Ray."""
-    return used_output(*storage.filesystem(out, s3), out, overwrite)
+    return used_output(*storage.filesystem(out, s3), out, overwrite, say=False)  # the stage says it
 
 
-def used_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | None:
+def used_output(fs, root: str, out: str, overwrite: bool, say: bool = True) -> dict[str, Any] | None:
     """Refuse a used output unless overwriting; return the manifest being replaced, if any."""
     manifest_path = storage.join(root, storage.MANIFEST)
     if fs.exists(manifest_path):
@@ -146,8 +146,8 @@ def used_output(fs, root: str, out: str, overwrite: bool) -> dict[str, Any] | No
     if ours and not overwrite and all(publishing.is_run_file(p[len(root.rstrip("/")) + 1:]) for p in ours):
         # a killed run's files, by raymill's names: this run's publish removes them (remove_stale); the
         # rerun had needed --overwrite for a folder that holds no dataset
-        log.info("etl: '%s' holds %d file(s) of a run that did not publish; they go once this run publishes",
-                 out, len(ours))
+        log.log(logging.INFO if say else logging.DEBUG, "etl: '%s' holds %d file(s) of a run that did not "
+                "publish; they go once this run publishes", out, len(ours))
         return None
     if ours and not overwrite:
         raise OutputExistsError(f"output '{out}' is not empty; pass --overwrite or choose an empty "

@@ -208,28 +208,35 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
                     cfg.app_name, wait_s)
 
 
-def watch_ray(on_lost: Callable[[str], None], poll_s: float = 5.0) -> threading.Thread | None:
-    """A daemon thread that calls `on_lost(why)` once this process's Ray node is gone. A killed
-    raylet had left `raymill serve` asleep for good (or stuck in its deploy): its endpoint dead,
-    its port claimed, so another serve was refused until someone found and killed the process."""
+def watch_ray(on_lost: Callable[[str], None], poll_s: float = 5.0, tries: int = 3) -> threading.Event | None:
+    """Call `on_lost(why)` from a daemon thread once this process's local Ray node is gone: dead in
+    Ray's node table, or its GCS failing `tries` polls in a row (one slow answer is no death). A
+    killed raylet had left `raymill serve` asleep for good (or stuck in its deploy): its endpoint
+    dead, its port claimed, so another serve was refused until someone found the process. Returns
+    the event that stops the watch (set it before a normal stop: Ray's own teardown must not read
+    as a death); None where this process has no node of its own (a Ray Client driver)."""
     import ray
 
     try:
         node = ray.get_runtime_context().get_node_id()
-    except Exception as e:  # a Ray Client driver has no node of its own to watch
+    except Exception as e:
         log.debug("serve: no node of this process to watch (%s)", e)
         return None
+    stop = threading.Event()
 
     def watch() -> None:
-        while True:
-            time.sleep(poll_s)
+        failed = 0
+        while not stop.wait(poll_s):
             try:
                 alive = any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+                failed = 0
             except Exception as e:  # Ray's GCS gone: its client fails (or Ray ends this process first)
-                return on_lost(f"Ray stopped answering ({type(e).__name__}: {e})")
-            if not alive:
-                return on_lost(f"this process's Ray node {node[:12]} died (its raylet stopped)")
+                failed += 1
+                alive, why = failed < tries, f"Ray stopped answering ({type(e).__name__}: {e})"
+            else:
+                why = f"this process's Ray node {node[:12]} died (its raylet stopped)"
+            if not alive and not stop.is_set():
+                return on_lost(why)
 
-    thread = threading.Thread(target=watch, name="raymill-ray-watch", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=watch, name="raymill-ray-watch", daemon=True).start()
+    return stop

@@ -6,11 +6,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from stages.common import session
+from stages.common import fingerprint, session, storage
+from stages.common.artifacts import Artifact, data_fingerprint
 from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig, section_dict
 from stages.common.config_parts import SET_BY_TUNE, SHARED_IN_SEARCH
 
-__all__ = ["check_search", "check_room", "trial_train_config", "searched_keys", "METRICS", "PBT_KEYS"]
+__all__ = ["check_search", "check_room", "check_state", "state_key", "state_fix", "trial_train_config",
+           "searched_keys", "METRICS", "PBT_KEYS", "EXPERIMENT"]
+
+EXPERIMENT = "tune"  # Tune experiment folder under out/ray
 
 METRICS = ("val_acc", "val_loss")  # present in every report of the train loop, mid-epoch ones too
 BETTER = {"val_acc": "max", "val_loss": "min"}  # the mode each metric ranks by
@@ -109,3 +113,25 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
             except _InvalidTrialConfig as e:
                 raise ConfigError(f"tune.search_space.{key}: value {value!r} is not a valid train.{key} "
                                   f"({e.problems})") from None
+
+
+def state_key(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, init_sha256: str | None) -> dict:
+    """What a search's state is made by: its config, the trainer's, the seed, the data's content, the
+    init weights' content."""
+    return {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
+            "data_fingerprint": data_fingerprint(data.manifest),
+            **({"init_sha256": init_sha256} if init_sha256 else {})}
+
+
+def state_fix(ray_dir: str) -> str:
+    return f"use a new output folder, or delete '{ray_dir}' to start over"
+
+
+def check_state(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
+                s3: Any | None = None) -> None:
+    """A search's state in `out` made by another config or data, refused before Ray's start and
+    MLflow's store (as train.check_state). With init weights the stage checks it (their content)."""
+    if not train_cfg.init_from:
+        ray_dir = storage.join(out, "ray")
+        made_by = fingerprint.compute(state_key(cfg, train_cfg, data, seed, None))
+        fingerprint.refuse_foreign(ray_dir, EXPERIMENT, made_by, s3, fix=state_fix(ray_dir))

@@ -22,7 +22,7 @@ from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from stages.common.config import TrainConfig, TuneConfig, section_dict
 from stages.common.trials import OUTCOMES, outcome
-from stages.tune.checks import searched_keys, trial_train_config
+from stages.tune.checks import EXPERIMENT, searched_keys, trial_train_config
 
 __all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish", "mark_finished"]
 
@@ -379,5 +379,4 @@ def publish(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *
              console.score(test["acc"]), metrics["seconds"])
     return Artifact("tune", str(out).rstrip("/"), manifest)
 
-EXPERIMENT = "tune"  # Tune experiment folder under out/ray
 FINISHED_RECORD = "finished"  # in it: an empty file per trial whose function ran to its end (mark_finished)

@@ -36,8 +36,8 @@ from stages.train import stage as train
 from stages.tune import results as tune_results
 from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
-from stages.tune.checks import PBT_KEYS, check_search, searched_keys, trial_train_config  # noqa: F401 (API)
-from stages.tune.results import EXPERIMENT
+from stages.tune.checks import (EXPERIMENT, PBT_KEYS, check_search, check_state, searched_keys,  # noqa: F401 (API)
+                                 state_fix, state_key, trial_train_config)
 from stages.common import console, fingerprint, session, storage, tracking_model
 from stages.common.artifacts import Artifact, data_fingerprint, find_published
 from stages.common.config import RayConfig, TrainConfig, TuneConfig, section_dict
@@ -178,27 +178,6 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
         return _run_locked(cfg, train_cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, callbacks=callbacks)
 
 
-def _key(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, seed: int, init_sha256: str | None) -> dict:
-    """What a search's state is made by: its config, the trainer's, the seed, the data's content, the
-    init weights' content."""
-    return {"tune": section_dict(cfg), "train": section_dict(train_cfg), "seed": seed,
-            "data_fingerprint": data_fingerprint(data.manifest), **({"init_sha256": init_sha256} if init_sha256 else {})}
-
-
-def _fix(ray_dir: str) -> str:
-    return f"use a new output folder, or delete '{ray_dir}' to start over"
-
-
-def check_state(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, seed: int,
-                s3: Any | None = None) -> None:
-    """A search's state in `out` made by another config or data, refused before Ray's start and
-    MLflow's store (as train.check_state). With init weights the stage checks it (their content)."""
-    if not train_cfg.init_from:
-        ray_dir = storage.join(out, "ray")
-        fingerprint.refuse_foreign(ray_dir, EXPERIMENT, fingerprint.compute(_key(cfg, train_cfg, data, seed, None)),
-                                   s3, fix=_fix(ray_dir))
-
-
 def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, seed: int,
                 ray_cfg: RayConfig, s3: Any | None, callbacks: Sequence[Any]) -> Artifact:
     started = time.perf_counter()
@@ -212,9 +191,9 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
     # The one resume guard of every stage: the search's config, seed and data content are recorded
     # beside its Tune state (`tune.fingerprint.json`) and a search made by others is refused, before
     # Ray's start (it had been 7-8 s later); a fresh one is recorded once its plan holds.
-    key = _key(cfg, train_cfg, data, seed, init.record["sha256"] if init else None)
+    key = state_key(cfg, train_cfg, data, seed, init.record["sha256"] if init else None)
     guard = lambda: fingerprint.guard(ray_dir, EXPERIMENT, fingerprint.compute(key), s3,  # noqa: E731
-                                      fix=_fix(ray_dir))
+                                      fix=state_fix(ray_dir))
     if resumes := fingerprint.holds_state(ray_dir, EXPERIMENT, s3):
         guard()
     resources = session.start(ray_cfg)

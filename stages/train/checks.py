@@ -1,0 +1,76 @@
+"""Training's refusals that need neither torch nor Ray, and where a run's state lives: the CLI
+checks them before Ray's start and MLflow's store, with nothing heavy imported (torch's import had
+come before the lock: a refusal took 1.4 s, not 0.3 s); stages.train.stage checks them again."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from stages.common import fingerprint, storage
+from stages.common.artifacts import Artifact
+from stages.common.config import ConfigError, TrainConfig, section_dict
+from stages.etl.checks import check_format
+from stages.etl.layout import more_rows_fix
+from stages.model.sizes import check_image_size
+
+__all__ = ["check_rows", "check_state", "run_name", "state_location"]
+
+log = logging.getLogger("stages.train.stage")  # the stage's lines
+
+
+_SAID: set[tuple[str, int]] = set()
+
+
+def check_rows(cfg: TrainConfig, data: Artifact, model_names: Sequence[str] = ()) -> None:
+    """The refusals the ETL manifest alone decides (no shard is read): the models' image size, the
+    shard format, train rows of two classes or more, val rows. `raymill train` and `tune` call it
+    before Ray's start and MLflow's store (a one-class refusal had come after Ray's start, 12 s, and
+    left a fresh output folder holding an mlflow.db); check_data calls it again."""
+    manifest = data.manifest
+    check_image_size(model_names or [cfg.model], manifest["config"]["image_size"])
+    check_format(manifest, data.path, cfg.data_format)
+    if not any(s["split"] == "train" and s["format"] == cfg.data_format for s in manifest["shards"]):
+        raise ConfigError(f"'{data.path}' has no train rows; re-run ETL with a larger etl.split.train, or add images")
+    learned = sorted(c for c, n in manifest.get("counts", {}).get("train", {}).items() if n)
+    if len(learned) < 2:  # it would train to accuracy 1.000 and answer that class for any image
+        others = [c for c in manifest["classes"] if c not in learned]
+        fix = (more_rows_fix(manifest.get("layout"), "train", others) if len(manifest["classes"]) > 1
+               else "give each class its own folder (ETL's log names the folder to read when they sit one "
+                    "level lower)")
+        raise ConfigError(f"'{data.path}' has train rows of one class only ({', '.join(learned)}); a classifier "
+                          f"needs two or more: {fix}")
+    rows = sum(manifest.get("counts", {}).get("train", {}).values())
+    if cfg.batch_size > rows and (data.path, cfg.batch_size) not in _SAID:  # once a process: the CLI checks first
+        _SAID.add((data.path, cfg.batch_size))  # one step an epoch, of all rows: allowed, but rarely meant
+        log.warning("train: train.batch_size=%d is more than the %d train rows: each epoch is one step of them "
+                    "all; set train.batch_size to %d or less", cfg.batch_size, rows, rows // 4 if rows >= 8 else rows)
+    if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
+        # ranked the checkpoints, and the first epoch's model was published
+        raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
+                          f"val_acc: {more_rows_fix(manifest.get('layout'), 'val', manifest['classes'])}, then "
+                          "re-run ETL")
+
+
+def run_name(cfg: TrainConfig, out: str) -> str:
+    """Ray Train run name of the output `out`: the run restores from it when it is unchanged.
+
+    Under `<out>/ray` the folder already belongs to `out`; a shared `train.storage_path` holds
+    many outputs' runs, so the name carries a short hash of the output URI.
+    """
+    if cfg.storage_path is None:
+        return "train"
+    return f"train-{storage.sha256_bytes(str(out).rstrip('/').encode())[:10]}"
+
+
+def state_location(cfg: TrainConfig, out: str) -> tuple[str, str]:
+    """Where `out`'s Ray Train run state lives: the storage URI and the run's name in it."""
+    return cfg.storage_path or storage.join(out, "ray"), run_name(cfg, out)
+
+
+def check_state(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | None = None) -> None:
+    """Run state in `out` made by another config or data, refused before Ray's start and MLflow's
+    store (the stage's guard said it after both). With init weights the stage checks it: their
+    content is part of the fingerprint, read there."""
+    if not cfg.init_from:
+        state_uri, name = state_location(cfg, out)
+        fingerprint.refuse_foreign(state_uri, name, fingerprint.for_train(section_dict(cfg), seed, data.manifest), s3)
