@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -128,11 +129,12 @@ def test_serve_exits_when_its_ray_dies_and_frees_its_port(smoke_run):
     port = free_port()
     proc = _cli("serve", "--model", str(smoke_run.run_dir / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + 300  # serving: the driver idles (killed mid-start, Ray itself ends it)
         while time.time() < deadline and proc.poll() is None:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
+                    if answer.status == 200:
+                        break
             except OSError:
                 time.sleep(0.5)
         raylets = [p for p in psutil.Process(proc.pid).children(recursive=True) if "raylet" in p.name()]
@@ -144,5 +146,6 @@ def test_serve_exits_when_its_ray_dies_and_frees_its_port(smoke_run):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 1 and "Ray node" in output and "start `raymill serve` again" in output, output[-3000:]
-    with socket.socket() as again:  # the port is free for the next serve
+    with socket.socket() as again:  # the port is free for the next serve (as a server binds it: the
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # health check's TIME_WAIT stays)
         again.bind(("127.0.0.1", port))
