@@ -17,7 +17,8 @@ from typing import Any
 from stages.common import benign
 
 __all__ = ["setup", "before_exit", "verbose", "quiet_ray", "quiet_tune", "tune_verbosity",
-           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "some", "root_cause", "train_logging_config", "quiet_train_worker", "epoch",
+           "tune_result_loggers", "no_tensorboard", "quiet_serve", "epoch_lines_here", "some", "root_cause",
+           "train_logging_config", "quiet_train_worker", "epoch",
            "VERBOSE_ENV", "quiet_controller", "quiet_torch_cpp", "worker_lines_first"]
 
 VERBOSE_ENV = "RAYMILL_VERBOSE"

@@ -159,9 +159,9 @@ def output_lock(out: str, kind: str, s3: Any | None = None) -> Iterator[None]:
             _held[key] = (me, depth + 1)
     if depth and owner != me:  # re-entrant for the holding thread only: two threads of a notebook had
         # both passed, and each removed the other's shards as a killed run's (a published hole)
-        raise OutputLockedError(f"{_what(kind)} '{out}' is locked by another thread of this process (pid {os.getpid()}), "
-                                f"which runs a raymill stage into it; wait for it to finish, or choose another "
-                                f"output folder")
+        raise OutputLockedError(f"{_what(kind)} '{out}' is locked by another thread of this process (pid "
+                                f"{os.getpid()}), which runs a raymill stage into it; wait for it to finish, or "
+                                f"choose another output folder")
     if depth:
         try:
             yield

@@ -45,7 +45,8 @@ def quarantine_path(run_id: str) -> str:
 
 
 # the names above, for any run: what a killed run can have left (stages.etl.publish.is_run_file)
-RUN_FILE = re.compile(rf"(?:^|/)(?:[a-z]+-\d{{5}}-\d{{2}}-|quarantine-){artifacts.RUN_ID_PATTERN}\.(?:parquet|tar|jsonl)$")
+RUN_FILE = re.compile(rf"(?:^|/)(?:[a-z]+-\d{{5}}-\d{{2}}-|quarantine-){artifacts.RUN_ID_PATTERN}"
+                      r"\.(?:parquet|tar|jsonl)$")
 
 
 def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: dict,

@@ -156,7 +156,8 @@ def published(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any | N
     this call's seconds and registered it in MLflow again."""
     inputs, config = {"seed": seed, **init_inputs(cfg, s3)}, section_dict(cfg)
     done = published_output(out, "train", s3)
-    if done is not None and not made_from(done, config, {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}):
+    if done is not None and not made_from(done, config,
+                                          {**inputs, "data_fingerprint": data_fingerprint(data.manifest)}):
         # a model published before manifests named the fingerprint: by the data manifest's hash, or
         # by its run state's fingerprint (data content), kept beside the checkpoints (an ETL rerun to
         # the new layout had republished every older model and registered it in MLflow again)
