@@ -66,6 +66,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def answers_ok(url: str, timeout_s: float, alive=lambda: True) -> bool:
+    """Whether GET `url` answers 200 within `timeout_s`, polling while `alive()` (a server starting)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and alive():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole test session (start-up costs ~6 s). 2 logical CPUs, started

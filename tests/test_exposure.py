@@ -9,11 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from tests.conftest import REPO, free_port, interruptible
+from tests.conftest import REPO, answers_ok, free_port, interruptible
 from stages.common import exposure
 
 
@@ -129,14 +128,8 @@ def test_serve_exits_when_its_ray_dies_and_frees_its_port(smoke_run):
     port = free_port()
     proc = _cli("serve", "--model", str(smoke_run.run_dir / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
     try:
-        deadline = time.time() + 300  # serving: the driver idles (killed mid-start, Ray itself ends it)
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
-                    if answer.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        # serving: the driver idles (a raylet killed mid-start, Ray's core worker ends the driver itself)
+        answers_ok(f"http://127.0.0.1:{port}/healthz", 300, alive=lambda: proc.poll() is None)
         raylets = [p for p in psutil.Process(proc.pid).children(recursive=True) if "raylet" in p.name()]
         assert raylets, "no raylet under raymill serve"
         raylets[0].kill()

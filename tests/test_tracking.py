@@ -12,12 +12,11 @@ import logging
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, answers_ok, free_port
 from stages.common import tracking, tracking_guard
 from stages.train.epoch_log import EpochLog
 from workflow import demo_data
@@ -38,15 +37,10 @@ class Server:
              "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
              "--artifacts-destination", str(root / "artifacts")],
             stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120  # slow on a loaded 2-core machine
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (root / "server.log").read_text()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
+        # slow on a loaded 2-core machine
+        if answers_ok(f"{self.uri}/health", 120, alive=lambda: self.proc.poll() is None):
+            return
+        assert self.proc.poll() is None, (root / "server.log").read_text()[-2000:]
         self.stop()
         raise RuntimeError(f"mlflow server did not answer in 120 s: {(root / 'server.log').read_text()[-2000:]}")
 
