@@ -22,7 +22,7 @@ from stages.common.artifacts import config_hash, data_fingerprint
 from stages.common.config import ConfigError
 
 __all__ = ["Fingerprint", "TRAIN_RESUMABLE", "compute", "for_train", "differences", "mismatch",
-           "guard", "refuse_foreign", "holds_state", "clear"]
+           "guard", "refuse_foreign", "holds_state", "recorded", "clear"]
 
 log = logging.getLogger(__name__)
 
@@ -148,13 +148,19 @@ def refuse_foreign(state_uri: str, name: str, fp: Fingerprint, s3: Any | None = 
     fs, root = storage.filesystem(state_uri, s3)
     if not _has_state(fs, storage.join(root, name)):
         return False
-    fp_path = storage.join(root, name + SUFFIX)
-    problem = mismatch(storage.read_json(fs, fp_path) if fs.exists(fp_path) else None, fp)
+    problem = mismatch(recorded(state_uri, name, s3), fp)
     if problem:
         raise ConfigError(f"'{storage.join(state_uri, name)}' holds run state made with another config "
                           f"or data ({problem}); resuming it would publish a model this config did "
                           f"not make: {fix}")
     return True
+
+
+def recorded(state_uri: str, name: str, s3: Any | None = None) -> dict[str, Any] | None:
+    """The fingerprint recorded beside `<state_uri>/<name>` (Fingerprint.as_dict()), or None."""
+    fs, root = storage.filesystem(state_uri, s3)
+    stored = storage.read_json_if_any(fs, storage.join(root, name + SUFFIX))
+    return stored if isinstance(stored, dict) else None
 
 
 def clear(state_uri: str, name: str, s3: Any | None = None) -> None:

@@ -98,19 +98,22 @@ def verify_once(out: str, s3: Any | None = None) -> list[str]:
     fetches them, stages.feed.streaming)."""
     if storage.is_remote(out):
         return []
-    root = Path(storage.local_path(out)).resolve()
-    manifest_bytes = (root / MANIFEST).read_bytes()
-    manifest = json.loads(manifest_bytes)
-    stamp = _stamp_path(root, manifest_bytes)
-    files = _listed_files(manifest)
-    before = _stats(root, files)  # taken first: a file changed while it is hashed fails the next match
+    root, stamp, before = _stamp_now(out)  # the stats first: a file changed while it is hashed fails the next match
     if before is not None and _stamped(stamp) == before:
-        log.info("etl: %s verified before and unchanged since (%d files by size and mtime)", out, len(files))
+        log.info("etl: %s verified before and unchanged since (%d files by size and mtime)", out, len(before))
         return []
     problems = verify(out, s3)
     if not problems and before is not None:
         _write_stamp(stamp, {"output": str(root), "files": before})
     return problems
+
+
+def _stamp_now(out: str) -> tuple[Path, Path, dict[str, list[int]] | None]:
+    """(the local output's resolved root, its stamp's path, the stats of the files its manifest
+    lists now: None when one is missing)."""
+    root = Path(storage.local_path(out)).resolve()
+    manifest_bytes = (root / MANIFEST).read_bytes()
+    return root, _stamp_path(root, manifest_bytes), _stats(root, _listed_files(json.loads(manifest_bytes)))
 
 
 def stamp_written(out: str) -> None:
@@ -120,10 +123,9 @@ def stamp_written(out: str) -> None:
     (2.98 s at 40k images, growing with the data)."""
     if storage.is_remote(out):
         return
-    root = Path(storage.local_path(out)).resolve()
-    manifest_bytes = (root / MANIFEST).read_bytes()
-    if (stats := _stats(root, _listed_files(json.loads(manifest_bytes)))) is not None:
-        _write_stamp(_stamp_path(root, manifest_bytes), {"output": str(root), "files": stats})
+    root, stamp, stats = _stamp_now(out)
+    if stats is not None:
+        _write_stamp(stamp, {"output": str(root), "files": stats})
 
 
 def _stamped(stamp: Path) -> dict | None:

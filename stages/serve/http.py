@@ -170,6 +170,11 @@ def running_share(cfg: ServeConfig) -> int:
     return -(-replicas * cfg.max_ongoing_requests // cfg.ingress_replicas)
 
 
+def _media_type(request: Request) -> str:
+    """The request's Content-Type without its parameters, lower-case; "" when none is named."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
 def admission(cfg: ServeConfig) -> Optional[int]:
     """Image requests one ingress replica holds at once: its running share, which read their bodies
     and call the model, plus serve.max_queued_requests waiting for one of those places, with no body
@@ -287,7 +292,7 @@ class Ingress:
         # JSON, the binary extension's bytes, or none named (tritonclient names none). Not a browser
         # form's or text/plain, which a page on another site may POST here without asking (/predict
         # refuses them too)
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        media = _media_type(request)
         if media not in V2_MEDIA:
             raise V2Error(415, f"unsupported_media_type: Content-Type '{media}'; send application/json, or "
                                "application/octet-stream with the binary extension's Inference-Header-Content-Length")
@@ -336,7 +341,7 @@ class Ingress:
 
     async def _image_bytes(self, request: Request) -> bytes:
         """The image's bytes from a raw body or the first file of a multipart form."""
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        media = _media_type(request)
         if media == "multipart/form-data":
             return await first_file(await read_body(request, self.cfg.max_body_bytes), request)
         if media in self.media_types:

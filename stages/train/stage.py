@@ -176,11 +176,8 @@ def _state_made_by(cfg: TrainConfig, out: str, seed: int, data: Artifact, s3: An
     `fingerprint.guard` writes beside it). Not with init weights: their content is read to train."""
     if cfg.init_from:
         return False
-    state_uri, name = state_location(cfg, out)
-    fs, root = storage.filesystem(state_uri, s3)
-    stored = storage.read_json_if_any(fs, storage.join(root, name + fingerprint.SUFFIX), {})
-    return isinstance(stored, dict) and \
-        stored.get("digest") == fingerprint.for_train(section_dict(cfg), seed, data.manifest).digest
+    stored = fingerprint.recorded(*state_location(cfg, out), s3) or {}
+    return stored.get("digest") == fingerprint.for_train(section_dict(cfg), seed, data.manifest).digest
 
 
 def _host(cfg: TrainConfig, plan: session.WorkerPlan, state_uri: str, name: str, resumes: bool,
