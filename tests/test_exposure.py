@@ -60,6 +60,23 @@ def test_doctor_finds_rays_python_processes_too(ray_session):
     assert dashboards and dashboards <= exposure.ray_processes()
 
 
+def test_importing_the_stages_leaves_ray_unimported_so_a_library_caller_stays_on_loopback():
+    """The switch that keeps a local Ray on loopback is read when Ray is imported. A library caller
+    writes its imports first (`from stages.train import run`), then session.start: had any stage
+    imported Ray, that Ray listened off loopback (the check_loopback warning)."""
+    probe = ("import importlib, sys\n"
+             "for name in ('etl', 'train', 'tune', 'infer', 'serve'):\n"
+             "    package = importlib.import_module('stages.' + name)\n"
+             "    [getattr(package, export) for export in package.__all__]\n"
+             "import workflow.pipeline\n"
+             "print('ray' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k != exposure.LOCAL_ONLY_ENV}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "False", done.stdout
+
+
 def test_a_local_run_exposes_nothing_beyond_loopback(smoke_run):
     """`raymill run` (ETL, a 2-worker DDP train, batch inference), sampled while it ran."""
     seen = smoke_run.listeners

@@ -45,11 +45,11 @@ def check_loopback() -> None:
 
     address = ray.util.get_node_ip_address()
     if not address.startswith("127."):
-        # importing stages.train, tune or serve imports ray: a library caller starts Ray first
+        # the stages import Ray only when they run (tests/test_exposure.py): the caller imported it
         log.warning("this local Ray listens on %s, not only on loopback: Ray was imported before "
                     "raymill started it (call stages.common.session.start(cfg.ray) before importing "
-                    "ray or stages.train/tune/serve, as the notebooks do, or set %s=0 before "
-                    "importing ray); `raymill doctor` lists what is open", address, LOCAL_ONLY_ENV)
+                    "ray, as the notebooks do, or set %s=0 before importing ray); `raymill doctor` "
+                    "lists what is open", address, LOCAL_ONLY_ENV)
 
 
 def _is_tcp_store(port: int) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import ray
 
 from stages.feed import streaming
 
@@ -35,6 +34,8 @@ def decode_batch(batch: dict[str, np.ndarray], image_size: int, raw: bool) -> di
 def _decoded(batch: dict[str, np.ndarray], images: np.ndarray) -> dict[str, np.ndarray]:
     """The decoded batch's columns. Node id and wall time show where and when decoding ran: the
     placement test and the cache check (no decode inside a cached epoch) read them."""
+    import ray  # here, not at the top: importing the train stage must not import Ray (exposure.py)
+
     n, node = len(images), ray.get_runtime_context().get_node_id()
     return {"key": batch["key"], "label": batch["label"].astype(np.int64), "image": images,
             "decode_node": np.array([node] * n), "decoded_at": np.full(n, time.time())}

@@ -21,20 +21,20 @@ import threading
 import time
 from typing import Any, Callable
 
-from ray import serve
-
 from stages.common import cluster, console, session, storage
 from stages.common.artifacts import check_model_folder
 from stages.common.config import ConfigError, RayConfig, ServeConfig
 from stages.model import runtime
 from stages.serve.endpoint import base_url
-from stages.serve.http import SHED_ROOM, Ingress, admission
-from stages.serve.replica import Classifier
 
 __all__ = ["start", "update", "shutdown", "watch_ray", "build_app", "deployment_options", "base_url", "ingress_env",
            "apply_ingress_env"]
 
 log = logging.getLogger(__name__)
+
+# Ray, Serve and the deployments (which import Ray) are imported where they are used, not here: a
+# library caller's `from stages.serve import start` before session.start must not import Ray, whose
+# switch that keeps a local Ray on loopback is read when Ray is imported (stages.common.exposure).
 
 # Longest wait for other work to free room for a replica before `start` refuses the plan.
 ROOM_WAIT_S = 30.0
@@ -72,6 +72,11 @@ def deployment_options(cfg: ServeConfig, plan: session.ServePlan | None = None) 
 def build_app(cfg: ServeConfig, model_path: str, s3: Any | None = None, plan: session.ServePlan | None = None):
     """The bound Serve application (not yet running): ingress -> model deployment, or one
     deployment holding both when serve.model_deployment is false."""
+    from ray import serve
+
+    from stages.serve.http import SHED_ROOM, Ingress, admission
+    from stages.serve.replica import Classifier
+
     # Every replica, a restarted one too, loads the weights this deploy read: a replica restarted after
     # a republish had served the new model beside the old one from one endpoint
     fs, root = storage.filesystem(model_path, s3)
@@ -129,6 +134,7 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     starts); each replica still checks the bytes it loads (stages.model.predict).
     """
     import ray
+    from ray import serve
 
     if not checked:  # a deploy of no model fails after Serve's retries
         check_model_folder(model_path, s3, "model_path", weights=True)
@@ -188,6 +194,7 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
     that drains slowly (a loaded node) must not keep Ctrl-C or SIGTERM from ending the process, so
     the poll is bounded: past `wait_s` the controller goes on deleting without this process.
     """
+    from ray import serve
     from ray.serve.exceptions import RayServeException
 
     done = threading.Event()
