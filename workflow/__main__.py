@@ -300,7 +300,7 @@ def cmd_run(args) -> int:
     from stages.common.locks import output_lock
 
     with output_lock(cfg.run.dir, "pipeline", cfg.s3):  # one run a run.dir, refused before anything
-        inputs = preflight.start(cfg)  # checks before the stages' imports; Ray starts when a stage must compute
+        inputs = preflight.start(cfg, serve=args.serve)  # checks before the stages' imports; Ray starts when a stage must compute
         from workflow import pipeline, report
 
         summary = report.summary(pipeline.run(cfg, serve=args.serve, inputs=inputs, started=started))

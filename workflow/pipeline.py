@@ -115,7 +115,7 @@ def _run_locked(cfg: Config, serve: bool, inputs: preflight.Inputs | None, start
     """One run a run.dir: a second `raymill run` into it, with another source, had re-run ETL under
     the first one's training (its shards gone: FileNotFoundError, then advice to rerun)."""
     if inputs is None:
-        inputs = preflight.start(cfg)
+        inputs = preflight.start(cfg, serve)
     ray_up = preflight.RayOnDemand(cfg)
     if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
         both = session.plan_serve_and_train(cfg.train, cfg.serve, ray_up(), cfg.ray.data_reserved_cpus)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import threading
 import time
 from typing import Any, NamedTuple
@@ -55,9 +56,9 @@ class Inputs(NamedTuple):
     listing: etl.Listing
 
 
-def start(cfg: Config) -> Inputs:
+def start(cfg: Config, serve: bool = False) -> Inputs:
     """Check the run's config and inputs and write config.yaml. Returns ETL's inputs; Ray is not
-    started here (`RayOnDemand`)."""
+    started here (`RayOnDemand`). `serve`: the run ends serving its model (`raymill run --serve`)."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
     models = cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
     check_image_size(models, cfg.etl.image_size)
@@ -65,6 +66,8 @@ def start(cfg: Config) -> Inputs:
     if cfg.tune.enabled:  # a search that cannot work: refused before Ray and ETL (it had been 13 s later)
         check_search(cfg.tune, cfg.train)
         check_room(cfg.tune, cfg.train, cfg.ray)
+    if serve:
+        check_serve_room(cfg)
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first
@@ -95,6 +98,17 @@ class RayOnDemand:
     def take(self) -> float:
         seconds, self._untaken = self._untaken, 0.0
         return seconds
+
+
+def check_serve_room(cfg: Config) -> None:
+    """`raymill run --serve` whose replicas and trainer cannot both fit a local Ray's CPUs (ray.num_cpus,
+    else at most this machine's): refused before Ray starts, as the run refuses it once Ray is up
+    (it had been, after Ray's start, leaving config.yaml and an empty mlflow.db). A cluster's room,
+    and a GPU plan, are known only to Ray: the run checks those."""
+    if cfg.ray.address is not None or cfg.train.use_gpu or cfg.serve.use_gpu:
+        return
+    cpus = float(cfg.ray.num_cpus or os.cpu_count() or 1)  # Ray takes no more than the machine has
+    session.plan_serve_and_train(cfg.train, cfg.serve, {"CPU": cpus, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
 
 
 def check_init_source(cfg: Config, models: list[str]) -> None:
