@@ -91,10 +91,10 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         at_a_time = f" ({decode['decode_tasks']} at a time)" if decode["decode_tasks"] else ""
         log.info("infer: %s in %d block(s), %d actor(s), decode in %s%s", plan.counted(),
                  plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
-    del model  # the driver's copy: the job's workers load their own
-    if here:
-        table, wall_s = _execute_here(cfg, model_path, plan, info["weights_sha256"], s3, cpus)
+    if here:  # this process predicts with the model it has just read
+        table, wall_s = _execute_here(cfg, model_path, plan, (model, info), s3, cpus)
     else:
+        del model  # the driver's copy: the job's workers load their own
         table, wall_s = _execute(cfg, model_path, plan, info, resources, s3)
     table, busy_s, engines = _extras(table)
     table = table.sort_by([("path", "ascending"), ("key", "ascending")])
@@ -177,14 +177,14 @@ def _in_process(cfg: InferConfig, plan: Plan) -> bool:
             and (not cfg.use_gpu or torch.cuda.is_available()))
 
 
-def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, weights: str, s3: Any | None,
-                  cpus: float | None) -> tuple[pa.Table, float]:
+def _execute_here(cfg: InferConfig, model_path: str, plan: Plan, loaded: tuple[torch.nn.Module, dict],
+                  s3: Any | None, cpus: float | None) -> tuple[pa.Table, float]:
     """The plan's items through the actor class Ray Data would start, called in this process:
     the same reads, decode and predictions, row for row. torch's thread count is put back after."""
     threads = torch.get_num_threads()
     started = time.perf_counter()
     try:
-        predictor = Predictor(model_path=model_path, weights_sha256=weights, s3=storage.s3_options(s3), top_k=cfg.top_k,
+        predictor = Predictor(model_path=model_path, loaded=loaded, s3=storage.s3_options(s3), top_k=cfg.top_k,
                               use_gpu=cfg.use_gpu, batch_size=cfg.batch_size, **plan.reader,
                               threads=_local_threads(cpus), engine=_local_engine(cfg))
         table = predictor(pa.Table.from_pylist(plan.items)) if plan.items else _empty()
