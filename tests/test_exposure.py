@@ -8,11 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tests.conftest import REPO, answers_ok, free_port, interruptible
+from tests.conftest import REPO, answers_ok, free_port, image_bytes, interruptible
 from stages.common import exposure
 
 
@@ -99,7 +100,35 @@ def test_readme_port_table_matches_what_the_runs_expose():
     assert off["DDP rendezvous across nodes (torch TCPStore, rank 0, while training)"] == "not opened"
 
 
-def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
+class _Clients:
+    """Clients that send images in a loop, as a service's callers do, until the endpoint says it is
+    stopping (a non-200 answer, which they honour) or cannot be reached; each keeps how it ended."""
+
+    def __init__(self, port: int, n: int = 4):
+        self.url, self.ended = f"http://127.0.0.1:{port}/predict", []
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(n)]
+        [t.start() for t in self.threads]
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=60) as client:
+            while True:
+                try:
+                    answer = client.post(self.url, content=image_bytes(1), headers={"content-type": "image/jpeg"})
+                except httpx.HTTPError as e:
+                    self.ended.append(type(e).__name__)
+                    return
+                if answer.status_code != 200:
+                    self.ended.append(f"{answer.status_code} {answer.json().get('error')}")
+                    return
+
+    def join(self) -> list[str]:
+        [t.join(60) for t in self.threads]
+        return self.ended
+
+
+def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback_and_stops_without_dropping_a_request(smoke_run):
     port = free_port()
     proc = _cli("serve", "--model", str(smoke_run.run_dir / "train"), "--port", str(port), "--config", "configs/smoke.yaml")
     ready = []
@@ -118,6 +147,8 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
         # `raymill doctor` says the same of the running endpoint
         doctor = subprocess.run([sys.executable, "-m", "workflow", "doctor", "--pid", str(proc.pid)], cwd=REPO,
                                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        clients = _Clients(port)
+        time.sleep(1.0)  # each client has a request in flight at any moment
     finally:
         proc.send_signal(signal.SIGTERM)  # as systemd and Kubernetes stop it (Ctrl-C takes the same path)
         try:
@@ -128,6 +159,11 @@ def test_a_local_serve_endpoint_exposes_nothing_beyond_loopback(smoke_run):
             pytest.fail(f"raymill serve did not stop within 120 s of Ctrl-C:\n{output[-3000:]}")
     assert ready, output[-4000:]
     assert proc.returncode == 143 and "Traceback" not in output, output[-3000:]
+    # Each client's request in flight at the SIGTERM is answered; its next one gets the JSON 503, and
+    # it stops (Retry-After). Without the drain, Ray's teardown cut the requests in flight (the
+    # clients saw RemoteProtocolError: "Server disconnected without sending a response").
+    assert clients.join() == ["503 shutting_down"] * 4, (clients.ended, output[-3000:])
+    assert "serve: drained in" in output, output[-3000:]
     with pytest.raises(OSError):  # closed with the process: no proxy left answering 404 without routes
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
     assert any(r["port"] == port and r["kind"] == "loopback" for r in seen.values()), seen

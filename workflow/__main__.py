@@ -279,11 +279,11 @@ def cmd_serve(args) -> int:
     finally:
         if watch is not None:
             watch.set()  # Ray's own teardown is no death
-        record.unlink(missing_ok=True)
-        # Our own Ray: the app ends with it, port closed at once (deleting it first left the proxy
-        # up without routes: plain-text 404s for ~2 s, 266 of 989 answers of 4 clients)
-        if cfg.ray.address is not None:  # a shared cluster: only our app goes
-            serve.shutdown(cfg.serve)
+        record.unlink(missing_ok=True)  # first: a rollout must not roll a stopping endpoint
+        # Our own Ray: drained, then the app ends with Ray (deleting it first had left the proxy answering
+        # plain-text 404s for ~2 s). A shared cluster: our app is drained, then deleted. A lost Ray: neither.
+        if cfg.ray.address is not None or not lost:
+            (serve.shutdown if cfg.ray.address is not None else serve.drain)(cfg.serve)
 
 
 def cmd_run(args) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["start", "update", "shutdown", "watch_ray", "apply_ingress_env"]
+__all__ = ["start", "update", "drain", "shutdown", "watch_ray", "apply_ingress_env"]
 
 
 def __getattr__(name: str) -> Any:

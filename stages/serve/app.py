@@ -27,7 +27,7 @@ from stages.common.config import ConfigError, RayConfig, ServeConfig
 from stages.model import runtime
 from stages.serve.endpoint import base_url
 
-__all__ = ["start", "update", "shutdown", "watch_ray", "build_app", "deployment_options", "base_url", "ingress_env",
+__all__ = ["start", "update", "drain", "shutdown", "watch_ray", "build_app", "deployment_options", "base_url", "ingress_env",
            "apply_ingress_env"]
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
     import ray
     from ray import serve
 
+    from stages.serve import draining as serve_drain
+
     if not checked:  # a deploy of no model fails after Serve's retries
         check_model_folder(model_path, s3, "model_path", weights=True)
     # serve.engine=onnxruntime that cannot run this model: exit 2 here, not a deploy failed by retries
@@ -148,6 +150,7 @@ def start(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pre
         log.warning("serve: %s", plan.warning)
     console.quiet_serve()
     serve.start(http_options={"host": cfg.host, "port": cfg.port, "request_timeout_s": cfg.request_timeout_s})
+    serve_drain.create(cfg.app_name)  # before the ingress replicas start: each one follows it
     serve.run(build_app(cfg, model_path, s3, plan), name=cfg.app_name, route_prefix=route_prefix)
     url = base_url(cfg) + route_prefix.rstrip("/")
     log.info("serve: app '%s' at %s (POST /predict, GET /healthz, GET /metadata, GET /docs; Open Inference "
@@ -187,8 +190,17 @@ def update(cfg: ServeConfig, model_path: str, *, s3: Any | None = None, route_pr
     return start(cfg, model_path, s3=s3, route_prefix=route_prefix)
 
 
+def drain(cfg: ServeConfig) -> None:
+    """Stop the app taking requests, and wait for the ones it took to be answered
+    (stages.serve.draining): at most serve.request_timeout_s (+1 s), after which Serve's proxy has
+    ended every request itself, and never more than SHUTDOWN_WAIT_S."""
+    from stages.serve import draining as serve_drain
+
+    serve_drain.drain(cfg.app_name, min(cfg.request_timeout_s + 1.0, SHUTDOWN_WAIT_S))
+
+
 def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
-    """Delete the app; Serve itself (proxy, controller) keeps running for other apps.
+    """Drain the app, then delete it; Serve itself (proxy, controller) keeps running for other apps.
 
     `serve.delete` asks the controller at once, then polls until the replicas are gone. A replica
     that drains slowly (a loaded node) must not keep Ctrl-C or SIGTERM from ending the process, so
@@ -197,6 +209,7 @@ def shutdown(cfg: ServeConfig, wait_s: float = SHUTDOWN_WAIT_S) -> None:
     from ray import serve
     from ray.serve.exceptions import RayServeException
 
+    drain(cfg)
     done = threading.Event()
 
     def delete() -> None:

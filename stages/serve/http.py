@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from stages.common.config import ServeConfig
+from stages.serve import draining as serve_drain
 from stages.serve import v2 as serve_v2
 from stages.serve.body import HTTPError, first_file, printable, read_body
 from stages.serve.v2 import V2Error
@@ -66,6 +67,8 @@ _MODEL_METHODS = ("classify", "classify_many", "health", "metadata")
 # admission + 2 x SHED_ROOM Serve's proxy sheds in plain text.
 SHED_ROOM = 1024
 RETRY_AFTER = {"Retry-After": "1"}
+_STOPPING = ("this endpoint is stopping: it answers the requests it took, and no new ones; retry (another "
+             "replica of the service, or this endpoint once it is started again)")
 V2_MEDIA = ("", "application/json", "application/octet-stream")  # what /v2/.../infer accepts
 _V2_ROUTES = ("GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}[/versions/{version}][/ready]; "
               "POST /v2/models/{name}[/versions/{version}]/infer")
@@ -193,7 +196,8 @@ class Ingress:
     def __init__(self, model: Any, cfg: ServeConfig, model_path: Optional[str] = None, s3: Any = None,
                  weights_sha256: Optional[str] = None):
         self.cfg = cfg
-        self.admission, self.in_flight = admission(cfg), 0
+        # in_flight: image requests taken (admitted, queued or running), not yet answered
+        self.admission, self.in_flight, self.draining = admission(cfg), 0, False
         # Bodies this replica reads at once: its running share (Serve's proxy buffers every passed-on one)
         self.running = asyncio.Semaphore(running_share(cfg))
         if model is None:  # serve.model_deployment=false: the model lives in this replica (one hop less)
@@ -207,6 +211,8 @@ class Ingress:
             self.model = {name: getattr(model, name) for name in _MODEL_METHODS}
         # upper-case Pillow names already (config.ImageFormats), as MEDIA_TYPES keys them
         self.media_types = {MEDIA_TYPES[f] for f in cfg.allowed_formats if f in MEDIA_TYPES}
+        # Serve calls this inside the replica's event loop: the task lives as long as the replica
+        self._drain_watch = asyncio.get_running_loop().create_task(serve_drain.follow(cfg.app_name, self))
 
     @app.post("/predict", summary="Classify one image (raw body or multipart file)")
     async def predict(self, request: Request) -> JSONResponse:
@@ -215,6 +221,8 @@ class Ingress:
     @app.api_route("/healthz", methods=_PROBE, summary="Liveness, with a model replica's pid and the model version")
     async def healthz(self) -> JSONResponse:
         async def work() -> JSONResponse:
+            if self.draining:  # load balancers take a stopping endpoint out of rotation
+                raise HTTPError(503, "shutting_down", _STOPPING, RETRY_AFTER)
             health = await self._call("health")
             return JSONResponse({"status": "ok", **health, "ingress_pid": os.getpid()})
         return await guarded(work())
@@ -282,6 +290,8 @@ class Ingress:
         return JSONResponse(serve_v2.model_metadata(name, await self._call("metadata")))
 
     async def _v2_ready(self, name: str, version: Optional[str] = None) -> JSONResponse:
+        if self.draining:
+            raise V2Error(503, f"shutting_down: {_STOPPING}")
         await self._v2_model(name, version)
         if version is None:  # else _v2_model has asked a model replica already
             await self._call("health")
@@ -312,18 +322,21 @@ class Ingress:
     @contextlib.asynccontextmanager
     async def _admitted(self):
         """A place among the requests the model side can hold, or the JSON 503 before the body is
-        read. Serve's router had shed a flood in plain text (381 of 400, 2 cores; README, Serving)."""
-        if self.admission is None:
-            yield
-            return
-        if self.in_flight >= self.admission:
+        read. Serve's router had shed a flood in plain text (381 of 400, 2 cores; README, Serving).
+        Once the endpoint drains, the JSON 503 `shutting_down`, the connection closed after it."""
+        if self.draining:
+            raise HTTPError(503, "shutting_down", _STOPPING, {**RETRY_AFTER, "Connection": "close"})
+        if self.admission is not None and self.in_flight >= self.admission:
             raise HTTPError(503, "overloaded", f"{self.in_flight} requests are in progress, as many as the model "
                             f"replicas and their queue hold (serve.max_ongoing_requests, serve.max_queued_requests); "
                             f"retry later", RETRY_AFTER)
         self.in_flight += 1
         try:
-            async with self.running:  # queued requests wait here, their bodies unread
+            if self.admission is None:
                 yield
+            else:
+                async with self.running:  # queued requests wait here, their bodies unread
+                    yield
         finally:
             self.in_flight -= 1
 
