@@ -65,40 +65,22 @@ def test_capacity_error_names_the_missing_resources_and_how_to_go_on():
     assert "fit only 0" in custom and "fast_disk: 1" in custom, custom
 
 
-def test_serve_and_train_plan_leaves_ray_data_its_reserve():
-    cfg = _cfg("train.num_workers=2")  # 1 replica x 0.5 CPU, 2 workers, 0.5 CPU Ray Data reserve
-    plan = session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
-    assert plan.serve_cpus == 0.5 and plan.workers.num_workers == 2
-    held = plan.serve_cpus + plan.workers.cpus_per_worker * plan.workers.num_workers
-    assert held <= 2.0 - 0.5 + 1e-9, "serve + trainer would starve Ray Data"
-    assert plan.workers.cpus_per_worker == 0.5
-    # autoscaling plans for the most replicas Serve may start
-    auto = _cfg("serve.autoscaling=true", "serve.max_replicas=2", "serve.cpus_per_replica=0.25")
-    assert session.plan_serve_and_train(auto.train, auto.serve, TWO_CPUS, 0.5).serve_cpus == 0.5
-
-
-def test_serve_and_train_plan_rejects_what_cannot_fit_with_the_keys_to_change():
-    cfg = _cfg("serve.num_replicas=3")
-    with pytest.raises(ConfigError, match=r"serve.num_replicas=3 x serve.cpus_per_replica=0.5 CPU plus "
-                                          r"ray.data_reserved_cpus=0.5 leave 0 of 2 CPUs"):
-        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
-    cfg = _cfg("train.num_workers=2", "train.cpus_per_worker=0.75")  # fits alone (1.5 CPUs), not beside a replica
-    with pytest.raises(ConfigError, match=r"lower serve.num_replicas or serve.cpus_per_replica"):
-        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
-    cfg = _cfg("serve.use_gpu=true")
-    with pytest.raises(ConfigError, match="serve.use_gpu"):
-        session.plan_serve_and_train(cfg.train, cfg.serve, TWO_CPUS, 0.5)
-
-
 def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session, tmp_path, capsys):
     from workflow.__main__ import main
 
+    # Before Ray starts (it had been after, leaving run.dir/config.yaml and an empty mlflow.db): a
+    # local Ray's CPUs are known then, at most this machine's (here, ray.num_cpus)
     make_tree(tmp_path / "src", per_class=2, bad=False)
     rc = main(["run", "--serve", "--config", str(REPO / "configs/smoke.yaml"), "--set", f"run.dir={tmp_path / 'run'}",
-               "--set", f"run.source={tmp_path / 'src'}", "--set", "serve.cpus_per_replica=1.5"])
-    assert rc == 2
-    assert "serve.num_replicas=1 x serve.cpus_per_replica=1.5 CPU" in capsys.readouterr().err
-    assert not (tmp_path / "run" / "etl").exists()
+               "--set", f"run.source={tmp_path / 'src'}", "--set", "ray.num_cpus=2", "--set", "serve.num_replicas=4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "serve.num_replicas=4 replica(s) of serve.cpus_per_replica=0.5 CPU" in err, err
+    assert "can never be scheduled: the nodes (1.75 CPU/0 GPU/" in err and "hold 3" in err, err  # beside the ingress
+    assert not (tmp_path / "run").exists()
+    # Training ends before the endpoint starts: each plans alone, so one GPU does both (the plan of
+    # both at once had refused it: "needs 1 GPUs but the cluster has 0")
+    gpu = _cfg("train.use_gpu=true", "serve.use_gpu=true").serve
+    assert session.plan_serve(gpu, [{"CPU": 4.0, "GPU": 1.0, "memory": 8 * 2**30}]).replicas == 1
 
 
 ONE_GPU_NODE = [{"CPU": 16.0, "GPU": 1.0, "memory": 64 * 2**30}]
@@ -134,9 +116,6 @@ def test_serve_plan_that_can_never_be_scheduled_is_a_config_error_with_the_fix()
         _cfg("serve.gpus_per_replica=1.5")
     with pytest.raises(ConfigError, match=r"serve.gpus_per_replica"):
         _cfg("serve.gpus_per_replica=0")
-    # beside training: the replicas' GPU shares, not whole GPUs
-    cfg = _cfg("serve.use_gpu=true", "serve.gpus_per_replica=0.5", "serve.num_replicas=2")
-    assert session.plan_serve_and_train(cfg.train, cfg.serve, {"CPU": 8.0, "GPU": 1.0}, 0.5).serve_replicas == 2
 
 
 def test_raymill_serve_refuses_a_plan_ray_could_never_place_with_exit_2(ray_session, tmp_path, capsys):

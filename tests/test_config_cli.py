@@ -14,7 +14,7 @@ import pytest
 
 from workflow.__main__ import main
 from stages.common.config import ConfigError, load_config
-from tests.conftest import BAD_FILES, REPO, free_port, lock_held, make_tree
+from tests.conftest import BAD_FILES, REPO, lock_held, make_tree
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -251,19 +251,6 @@ def test_a_gpu_asked_of_a_local_ray_with_none_exits_2_before_mlflows_store(tmp_p
                      "--set", "train.use_gpu=true"]) == 2
         assert "train.use_gpu=true, but this machine has no GPU torch can use" in capsys.readouterr().err
         assert not (tmp_path / command / "mlflow.db").exists()
-
-
-def test_run_serve_with_replicas_that_leave_training_nothing_exits_2_before_anything_is_written(tmp_path, capsys):
-    """It had been refused by the plan after Ray's start, leaving run.dir/config.yaml and an empty
-    mlflow.db. The local CPUs are known before Ray: at most this machine's (here, ray.num_cpus)."""
-    make_tree(tmp_path / "src", per_class=2, bad=False)
-    code = main(["run", "--serve", "--config", str(REPO / "configs/smoke.yaml"), "--set", f"run.source={tmp_path / 'src'}",
-                 "--set", f"run.dir={tmp_path / 'run'}", "--set", "ray.num_cpus=2", "--set", "serve.num_replicas=4",
-                 "--set", "serve.cpus_per_replica=0.5", "--set", f"serve.port={free_port()}"])
-    err = capsys.readouterr().err
-    assert code == 2 and "serve.num_replicas=4 x serve.cpus_per_replica=0.5 CPU" in err, err
-    assert "lower serve.cpus_per_replica or serve.num_replicas" in err, err
-    assert not (tmp_path / "run").exists()
 
 
 def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_session, capsys):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 
 from stages import etl, infer, train, tune
-from stages.common import session, storage, tracking
+from stages.common import cluster, session, storage, tracking
 from stages.common.artifacts import MANIFEST, Artifact, config_hash, content_config, data_fingerprint, listed_files
 from stages.common.config import Config, ConfigError, section_dict
 from stages.common.locks import LOCK_NAME, STAGE_RECORD, output_lock
@@ -117,11 +117,9 @@ def _run_locked(cfg: Config, serve: bool, inputs: preflight.Inputs | None, start
     if inputs is None:
         inputs = preflight.start(cfg, serve)
     ray_up = preflight.RayOnDemand(cfg)
-    if serve:  # fail before ETL when Serve's replicas and the trainer cannot both fit
-        both = session.plan_serve_and_train(cfg.train, cfg.serve, ray_up(), cfg.ray.data_reserved_cpus)
-        if cfg.train.use_gpu and cfg.train.num_workers is None:  # the GPUs Serve holds are not the trainer's
-            planned = cfg.train.model_copy(update={"num_workers": both.workers.num_workers})
-            cfg = cfg.model_copy(update={"train": planned})
+    if serve:  # replicas the nodes could never hold: refused before ETL. Training ends before the
+        ray_up()  # endpoint starts, so each plans alone (and runs with and without --serve share models)
+        session.plan_serve(cfg.serve, cluster.node_resources(), say=False)
     timings: dict[str, float] = {}
     reused: dict[str, bool] = {}
 

@@ -101,14 +101,15 @@ class RayOnDemand:
 
 
 def check_serve_room(cfg: Config) -> None:
-    """`raymill run --serve` whose replicas and trainer cannot both fit a local Ray's CPUs (ray.num_cpus,
-    else at most this machine's): refused before Ray starts, as the run refuses it once Ray is up
-    (it had been, after Ray's start, leaving config.yaml and an empty mlflow.db). A cluster's room,
-    and a GPU plan, are known only to Ray: the run checks those."""
-    if cfg.ray.address is not None or cfg.train.use_gpu or cfg.serve.use_gpu:
+    """`raymill run --serve` whose replicas a local Ray's CPUs (ray.num_cpus, else at most this
+    machine's) could never hold: refused before Ray starts, as the run refuses it once Ray is up (it
+    had been, after Ray's start, leaving config.yaml and an empty mlflow.db). A cluster's nodes, Ray's
+    memory and a GPU plan are known only to Ray: the run checks those (session.plan_serve)."""
+    if cfg.ray.address is not None or cfg.serve.use_gpu:
         return
     cpus = float(cfg.ray.num_cpus or os.cpu_count() or 1)  # Ray takes no more than the machine has
-    session.plan_serve_and_train(cfg.train, cfg.serve, {"CPU": cpus, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
+    memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # nor more memory
+    session.plan_serve(cfg.serve, [{"CPU": cpus, "GPU": 0.0, "memory": memory}], say=False)
 
 
 def check_init_source(cfg: Config, models: list[str]) -> None:

@@ -16,7 +16,7 @@ from stages.common.ray_start import dashboard_url, start, start_if_needed  # noq
 
 __all__ = ["start", "start_if_needed", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "local_cpus",
            "WorkerPlan",
-           "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS", "ServeTrainPlan", "plan_serve_and_train",
+           "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS",
            "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     decode = (f"{plan.decode_processes} decode process(es)" if plan.decode_processes else
               f"Ray Data decodes ({data_cpus:g} CPU a task)" if train.ingest == "ray_data"
               else f"{train.decode_threads} decode threads")
-    if say:  # not for a check before the stage trains (plan_trials, plan_serve_and_train): said once
+    if say:  # not for a check before the stage trains (plan_trials): said once
         log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
                  plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
@@ -230,45 +230,6 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
 
 
 @dataclass(frozen=True)
-class ServeTrainPlan:
-    """CPUs for Serve replicas and a trainer that run at once, beside the Ray Data reserve."""
-    serve_replicas: int
-    serve_cpus: float
-    workers: WorkerPlan
-
-
-def plan_serve_and_train(train: TrainConfig, serve: ServeConfig, resources: dict[str, float],
-                         data_reserved_cpus: float) -> ServeTrainPlan:
-    """Fit serve's replicas (at their maximum count) and one trainer into `resources`.
-
-    A replica holds its CPUs for as long as the app is up, so while `raymill run --serve`
-    retrains on a cluster that still serves the previous model, the trainer only gets what
-    Serve and the Ray Data reserve leave. Raises ConfigError naming the keys when that is nothing.
-    """
-    replicas = serve.max_replicas if serve.autoscaling else serve.num_replicas
-    serve_cpus = replicas * serve.cpus_per_replica
-    serve_gpus = replicas * serve.gpus_per_replica if serve.use_gpu else 0.0
-    key = "serve.max_replicas" if serve.autoscaling else "serve.num_replicas"
-    left = resources["CPU"] - data_reserved_cpus - serve_cpus
-    if left <= 1e-9:
-        raise ConfigError(
-            f"{key}={replicas} x serve.cpus_per_replica={serve.cpus_per_replica:g} CPU plus "
-            f"ray.data_reserved_cpus={data_reserved_cpus:g} leave {max(left, 0):g} of {resources['CPU']:g} "
-            f"CPUs for training; lower serve.cpus_per_replica or {key}, or add CPUs")
-    if serve_gpus > resources["GPU"] + 1e-9:
-        raise ConfigError(f"serve.use_gpu with {key}={replicas} x serve.gpus_per_replica="
-                          f"{serve.gpus_per_replica:g} needs {serve_gpus:g} GPUs but the cluster has "
-                          f"{resources['GPU']:g}; lower serve.gpus_per_replica, set serve.use_gpu=false or add GPUs")
-    rest = {"CPU": resources["CPU"] - serve_cpus, "GPU": resources["GPU"] - serve_gpus}
-    try:
-        workers = plan_workers(train, {**resources, **rest}, data_reserved_cpus, keep_reserve=True, say=False)
-    except ConfigError as e:
-        raise ConfigError(f"{e} (Serve holds {serve_cpus:g} CPUs and {serve_gpus:g} GPUs beside "
-                          f"training: lower {key} or serve.cpus_per_replica)") from None
-    return ServeTrainPlan(replicas, serve_cpus, workers)
-
-
-@dataclass(frozen=True)
 class ServePlan:
     """What each model replica asks Ray for, and how a rollout replaces replicas."""
     replicas: int  # started now (serve.min_replicas with autoscaling)
@@ -279,7 +240,7 @@ class ServePlan:
     warning: str | None = None
 
 
-def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = "") -> ServePlan:
+def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = "", say: bool = True) -> ServePlan:
     """Fit the model replicas onto the cluster's nodes, or refuse with the keys to change.
 
     Serve waits forever for a replica Ray cannot place, so a plan that cannot be scheduled is a
@@ -321,8 +282,9 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
                    f"(with 1, requests wait out the new replica's start-up). To keep serving at full "
                    f"capacity, {fix}")
     plan = ServePlan(replicas, serve.cpus_per_replica, gpus, fit, surge_pct, warning)
-    log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, room for %d, max_surge_percent=%d",
-             replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
+    if say:  # not for `raymill run --serve`'s check before ETL: said when the endpoint starts
+        log.info("serve plan: %d replica(s) x %.2f CPU x %.2f GPU, room for %d, max_surge_percent=%d",
+                 replicas, plan.cpus_per_replica, gpus, fit, surge_pct)
     return plan
 
 
