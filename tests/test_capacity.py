@@ -182,3 +182,39 @@ def test_a_containers_cpu_quota_caps_the_cores_counted_without_ray(tmp_path):
     (tmp_path / "v1" / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert _cgroup_cpu_quota(str(tmp_path / "v1")) is None and _cgroup_cpu_quota(str(tmp_path / "none")) is None
     assert 1 <= session.local_cpus() <= (os.cpu_count() or 1)
+
+
+def _nodes(*shapes) -> dict:
+    """Cluster resources as cluster.cluster_resources gives them, for nodes of (CPUs, GPUs)."""
+    return {"CPU": sum(c for c, _ in shapes), "GPU": sum(g for _, g in shapes), "cpu_nodes": float(len(shapes)),
+            "max_node_cpus": max(c for c, _ in shapes), "nodes": shapes}
+
+
+def test_workers_are_sized_to_the_nodes_that_hold_them_not_to_the_clusters_sum():
+    # 16 + 4 CPUs: an even share of the sum (2 x 10) fit one worker, and the second waited out
+    # train.capacity_timeout_s (a review, on a real 6 + 2 CPU cluster: CapacityError after the wait)
+    plan = session.plan_workers(_cfg().train, _nodes((16.0, 0.0), (4.0, 0.0)), 0.5)
+    assert (plan.num_workers, plan.cpus_per_worker) == (2, 8.0)
+    four = session.plan_workers(_cfg("train.num_workers=4").train, _nodes((2.0, 0.0), (16.0, 0.0), (4.0, 0.0)), 0.5)
+    assert four.cpus_per_worker == 4.0  # 4 on the 16-CPU node (or 3 there and 1 on the 4-CPU one)
+    # ray_data on three 1-CPU nodes: 3 x 0.83 left each node 0.17 CPU, under a 0.25-CPU Ray Data task: a hang
+    rd = session.plan_workers(_cfg("train.ingest=ray_data", "train.num_workers=3").train,
+                              _nodes((1.0, 0.0), (1.0, 0.0), (1.0, 0.0)), 0.5)
+    assert rd.cpus_per_worker == 0.75 and rd.data_cpus_per_task == 0.25
+    # one GPU and one CPU a node: each node keeps its Ray Data task's quarter
+    gpu = session.plan_workers(_cfg("train.ingest=ray_data", "train.use_gpu=true").train,
+                               {**_nodes(*[(1.0, 1.0)] * 4), "node_cpus_per_gpu": 1.0}, 0.5)
+    assert (gpu.num_workers, gpu.cpus_per_worker) == (4, 0.75)
+    # a single node plans as before
+    assert session.plan_workers(_cfg("train.num_workers=2").train, TWO_CPUS, 0.5).cpus_per_worker == 1.0
+
+
+def test_a_worker_no_node_can_hold_is_refused_naming_the_nodes():
+    with pytest.raises(ConfigError, match=r"1 training worker\(s\) of 17 CPU each .* do not fit on the nodes "
+                                          r"\(1 x 16 CPU/0 GPU, 1 x 4 CPU/0 GPU, 1 x 2 CPU/0 GPU; .*they hold 0"):
+        session.plan_workers(_cfg("train.num_workers=1", "train.cpus_per_worker=17").train,
+                             _nodes((2.0, 0.0), (16.0, 0.0), (4.0, 0.0)), 0.5)
+    with pytest.raises(ConfigError, match=r"no CPU for training workers yet: add a node with CPUs"):
+        session.plan_workers(_cfg().train, _nodes((0.0, 0.0)), 0.5)  # a head started with --num-cpus=0
+    with pytest.raises(ConfigError, match=r"leave each worker under 0.01 of the 2 free CPUs"):
+        session.plan_workers(_cfg("train.num_workers=300").train, TWO_CPUS, 0.5)

@@ -14,7 +14,7 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 __all__ = ["node_resources", "free_node_resources", "units_that_fit", "cluster_resources", "local_cpus"]
 
@@ -121,9 +121,10 @@ def _account(held: dict[str, dict[str, float]], most: int = 4) -> str:
     return "; ".join(parts)
 
 
-def cluster_resources() -> dict[str, float]:
+def cluster_resources() -> dict[str, Any]:
     """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, how many nodes
-    have CPUs, and the fewest CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node)."""
+    have CPUs, the fewest CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node),
+    and under "nodes" each node's (CPUs, GPUs): a plan's workers are placed node by node."""
     import ray
 
     res = ray.cluster_resources()
@@ -131,7 +132,8 @@ def cluster_resources() -> dict[str, float]:
     gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
     out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
            "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0))),
-           "cpu_nodes": float(sum(1 for n in nodes if n.get("CPU", 0) > 0) or 1)}
+           "cpu_nodes": float(sum(1 for n in nodes if n.get("CPU", 0) > 0) or 1),
+           "nodes": tuple((float(n.get("CPU", 0)), float(n.get("GPU", 0))) for n in nodes)}
     if gpu_nodes:
         out["node_cpus_per_gpu"] = min(float(n.get("CPU", 0)) / float(n["GPU"]) for n in gpu_nodes)
     return out

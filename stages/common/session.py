@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 from stages.common.cluster import cluster_resources, local_cpus, units_that_fit
@@ -63,11 +64,17 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     n = planned_workers(train, resources)
     workers = n * slots
     free = total_cpus - reserve
+    if total_cpus <= 0:  # a head started with --num-cpus=0, before a worker node joins
+        raise ConfigError("the cluster has no CPU for training workers yet: add a node with CPUs (or wait "
+                          "for the autoscaler to start one), then rerun")
     if free <= 0:
         raise ConfigError(f"the cluster has {total_cpus:g} CPUs, all needed by ray.data_reserved_cpus="
                           f"{reserve:g}; lower ray.data_reserved_cpus or add CPUs")
     cpus = train.cpus_per_worker or math.floor(_cpu_share(train, resources, free / workers) * 100) / 100
-    if cpus <= 0 or cpus * workers > free + 1e-9:
+    if cpus <= 0:  # an even share under 0.01 CPU
+        raise ConfigError(f"train.num_workers={n} x {slots} trainer(s) leave each worker under 0.01 of the {free:g} "
+                          f"free CPUs; lower train.num_workers, or add nodes")
+    if cpus * workers > free + 1e-9:
         raise ConfigError(
             f"train.num_workers={n} x {slots} trainer(s) x {cpus:g} CPU needs "
             f"{cpus * workers:g} CPUs but only {free:g} of {total_cpus:g} are free after "
@@ -78,6 +85,8 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
             f"train.use_gpu with train.num_workers={n} x {slots} needs "
             f"{train.gpus_per_worker * workers:g} GPUs but the cluster has {total_gpus:g}; lower "
             f"train.num_workers, set train.gpus_per_worker below 1, or set train.use_gpu=false")
+    # the totals hold them: now node by node
+    cpus = _fit_nodes(train, cpus, workers, resources, min(train.data_cpus_per_task or DATA_TASK_CPUS, reserve))
     if train.min_workers is not None and train.min_workers > n:
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
                           f"{n}; set min_workers <= num_workers")
@@ -95,6 +104,33 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
         log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
                  plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
     return plan
+
+
+def _fit_nodes(train: TrainConfig, cpus: float, workers: int, resources: dict, keep: float) -> float:
+    """`cpus` a worker, or where the nodes cannot hold `workers` of them (each worker within one
+    node, each node keeping `keep` CPUs for a Ray Data task), the largest share that they can. Summing
+    the cluster had given 2 x 10 CPUs on nodes of 16 and 4 (one worker never placed: a capacity wait,
+    then a false error), and 3 x 0.83 on three 1-CPU nodes, which left no node room for a 0.25-CPU
+    Ray Data task (a hang). A train.cpus_per_worker or gpus_per_worker no node holds is refused."""
+    gpus = train.gpus_per_worker if train.use_gpu else 0.0
+    nodes = [(c - keep, g) for c, g in resources.get("nodes", ((resources["CPU"], resources["GPU"]),))]
+
+    def held(share: float) -> int:
+        return units_that_fit({"CPU": share, "GPU": gpus}, [{"CPU": c, "GPU": g} for c, g in nodes])
+
+    if held(cpus) >= workers:
+        return cpus
+    shapes = ", ".join(f"{k} x {c + keep:g} CPU/{g:g} GPU" for (c, g), k in sorted(Counter(nodes).items(), reverse=True))
+    if not train.cpus_per_worker:  # the largest share, in hundredths, at which every worker is placed
+        shares = {math.floor(c / k * 100) / 100 for c, _ in nodes for k in range(1, workers + 1)}
+        if fit := max((s for s in shares if 0 < s <= cpus and held(s) >= workers), default=0.0):
+            return fit
+    per_worker = f"{cpus:g} CPU" + (f" and {gpus:g} GPU" if gpus else "")
+    raise ConfigError(f"{workers} training worker(s) of {per_worker} each (train.num_workers, train.cpus_per_worker"
+                      f"{', train.gpus_per_worker' if gpus else ''}) do not fit on the nodes ({shapes}; a worker "
+                      f"runs within one node, beside {keep:g} CPU for Ray Data): they hold {held(cpus)}; lower "
+                      f"train.num_workers{' or train.cpus_per_worker' if train.cpus_per_worker else ''}, or add "
+                      f"nodes")
 
 
 def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
