@@ -238,6 +238,11 @@ def test_bad_inputs_and_a_refused_export_exit_2_and_publish_nothing(trained, onn
     # an earlier export is replaced, whatever its model's name was
     repo = tmp_path / "earlier"
     shutil.copytree(onnx_repo[0], repo)
+    # ...after a client imported its preprocess.py as the README shows, which wrote __pycache__ there
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'flowers'); import preprocess"], cwd=repo,
+                   env=env, check=True, timeout=120)
+    assert list(repo.glob("flowers/__pycache__/*.pyc"))
     assert main(["export", "--model", model, "--output", str(repo), "--config", SMOKE]) == 0
     assert sorted(p.name for p in repo.iterdir()) == ["manifest.json", "raymill"]
 

@@ -156,6 +156,9 @@ def _earlier_export(out: str, fs, root: str, name: str) -> None:
     earlier = storage.read_json(fs, storage.join(root, MANIFEST))
     ours = set(earlier.get("files") or {}) | {MANIFEST, LOCK_NAME, PIPELINE_MARKER}
     present = set(storage.files_under(fs, root))
+    # Python's bytecode of the export's preprocess.py, written by a client that imported it (the
+    # README's onnxruntime example) unless PYTHONDONTWRITEBYTECODE: replaced with the export's folder
+    ours |= {p for p in present if "__pycache__/" in p and p.endswith(".pyc")}
     if foreign := sorted(present - ours):
         raise ExportError(f"--output '{out}' is an earlier export, but holds {len(foreign)} file(s) it did not "
                           f"write (e.g. '{foreign[0]}'), which replacing it would delete; move them, or name a "
