@@ -95,10 +95,12 @@ def before_searches(ray_session) -> dict[str, set[str]]:
     """Actors and placement groups alive before this module's searches (autouse: set up first).
     The session's Ray is shared: a `train.run` of another module leaves its TrainController alive
     while its driver holds the trainer (seen in the full suite, with Ray's own TorchConfig too)."""
+    import ray
     from ray.util.state import list_actors, list_placement_groups
 
-    return {"actors": {a.actor_id for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)},
-            "groups": {g.placement_group_id for g in list_placement_groups(filters=[("state", "=", "CREATED")])}}
+    at = ray.get_runtime_context().gcs_address  # this session's Ray, not the newest one on the machine
+    return {"actors": {a.actor_id for a in list_actors(address=at, filters=[("state", "=", "ALIVE")], detail=True)},
+            "groups": {g.placement_group_id for g in list_placement_groups(address=at, filters=[("state", "=", "CREATED")])}}
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +236,16 @@ def test_a_loaded_optimiser_takes_this_runs_lr_momentum_and_weight_decay():
 def test_searches_leave_no_trial_actor_placement_group_or_decode_process(before_searches, search, asha, pbt):
     """Trials that ASHA stopped, that PBT restarted, that failed, or that the interruption ended
     leave nothing behind (State API, and the machine's process table for decode pools)."""
+    import ray
     from ray.util.state import list_actors, list_placement_groups
 
+    at = ray.get_runtime_context().gcs_address  # this session's Ray, not the newest one on the machine
     ours = ("ImplicitFunc", "raymill_trial", "TrainController", "RayTrainWorker")
     deadline, actors, groups = time.time() + 60, None, None
     while time.time() < deadline:
-        actors = [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+        actors = [a.class_name for a in list_actors(address=at, filters=[("state", "=", "ALIVE")], detail=True)
                   if any(name in a.class_name for name in ours) and a.actor_id not in before_searches["actors"]]
-        groups = [g for g in list_placement_groups(filters=[("state", "=", "CREATED")], detail=True)
+        groups = [g for g in list_placement_groups(address=at, filters=[("state", "=", "CREATED")], detail=True)
                   if g.placement_group_id not in before_searches["groups"]]
         if not actors and not groups:
             break
