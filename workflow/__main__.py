@@ -220,8 +220,9 @@ def _pairs(metrics: dict) -> str:
     ended mid-value: "device_utilisation": 0 for 0.55), floats to 4 significant digits."""
     shown = {k: f"{v:.4g}" if isinstance(v, float) else v for k, v in metrics.items()
              if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
-    return " ".join(f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}"  # one token each
-                    for k, v in shown.items())
+    quoted = {k: json.dumps(v, ensure_ascii=False) if isinstance(v, str) and (" " in v or not v) else v
+              for k, v in shown.items()}  # one token each, "≈" as itself (not \u2248)
+    return " ".join(f"{k}={v}" for k, v in quoted.items())
 
 
 def cmd_serve(args) -> int:
