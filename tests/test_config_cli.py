@@ -54,7 +54,7 @@ def test_every_shipped_config_loads(path):
     ("tune.search_space.lr.type=gaussian", "config key 'tune.search_space.lr.type'"),
     ("etl.formats=[]", "config key 'etl.formats'"),  # would publish a dataset of no shards
     ("etl.formats=[parquet,parquet]", "list each shard format once"),  # would list every shard twice
-    ("etl.allowed_formats=[jpg]", "['JPG']: name at least one format Pillow opens"),
+    ("etl.allowed_formats=[jpg,png]", r"JPG \(did you mean JPEG\?\): not a format name Pillow opens"),
     ("run.dir=s3://bucket//runs", "config key 'run.dir'"),  # S3 would keep the key '/runs'
     ("train.storage_path=s3:///ray", "empty path segment or no bucket"),
     ("run.dir=s3:/bucket/runs", "looks like a URI with a slash missing"),  # was a local folder './s3:/bucket/runs'

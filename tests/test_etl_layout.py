@@ -247,9 +247,14 @@ def test_copies_of_an_image_are_counted_and_one_across_splits_is_warned_of(tmp_p
     src = tmp_path / "src"
     (src / "test" / "cat" / "again.jpg").write_bytes((src / "train" / "cat" / "cat_001.jpg").read_bytes())
     (src / "train" / "dog" / "twin.jpg").write_bytes((src / "train" / "dog" / "dog_002.jpg").read_bytes())
+    # and one under another class: a label conflict, said apart (one of the two labels is wrong)
+    (src / "train" / "dog" / "not_a_dog.jpg").write_bytes((src / "train" / "cat" / "cat_002.jpg").read_bytes())
     m = etl.run(CFG, str(src), str(tmp_path / "ds")).manifest
-    assert (m["duplicates"]["copies"], m["duplicates"]["across_splits"]) == (2, 1)
+    assert (m["duplicates"]["copies"], m["duplicates"]["across_splits"], m["duplicates"]["label_conflicts"]) == (3, 1, 1)
     assert "test/cat/again.jpg = train/cat/cat_001.jpg" in m["duplicates"]["examples"]
+    assert "etl: 1 image(s) repeat the bytes of an image in another class folder" in caplog.text
+    assert {"train/dog/not_a_dog.jpg = train/cat/cat_002.jpg",
+            "train/cat/cat_002.jpg = train/dog/not_a_dog.jpg"} & set(m["duplicates"]["conflict_examples"])
     assert "etl: 2 image(s) repeat another's bytes" in caplog.text
     assert "1 of them in another split than their copy, so val/test scores count images the model trained on" \
            in caplog.text

@@ -232,7 +232,7 @@ def test_verdict_names_slowed_decode_and_a_slow_step_with_true_numbers(shards):
         capacity = feed.capacity()
         said = meters.verdict(t, "CPU", "stream", capacity)
         truth = 1 - (t.images / t.wall_s) / (8 / 0.002)  # 1 - fed / the step's own rate
-        assert said.startswith(f"input-bound: decode 1 procs ≈ {capacity['images_per_s']:,.0f} img/s < CPU"), said
+        assert said.startswith(f"input-bound: decode 1 process ≈ {capacity['images_per_s']:,.0f} img/s < CPU"), said
         assert abs(t.stall - truth) < 0.05 and capacity["images_per_s"] < t.device_images_per_s
         feed = PoolFeed(pool, _epoch(shards), SPEC)
         t = _run(feed, step_s=0.05)

@@ -170,7 +170,7 @@ def test_verdicts_name_the_other_path_as_the_fix():
     elsewhere = verdict(stalled, "CPU", "stream", {"processes": 2, "images_per_s": 9000.0})
     assert "needs only 11% of the cores" in elsewhere and "store decoded" not in elsewhere
     shared = verdict(stalled, "CPU", "stream", {"processes": 2, "images_per_s": 1500.0})  # 67% of the cores
-    assert shared.startswith("CPU-bound: decode (2 procs") and "store decoded" in shared
+    assert shared.startswith("CPU-bound: decode (2 processes") and "store decoded" in shared
     # a fresh run's epoch 1 began while its worker started: the wait is in its first half, the second kept up
     cold = verdict(starved, "GPU", "ray_data", ray_waits=waits(0.0, 8.6, 0.05))
     assert "Ray Data's start is the weakest link, 8.6 s of the 9.0 s wait came in the epoch's first half" in cold

@@ -431,6 +431,10 @@ def test_trials_fill_two_cpus_beside_the_data_reserve():
     with pytest.raises(ConfigError, match=r"train.use_gpu=true: .* GPU, and the cluster has 0; "
                                           r"set train.use_gpu=false"):
         session.plan_trials(cfg.tune, gpu, {"CPU": 2.0, "GPU": 0.0}, cfg.ray.data_reserved_cpus)
+    # 8 GPUs and 8 CPUs: a trial on each GPU, each worker below 1 CPU (7 at 1 CPU had left a GPU idle)
+    eight = cfg.tune.model_copy(update={"num_samples": 8})
+    plan = session.plan_trials(eight, gpu, {"CPU": 8.0, "GPU": 8.0, "node_cpus_per_gpu": 1.0}, 0.5)
+    assert plan.concurrent_trials == 8 and 0.7 <= plan.workers.cpus_per_worker < 1.0, plan
 
 
 def test_a_reused_trial_actor_hands_out_the_same_model_and_rng_as_a_fresh_build():

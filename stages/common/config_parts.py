@@ -45,8 +45,12 @@ def _pillow_names(v: tuple[str, ...]) -> tuple[str, ...]:
     Image.init()
     names = tuple(dict.fromkeys(str(f).upper() for f in v))  # jpeg == JPEG, as images.open_image reads them
     unknown = [n for n in names if n not in Image.OPEN]
-    if not names or unknown:
-        raise ValueError(f"{unknown or 'an empty list'}: name at least one format Pillow opens, e.g. "
+    if not names:
+        raise ValueError("an empty list: name at least one format Pillow opens, e.g. [JPEG, PNG, WEBP, BMP]")
+    if unknown:  # a file extension is the usual slip: jpg, tif
+        meant = {"JPG": "JPEG", "TIF": "TIFF"}
+        named = ", ".join(f"{n} (did you mean {meant[n]}?)" if n in meant else n for n in unknown)
+        raise ValueError(f"{named}: not a format name Pillow opens; name Pillow's formats, e.g. "
                          "[JPEG, PNG, WEBP, BMP]")
     if shelled := [n for n in names if n in _RUNS_PROGRAMS]:
         raise ValueError(f"{shelled}: Pillow renders these with Ghostscript, an outside program, on untrusted "

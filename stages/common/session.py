@@ -120,7 +120,8 @@ def _fit_nodes(train: TrainConfig, cpus: float, workers: int, resources: dict, k
 
     if held(cpus) >= workers:
         return cpus
-    shapes = ", ".join(f"{k} x {c + keep:g} CPU/{g:g} GPU" for (c, g), k in sorted(Counter(nodes).items(), reverse=True))
+    shapes = ", ".join(f"{k} x {c + keep:g} CPU/{g:g} GPU"
+                       for (c, g), k in sorted(Counter(nodes).items(), reverse=True))
     if not train.cpus_per_worker:  # the largest share, in hundredths, at which every worker is placed
         shares = {math.floor(c / k * 100) / 100 for c, _ in nodes for k in range(1, workers + 1)}
         if fit := max((s for s in shares if 0 < s <= cpus and held(s) >= workers), default=0.0):
@@ -244,6 +245,8 @@ def plan_trials(tune: TuneConfig, train: TrainConfig, resources: dict[str, float
             raise ConfigError(f"train.use_gpu=true: one trial needs tune.workers_per_trial={workers} x "
                               f"train.gpus_per_worker={train.gpus_per_worker:g} GPU, and the cluster has "
                               f"{resources['GPU']:g}; set train.use_gpu=false, or run on a node with GPUs")
+        if not per_trial.cpus_per_worker and fit < gpu_fit:  # a GPU for each trial before a CPU more a worker
+            fit = max(fit, most(MIN_TRIAL_CPUS_PER_WORKER))  # (8 GPUs, 8 CPUs: 7 trials at 1 CPU had left one idle)
         fit = min(fit, gpu_fit)
     concurrent = min(tune.max_concurrent_trials or fit, fit, tune.num_samples)
     if concurrent < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import tempfile
 import threading
 from pathlib import Path
@@ -54,7 +55,7 @@ def ui_command(uri: str) -> str:
     """The command that browses `uri`: MLflow's UI on loopback for a local store (`make run`
     installs the `ui` extra, full mlflow, which the skinny client lacks: flask and the web app)."""
     if uri.startswith("sqlite:"):
-        return f"mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+        return f"mlflow ui --backend-store-uri {shlex.quote(uri)} --host 127.0.0.1 --port 5000"  # a path with a space
     return f"open {uri}"
 
 

@@ -74,7 +74,7 @@ def process_task(row: dict[str, Any], *, cfg: dict, source: str, out: str, s3: d
     for r in good:
         counts[classes[r["label"]]] = counts.get(classes[r["label"]], 0) + 1
     result = {"split": task["split"], "shards": shard_meta, "quarantine": quarantine, "counts": counts,
-              "digests": [[r["sha256"][:16], r["path"]] for r in good]}  # the driver looks for copies
+              "digests": [[r["sha256"][:16], r["path"], r["label"]] for r in good]}  # the driver looks for copies
     return {"result": json.dumps(result)}
 
 

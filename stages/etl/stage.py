@@ -324,18 +324,26 @@ def _manifest(cfg, source, run_id, listing, results, quarantine, started) -> dic
 
 def _duplicates(results) -> dict[str, Any]:
     """Rows whose source bytes another row's repeat (the same sha256): each is a row of its own, and
-    a copy in another split than its first lets val/test score images the model trained on."""
-    first: dict[str, tuple[str, str]] = {}
-    copies, across, examples = 0, 0, []
+    a copy in another split than its first lets val/test score images the model trained on. A copy
+    in another class folder than its first is a label conflict: one of the two labels is wrong."""
+    first: dict[str, tuple[str, str, int]] = {}
+    copies, across, conflicts, examples, conflicting = 0, 0, 0, [], []
     for r in sorted(results, key=lambda r: ("train", "val", "test").index(r["split"])):  # stable: train first
-        for digest, path in r.get("digests", ()):
+        for digest, path, label in r.get("digests", ()):
             if digest not in first:
-                first[digest] = (r["split"], path)
+                first[digest] = (r["split"], path, label)
                 continue
-            copies, across = copies + 1, across + (first[digest][0] != r["split"])
+            copies += 1
+            if label != first[digest][2]:
+                conflicts += 1
+                conflicting += [f"{path} = {first[digest][1]}"][:3 - len(conflicting)]
+                continue
+            across += first[digest][0] != r["split"]
             if len(examples) < 3:
                 examples.append(f"{path} = {first[digest][1]}")
-    return {"copies": copies, "across_splits": across, "examples": examples}
+    # across_splits and examples: the copies within one class (the label conflicts are counted apart)
+    return {"copies": copies, "across_splits": across, "examples": examples, "label_conflicts": conflicts,
+            "conflict_examples": conflicting}
 
 
 def _write_quarantine(fs, root: str, relative: str, quarantine: list) -> dict[str, Any]:
@@ -354,8 +362,13 @@ def _log_summary(m: dict[str, Any]) -> None:
         log.warning("etl: %d class(es) have no usable image (%s; the folder is empty or every file was "
                     "quarantined); a model trained on this data never learns them: fix or remove those folders",
                     len(empty), console.some(empty))
-    if (dup := m.get("duplicates") or {}).get("copies"):
-        log.warning("etl: %d image(s) repeat another's bytes (e.g. %s)%s", dup["copies"], "; ".join(dup["examples"]),
+    if (dup := m.get("duplicates") or {}).get("label_conflicts"):
+        log.warning("etl: %d image(s) repeat the bytes of an image in another class folder (e.g. %s): one of each "
+                    "pair is labelled wrong, and a model is trained to answer both; move or remove the wrong one",
+                    dup["label_conflicts"], "; ".join(dup["conflict_examples"]))
+    if dup.get("copies", 0) > dup.get("label_conflicts", 0):
+        log.warning("etl: %d image(s) repeat another's bytes (e.g. %s)%s",
+                    dup["copies"] - dup.get("label_conflicts", 0), "; ".join(dup["examples"]),
                     f"; {dup['across_splits']} of them in another split than their copy, so val/test scores count "
                     "images the model trained on: remove the copies" if dup["across_splits"] else
                     ": each is a row of its own (remove the copies to weigh each image once)")

@@ -86,6 +86,10 @@ class StepMeter:
         return self._host_s
 
 
+def _procs(n: int) -> str:
+    return f"{n} process{'' if n == 1 else 'es'}"
+
+
 def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
@@ -147,7 +151,7 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
         decode = decode and {"processes": decode["processes"] * workers,
                              "images_per_s": decode["images_per_s"] * workers}
     rate = _rate(t.device_images_per_s)
-    have = f" (decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])})" if decode else ""
+    have = f" (decode {_procs(decode['processes'])} ≈ {_rate(decode['images_per_s'])})" if decode else ""
     if t.stall > INPUT_BOUND_STALL:
         if ingest == "ray_data":
             return _ray_data_start(t, ray_waits, device, rate) or (
@@ -162,19 +166,19 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
         if decode and device == "CPU" and decode["images_per_s"] >= t.device_images_per_s:
             share = t.device_images_per_s / decode["images_per_s"]  # of the cores, to decode at the step's rate
             if share < t.stall / 2:  # decode cannot explain the wait: storing decoded would win back <= share
-                return (f"input-bound: stall {t.stall:.0%}, but decode ({decode['processes']} procs ≈ "
+                return (f"input-bound: stall {t.stall:.0%}, but decode ({_procs(decode['processes'])} ≈ "
                         f"{_rate(decode['images_per_s'])}) needs only {share:.0%} of the cores at the step's "
                         f"≈ {rate}: the wait is elsewhere (the first batches, shard reads, another rank, or other "
                         "load on this machine); raise train.prefetch_batches, or train longer epochs")
             both = 1 / (1 / decode["images_per_s"] + 1 / t.device_images_per_s)
-            return (f"CPU-bound: decode ({decode['processes']} procs ≈ {_rate(decode['images_per_s'])}) and "
+            return (f"CPU-bound: decode ({_procs(decode['processes'])} ≈ {_rate(decode['images_per_s'])}) and "
                     f"the step (≈ {rate}) share the same cores, together ≈ {_rate(both)}; add cores, "
                     "train.decoded_tier=auto when the data fits, or store decoded (etl.parquet_encoding=raw)")
         if decode and decode["images_per_s"] >= t.device_images_per_s:
-            return (f"input-bound: stall {t.stall:.0%} although decode {decode['processes']} procs ≈ "
+            return (f"input-bound: stall {t.stall:.0%} although decode {_procs(decode['processes'])} ≈ "
                     f"{_rate(decode['images_per_s'])} ≥ {device} ≈ {rate}: the wait is shard reads or "
                     "the first batches, not decode; raise train.prefetch_batches, or train longer epochs")
-        limit = (f"decode {decode['processes']} procs ≈ {_rate(decode['images_per_s'])}" if decode
+        limit = (f"decode {_procs(decode['processes'])} ≈ {_rate(decode['images_per_s'])}" if decode
                  else "decode in threads")
         return (f"input-bound: {limit} < {device} ≈ {rate}; {more}, train.decoded_tier=auto when "
                 "the data fits, or train.ingest=ray_data with CPU nodes")
