@@ -395,7 +395,15 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     big = InferConfig(use_gpu=True, decode="actor", cpus_per_actor=4)  # 16 CPUs hold 4 such actors, not 8
     assert session.plan_infer(big, {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 4
     assert session.plan_infer(big, {"CPU": 64.0, "GPU": 8.0, "node_cpus_per_gpu": 2.0})["num_actors"] == 4
-    assert session.plan_infer(InferConfig(), {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 1
+    # on CPUs: every CPU but one predicts (one actor had used 1 core of 96); 2 cores: 1, as before
+    assert session.plan_infer(InferConfig(), {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 15
+    assert session.plan_infer(InferConfig(), {"CPU": 2.0, "GPU": 0.0})["num_actors"] == 1
+    two = {"CPU": 10.0, "GPU": 0.0, "nodes": ((8.0, 0.0), (2.0, 0.0))}  # 2-CPU actors, node by node
+    assert session.plan_infer(InferConfig(cpus_per_actor=2), two)["num_actors"] == 4
+    with pytest.raises(ConfigError, match=r"infer.num_actors=1 of infer.cpus_per_actor=2 CPU each do not fit on the "
+                                          r"nodes \(1 CPU/0 GPU, 1 CPU/0 GPU, 1 CPU/0 GPU\): they hold 0"):
+        session.plan_infer(InferConfig(num_actors=1, cpus_per_actor=2), {"CPU": 3.0, "GPU": 0.0,
+                                                                         "nodes": ((1.0, 0.0),) * 3})
     with pytest.raises(ConfigError, match=r"1 actor\(s\) \(infer.num_actors unset\) needs 1 GPUs but the cluster has 0"):
         session.plan_infer(InferConfig(use_gpu=True), {"CPU": 16.0, "GPU": 0.0})
     with pytest.raises(ConfigError, match="infer.num_actors=2 needs 2 GPUs but the cluster has 1"):

@@ -245,7 +245,7 @@ class TuneConfig(Section):
 class InferConfig(RunsModel):  # use_gpu, engine
     split: Literal["train", "val", "test"] = "test"
     batch_size: int = Field(128, ge=1)
-    num_actors: int | None = Field(None, ge=1)  # unset: one per GPU with use_gpu, else 1 (session.plan_infer)
+    num_actors: int | None = Field(None, ge=1)  # unset: one per GPU with use_gpu, else a CPU but one (plan_infer)
     cpus_per_actor: float = Field(1.0, gt=0)
     top_k: int = Field(3, ge=1)
     # Where images are decoded: `tasks` (Ray Data CPU tasks, then an actor pool that only predicts),

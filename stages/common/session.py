@@ -343,6 +343,12 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
     if left < -1e-9:  # Ray Data ran fewer actors than planned, and metrics.json counted them all
         raise ConfigError(f"{named} x infer.cpus_per_actor={infer.cpus_per_actor:g} need "
                           f"{actors * infer.cpus_per_actor:g} CPUs but the cluster has {total:g}; lower them")
+    nodes = resources.get("nodes", ((total, resources["GPU"]),))  # and node by node: Ray Data waits
+    fit = units_that_fit({"CPU": infer.cpus_per_actor, "GPU": gpus}, [{"CPU": c, "GPU": g} for c, g in nodes])
+    if fit < actors:  # for the whole pool, for good
+        raise ConfigError(f"{named} of infer.cpus_per_actor={infer.cpus_per_actor:g} CPU{' and 1 GPU' if gpus else ''}"
+                          f" each do not fit on the nodes ({', '.join(f'{c:g} CPU/{g:g} GPU' for c, g in nodes)}): "
+                          f"they hold {fit}; lower infer.num_actors or infer.cpus_per_actor, or add nodes")
     if decode == "tasks" and left < per_task - 1e-9:
         raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
                           f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
@@ -355,10 +361,16 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
 def planned_actors(infer: InferConfig, resources: dict[str, float], decode: str) -> int:
     """`infer.num_actors`, or where unset: with use_gpu one actor per GPU the cluster has (as
     training plans its workers: an 8-GPU node predicts on all 8), as many as the CPUs hold (those
-    of a GPU node, and with decode=tasks one decode task's left beside them); on a CPU, 1. Made
-    on the cluster's totals, as training's plan is: beside other GPU work, set infer.num_actors."""
-    if infer.num_actors or not infer.use_gpu:
-        return infer.num_actors or 1
+    of a GPU node, and with decode=tasks one decode task's left beside them); on CPUs, as many as
+    the nodes hold beside one CPU left for Ray Data's own tasks (one actor had used 1 core of a
+    96-core node; on 2 cores it is still 1). Made on the cluster's totals, as training's plan is:
+    beside other work, set infer.num_actors. The stage starts no more than its blocks."""
+    if infer.num_actors:
+        return infer.num_actors
+    if not infer.use_gpu:
+        nodes = [{"CPU": c} for c, _ in resources.get("nodes", ((resources["CPU"], 0.0),))]
+        nodes[0]["CPU"] -= 1.0  # a CPU beside the pool, on one node (any one: the sum is what counts)
+        return max(1, units_that_fit({"CPU": infer.cpus_per_actor}, nodes))
     cpus = resources["CPU"] - (infer.decode_cpus_per_task if decode == "tasks" else 0.0)
     # a GPU node's CPUs may hold fewer actors than it has GPUs
     per_gpu = min(1.0, resources.get("node_cpus_per_gpu", math.inf) / infer.cpus_per_actor)

@@ -88,6 +88,8 @@ def _run_locked(cfg: InferConfig, model_path: str, source: str, out: str, s3: An
         resources = session.cluster_resources()
         decode = session.plan_infer(cfg, resources)  # refuses a plan Ray could never run, before any work
         plan = planning.spread(plan, max(decode["num_actors"], decode["decode_tasks"]))
+        if decode["decode"] == "actor":  # each reads its own blocks: none left idle (map_batches_kwargs)
+            decode["num_actors"] = min(decode["num_actors"], plan.blocks)
         at_a_time = f" ({decode['decode_tasks']} at a time)" if decode["decode_tasks"] else ""
         log.info("infer: %s in %d block(s), %d actor(s), decode in %s%s", plan.counted(),
                  plan.blocks, decode["num_actors"], DECODE_WHERE[decode["decode"]], at_a_time)
