@@ -400,6 +400,8 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     assert session.plan_infer(InferConfig(), {"CPU": 2.0, "GPU": 0.0})["num_actors"] == 1
     two = {"CPU": 10.0, "GPU": 0.0, "nodes": ((8.0, 0.0), (2.0, 0.0))}  # 2-CPU actors, node by node
     assert session.plan_infer(InferConfig(cpus_per_actor=2), two)["num_actors"] == 4
+    # a GPU node of 1 CPU: no decode task fits beside the actor, which decodes itself (it had been refused)
+    assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 1.0, "GPU": 1.0})["decode"] == "actor"
     with pytest.raises(ConfigError, match=r"infer.num_actors=1 of infer.cpus_per_actor=2 CPU each do not fit on the "
                                           r"nodes \(1 CPU/0 GPU, 1 CPU/0 GPU, 1 CPU/0 GPU\): they hold 0"):
         session.plan_infer(InferConfig(num_actors=1, cpus_per_actor=2), {"CPU": 3.0, "GPU": 0.0,

@@ -103,6 +103,9 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     if say:  # not for a check before the stage trains (plan_trials): said once
         log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
                  plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
+        if total_gpus and not train.use_gpu:  # the default: a GPU cluster had trained on CPUs without a word
+            log.info("resource plan: the cluster's %g GPU(s) stay unused (train.use_gpu=false; set it true to train "
+                     "on them)", total_gpus)
     return plan
 
 
@@ -349,6 +352,8 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
         raise ConfigError(f"{named} of infer.cpus_per_actor={infer.cpus_per_actor:g} CPU{' and 1 GPU' if gpus else ''}"
                           f" each do not fit on the nodes ({', '.join(f'{c:g} CPU/{g:g} GPU' for c, g in nodes)}): "
                           f"they hold {fit}; lower infer.num_actors or infer.cpus_per_actor, or add nodes")
+    if decode == "tasks" and left < per_task - 1e-9 and infer.decode == "auto":
+        decode = "actor"  # no CPU for a decode task beside the pool (1 GPU, 1 CPU): each actor decodes its own
     if decode == "tasks" and left < per_task - 1e-9:
         raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
                           f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
