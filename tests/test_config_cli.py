@@ -433,3 +433,17 @@ def test_an_input_that_is_not_there_is_not_offered_to_etl(tmp_path):
     (tmp_path / "photos").mkdir()
     with pytest.raises(InputNotPublishedError, match="run `raymill etl --input .*photos --output <dataset>` first"):
         load_input(str(tmp_path / "photos"), "etl")
+
+
+def test_a_set_key_the_command_does_not_read_is_said():
+    """`raymill train --set etl.image_size=64` had trained at the data's own size without a word."""
+    from workflow.cli_args import build_parser, unread_overrides
+
+    parse = build_parser().parse_args
+    said = unread_overrides(parse(["train", "--data", "d", "--output", "o", "--set", "etl.image_size=64",
+                                   "--set", "train.epochs=2"]))
+    assert said.startswith("raymill train: --set etl.image_size does nothing here: it reads train.*"), said
+    assert unread_overrides(parse(["train", "--data", "d", "--output", "o", "--set", "train.epochs=2"])) is None
+    assert unread_overrides(parse(["serve", "--model", "m", "--set", "serve.port=8100"])) is None
+    assert "infer.batch_size" in unread_overrides(parse(["export", "--model", "m", "--output", "o",
+                                                         "--set", "infer.batch_size=8"]))

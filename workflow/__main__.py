@@ -15,7 +15,7 @@ import time
 
 from stages.common import console, storage
 from stages.common.config import ConfigError, load_config
-from workflow.cli_args import build_parser
+from workflow.cli_args import build_parser, unread_overrides
 
 __all__ = ["main"]
 
@@ -46,6 +46,8 @@ def _object_store_hint(e: Exception) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console.setup(args.verbose)
+    if said := unread_overrides(args):
+        log.warning("%s", said)
     _loopback_if_local(args)
     # Python's own handler only: a background job (nohup, `&`) inherits SIGINT ignored, and keeps it so
     if threading.current_thread() is threading.main_thread() and \

@@ -5,7 +5,26 @@ import argparse
 
 from stages.common import storage
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "unread_overrides"]
+
+# The config sections a stage command reads; a --set of another section does nothing there (a user's
+# `raymill train --set etl.image_size=64` had trained at the data's 48 px without a word)
+READS = {"train": ("train", "ray", "s3", "tracking", "run"), "tune": ("tune", "train", "ray", "s3", "tracking", "run"),
+         "infer": ("infer", "ray", "s3", "tracking", "run", "etl"), "serve": ("serve", "ray", "s3"),
+         "export": ("export", "s3", "tracking")}
+
+
+def unread_overrides(args: argparse.Namespace) -> str | None:
+    """A warning for the --set keys that `args.command` does not read, or None."""
+    reads = READS.get(args.command)
+    unread = [o.split("=", 1)[0] for o in getattr(args, "overrides", ()) or ()
+              if reads and o.split("=", 1)[0].split(".", 1)[0] not in reads]
+    if not unread:
+        return None
+    owners = sorted({k.split(".", 1)[0] for k in unread})
+    return (f"raymill {args.command}: --set {', '.join(unread)} does nothing here: it reads "
+            f"{', '.join(s + '.*' for s in reads)}; {', '.join(s + '.*' for s in owners)} are read by other commands "
+            f"(`raymill run` reads them all)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:

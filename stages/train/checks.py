@@ -43,7 +43,8 @@ def check_rows(cfg: TrainConfig, data: Artifact, model_names: Sequence[str] = ()
     if cfg.batch_size > rows and (data.path, cfg.batch_size) not in _SAID:  # once a process: the CLI checks first
         _SAID.add((data.path, cfg.batch_size))  # one step an epoch, of all rows: allowed, but rarely meant
         log.warning("train: train.batch_size=%d is more than the %d train rows: each epoch is one step of them "
-                    "all; set train.batch_size to %d or less", cfg.batch_size, rows, rows // 4 if rows >= 8 else rows)
+                    "all; set train.batch_size to %d or less (%s)", cfg.batch_size, rows, rows // 4 if rows >= 8 else rows,
+                    "a quarter of them: at least 4 steps an epoch" if rows >= 8 else "at most the rows")
     if not sum(manifest.get("counts", {}).get("val", {}).values()):  # val_acc 0.000 of 0 images had
         # ranked the checkpoints, and the first epoch's model was published
         raise ConfigError(f"'{data.path}' has no val rows, and the published checkpoint is the best by "
