@@ -81,14 +81,15 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
-    report = {"run": cfg.run.name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
+    name = cfg.run.name or cfg.run.dir.rstrip("/").rsplit("/", 1)[-1]  # unset: the run folder's
+    report = {"run": name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
               "run_seconds_split": _run_split(timings, seconds, before_s, ray_s, serve is not None),
               "train_seconds_split": split,
               "test_accuracy": infer_m.get("accuracy", train_m.get("test_acc")),
               "input_stall_fraction": train_m.get("stall_fraction"), "bottleneck": train_m.get("verdict"),
               "serve": serve, "outputs": {"etl": data.path, "model": model.path, "predictions": preds.path},
               "mlflow": tracked, "table": _table(rows, serve)}
-    md = (f"# raymill run `{cfg.run.name}`\n\n{report['table']}\n\n"
+    md = (f"# raymill run `{name}`\n\n{report['table']}\n\n"
           f"- test accuracy: **{console.score(report['test_accuracy'])}**\n"
           f"- bottleneck: {report['bottleneck']}\n"
           f"- curves: ![curves]({storage.join('train' if 'train' in timings else 'tune', 'curves.png')})\n"

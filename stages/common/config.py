@@ -47,7 +47,7 @@ class S3Config(Section):
 
 
 class RunSection(Section):
-    name: str = "demo"
+    name: str | None = None  # unset: the run folder's name (run.dir's; a stage command's --output's)
     dir: Annotated[str, AfterValidator(check_output_place)] = "runs/demo"  # run folder: local path or s3:// URI
     source: Annotated[str, AfterValidator(check_named)] = "data/demo"  # ImageFolder tree: path or s3:// prefix
     seed: int = 0
