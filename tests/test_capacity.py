@@ -77,6 +77,8 @@ def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session
     assert rc == 2 and "serve.num_replicas=4 replica(s) of serve.cpus_per_replica=0.5 CPU" in err, err
     assert "can never be scheduled: the nodes (1.75 CPU/0 GPU/" in err and "hold 3" in err, err  # beside the ingress
     assert not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match=r"hold 0; lower serve.replica_memory_mb or serve.num_replicas"):  # memory short
+        session.plan_serve(_cfg("serve.replica_memory_mb=4096").serve, [{"CPU": 8.0, "memory": 2 * 2**30}])
     # Training ends before the endpoint starts: each plans alone, so one GPU does both (the plan of
     # both at once had refused it: "needs 1 GPUs but the cluster has 0")
     gpu = _cfg("train.use_gpu=true", "serve.use_gpu=true").serve

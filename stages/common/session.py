@@ -306,12 +306,15 @@ def plan_serve(serve: ServeConfig, nodes: list[dict[str, float]], held: str = ""
         fix = "lower serve.gpus_per_replica (a fraction shares a GPU) or " if gpus else ""
         if gpus and not any(n.get("GPU", 0) > 0 for n in nodes):
             fix = "the cluster has no GPU: set serve.use_gpu=false, add GPU nodes, or "
+        tail = f"lower {key} or serve.cpus_per_replica, or add nodes"
+        if units_that_fit({**need, "memory": 0.0}, nodes) >= replicas:  # memory alone is short
+            fix, tail = "", f"lower serve.replica_memory_mb or {key}, or add nodes with more memory"
         raise ConfigError(
             f"{key}={replicas} replica(s) of serve.cpus_per_replica={serve.cpus_per_replica:g} CPU, "
             f"{gpus:g} GPU (serve.use_gpu, serve.gpus_per_replica) and serve.replica_memory_mb="
             f"{serve.replica_memory_mb} can{'not' if held else ' never'} be scheduled: the nodes ({have}) "
             f"hold {fit}; {'stop that work (serve.delete another app), ' if held else ''}"
-            f"{fix}lower {key} or serve.cpus_per_replica, or add nodes")
+            f"{fix}{tail}")
     surge = (serve.max_surge_percent * replicas + 99) // 100
     surge_pct, warning = serve.max_surge_percent, None
     if surge and fit < replicas + surge:
