@@ -234,6 +234,10 @@ def test_verdict_names_slowed_decode_and_a_slow_step_with_true_numbers(shards):
         truth = 1 - (t.images / t.wall_s) / (8 / 0.002)  # 1 - fed / the step's own rate
         assert said.startswith(f"input-bound: decode 1 process ≈ {capacity['images_per_s']:,.0f} img/s < CPU"), said
         assert abs(t.stall - truth) < 0.05 and capacity["images_per_s"] < t.device_images_per_s
+        assert "(train.cpus_per_worker)" in said  # CPUs are free beside the workers (unknown: as if free)
+        # the workers hold every CPU (a default stream plan): the setting cannot give more, a bigger node can
+        held = meters.verdict(t, "CPU", "stream", capacity, free_cpus=0.0)
+        assert "more cores per worker (a bigger node" in held and "train.cpus_per_worker" not in held, held
         feed = PoolFeed(pool, _epoch(shards), SPEC)
         t = _run(feed, step_s=0.05)
         said = meters.verdict(t, "CPU", "stream", feed.capacity())

@@ -134,7 +134,7 @@ def _ray_data_start(t: EpochTimes, w: StartWaits | None, device: str, rate: str)
 
 
 def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None, tier: str | None = None,
-            workers: int = 1, ray_waits: StartWaits | None = None) -> str:
+            workers: int = 1, ray_waits: StartWaits | None = None, free_cpus: float | None = None) -> str:
     """One phrase naming the weakest link with its numbers, and a fix that works.
 
     `decode` is the feed's capacity report ({"processes": n, "images_per_s": r}) when the feed
@@ -142,7 +142,8 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch). `t` and
     `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
     the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
-    below the throughput printed next to it). `ray_waits`: Ray Data's wait in parts.
+    below the throughput printed next to it). `ray_waits`: Ray Data's wait in parts. `free_cpus`:
+    the CPUs no worker holds (None: unknown); under one, more CPUs a worker means more cores.
     """
     if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
         return "too few images this epoch to judge: fewer training rows than train.num_workers"
@@ -159,6 +160,8 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
                 f"≈ {rate}; add CPU nodes (decode runs on any node's CPUs), train.object_store_cache=true, "
                 "or store decoded (etl.parquet_encoding=raw)")
         more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
+        if free_cpus is not None and free_cpus < 1:  # the workers hold every CPU: the setting cannot give more
+            more = f"more cores per {'GPU' if device == 'GPU' else 'worker'} (a bigger node: the workers hold every CPU)"
         if tier and tier.startswith("decoded"):
             return (f"input-bound: the decoded tier's augmentation ({tier}) < {device} ≈ {rate}, stall "
                     f"{t.stall:.0%}; keep the tier on the GPU (train.decoded_tier=gpu, "

@@ -65,7 +65,7 @@ class Worker:
 
         self.cfg, self.hooks = TrainConfig(**config["train"]), hooks
         self.seed, self.classes, self.size = config["seed"], config["classes"], config["image_size"]
-        self.raw = config["raw"]
+        self.raw, self.free_cpus = config["raw"], config.get("free_cpus")
         self.rank, self.world, self.device = hooks.rank, hooks.world, hooks.device
         # trial start (the Tune function's first line, time.time()) -> first batch: a trial's start-up
         self.started_at, self.first_batch_at = config.get("started_at"), None
@@ -229,7 +229,8 @@ class Worker:
                "device_utilisation": times.utilisation, "device_images_per_s": times.device_images_per_s,
                "tier": getattr(feed, "tier", self.cfg.ingest),
                "verdict": meters.verdict(times, device, self.cfg.ingest, capacity, getattr(feed, "tier", None),
-                                         self.world, ingest_ray.judged_waits(totals[7:], self.world, self.cfg)),
+                                         self.world, ingest_ray.judged_waits(totals[7:], self.world, self.cfg),
+                                         self.free_cpus),
                "lr": self.optimizer.param_groups[0]["lr"]}
         if capacity:
             row["decode_images_per_s"] = capacity["images_per_s"]

@@ -85,7 +85,8 @@ def loop_config(cfg: TrainConfig, data: Artifact, shards: dict, seed: int, s3: A
             "image_size": data.manifest["config"]["image_size"], "shards": shards,
             "s3": storage.s3_options(s3), "raw": storage.stored_raw(data.manifest, cfg.data_format),
             "cpus_per_worker": plan.cpus_per_worker, "decode_processes": plan.decode_processes,
-            "torch_threads": plan.torch_threads}
+            "torch_threads": plan.torch_threads,  # CPUs no worker holds: whether the verdict's "more CPUs" can be had
+            "free_cpus": max(0.0, plan.total_cpus - plan.data_reserved_cpus - plan.cpus_per_worker * plan.num_workers)}
 
 
 def ray_data_datasets(cfg: TrainConfig, loop: dict[str, Any],
