@@ -288,3 +288,8 @@ def test_the_pipeline_export_stage_publishes_and_reuses(trained, tmp_path):
     assert (tmp_path / "run/export/raymill/1/model.pt").is_file()
     again, reused = pipeline.export_stage(cfg, model)
     assert reused and again.manifest == artifact.manifest
+    from workflow import report  # the run's summary table has the export's row (it had none)
+
+    [row] = report._export_row(again, {"export": 0.7})
+    assert row["stage"] == "export" and row["rows"] == again.manifest["check"]["images"] > 0, row
+    assert row["note"].startswith("torchscript, logits within") and "classes agree 100.0%" in row["note"], row

@@ -157,14 +157,16 @@ def _run_locked(cfg: Config, serve: bool, inputs: preflight.Inputs | None, start
         tracking.log_infer(cfg, model.path, preds)
     timings["infer"] = time.perf_counter() - t - ray_up.take()
 
+    exported = None
     if cfg.export.enabled:
         t = time.perf_counter()
-        _, reused["export"] = export_stage(cfg, model)
+        exported, reused["export"] = export_stage(cfg, model)
         timings["export"] = time.perf_counter() - t
 
     serve_stats = _serve_and_probe(cfg, model, data) if serve else None
     return report.write(cfg, data, model, preds, serve_stats, timings, time.perf_counter() - started,
-                        {name for name, again in reused.items() if again}, before_s=before, ray_s=ray_up.seconds)
+                        {name for name, again in reused.items() if again}, before_s=before, ray_s=ray_up.seconds,
+                        exported=exported)
 
 
 def _earlier_model(cfg: Config, used: str) -> None:

@@ -17,9 +17,24 @@ __all__ = ["write", "summary", "RAY_START"]
 RAY_START = "Ray's start, with torch imported beside it"
 
 
-def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, float]) -> list[dict]:
+def _rows(data: Artifact, model: Artifact, preds: Artifact, timings: dict[str, float],
+          exported: Artifact | None = None) -> list[dict]:
     etl_m, train_m, infer_m = data.manifest, model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     train_stage = "tune" if "tune" in timings else "train"
+    return _stage_rows(etl_m, train_m, infer_m, train_stage, timings) + _export_row(exported, timings)
+
+
+def _export_row(exported: Artifact | None, timings: dict[str, float]) -> list[dict]:
+    """The export's row: its format and its check against the model in torch (it had no row)."""
+    if exported is None:
+        return []
+    m, check = exported.manifest, exported.manifest.get("check") or {}
+    return [{"stage": "export", "rows": check.get("images"), "seconds": timings["export"], "images_per_s": None,
+             "note": f"{m.get('format')}, logits within {check.get('logits_max_abs_diff', 0):.1e} of torch, classes "
+                     f"agree {check.get('class_agreement', 0):.1%}"}]
+
+
+def _stage_rows(etl_m: dict, train_m: dict, infer_m: dict, train_stage: str, timings: dict[str, float]) -> list[dict]:
     return [
         {"stage": "etl", "rows": etl_m["totals"]["rows_out"], "seconds": timings["etl"],
          "images_per_s": etl_m["metrics"]["images_per_s"],
@@ -72,12 +87,12 @@ def _tracking_md(info: dict[str, Any] | None) -> str:
 
 def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: dict | None,
           timings: dict[str, float], seconds: float, reused: set[str] = frozenset(),
-          before_s: float | None = None, ray_s: float | None = None) -> dict[str, Any]:
+          before_s: float | None = None, ray_s: float | None = None, exported: Artifact | None = None) -> dict[str, Any]:
     """Write report.json and report.md; return the report (`summary(report)` is its console text).
     `reused`: the stages this run took unchanged from an earlier one; `before_s`: the seconds
     before the first stage and `ray_s` Ray's start, None when no stage needed it (the run's split
     says where the whole wait went)."""
-    rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings)]
+    rows = [{**r, "reused": r["stage"] in reused} for r in _rows(data, model, preds, timings, exported)]
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
