@@ -90,6 +90,13 @@ def _procs(n: int) -> str:
     return f"{n} process{'' if n == 1 else 'es'}"
 
 
+def _more_cpus(device: str, free_cpus: float | None) -> str:
+    per = "GPU" if device == "GPU" else "worker"
+    if free_cpus is not None and free_cpus < 1:  # the workers hold every CPU: the setting cannot give more
+        return f"more cores per {per} (a bigger node: the workers hold every CPU)"
+    return f"more CPUs per {per} (train.cpus_per_worker)"
+
+
 def _rate(x: float) -> str:
     return f"{x:,.0f} img/s"
 
@@ -159,9 +166,7 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
                 f"input-bound: Ray Data is the weakest link, stall {t.stall:.0%} beside a {device} that does "
                 f"≈ {rate}; add CPU nodes (decode runs on any node's CPUs), train.object_store_cache=true, "
                 "or store decoded (etl.parquet_encoding=raw)")
-        more = f"more CPUs per {'GPU' if device == 'GPU' else 'worker'} (train.cpus_per_worker)"
-        if free_cpus is not None and free_cpus < 1:  # the workers hold every CPU: the setting cannot give more
-            more = f"more cores per {'GPU' if device == 'GPU' else 'worker'} (a bigger node: the workers hold every CPU)"
+        more = _more_cpus(device, free_cpus)
         if tier and tier.startswith("decoded"):
             return (f"input-bound: the decoded tier's augmentation ({tier}) < {device} ≈ {rate}, stall "
                     f"{t.stall:.0%}; keep the tier on the GPU (train.decoded_tier=gpu, "
