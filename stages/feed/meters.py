@@ -91,6 +91,7 @@ def _procs(n: int) -> str:
 
 
 def _more_cpus(device: str, free_cpus: float | None) -> str:
+    """The input-bound fix of more CPUs: `free_cpus` is what no worker holds (None: unknown)."""
     per = "GPU" if device == "GPU" else "worker"
     if free_cpus is not None and free_cpus < 1:  # the workers hold every CPU: the setting cannot give more
         return f"more cores per {per} (a bigger node: the workers hold every CPU)"
@@ -149,8 +150,7 @@ def verdict(t: EpochTimes, device: str, ingest: str, decode: dict | None = None,
     the feed's tier (`decoded-gpu`/`decoded-host` when the decoded tier fed the epoch). `t` and
     `decode` are one worker's (the mean over `workers`): rates are said for all of them, beside
     the epoch's images/s, which counts every worker (one worker's rate had read as a bound 4.7x
-    below the throughput printed next to it). `ray_waits`: Ray Data's wait in parts. `free_cpus`:
-    the CPUs no worker holds (None: unknown); under one, more CPUs a worker means more cores.
+    below the throughput printed next to it). `ray_waits`: Ray Data's wait in parts; `free_cpus`: `_more_cpus`.
     """
     if t.images == 0:  # more workers than training rows: the mean worker's batches were empty
         return "too few images this epoch to judge: fewer training rows than train.num_workers"
