@@ -79,10 +79,6 @@ def test_run_with_serve_that_cannot_fit_stops_before_etl_with_exit_2(ray_session
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=r"hold 0; lower serve.replica_memory_mb or serve.num_replicas"):  # memory short
         session.plan_serve(_cfg("serve.replica_memory_mb=4096").serve, [{"CPU": 8.0, "memory": 2 * 2**30}])
-    # Training ends before the endpoint starts: each plans alone, so one GPU does both (the plan of
-    # both at once had refused it: "needs 1 GPUs but the cluster has 0")
-    gpu = _cfg("train.use_gpu=true", "serve.use_gpu=true").serve
-    assert session.plan_serve(gpu, [{"CPU": 4.0, "GPU": 1.0, "memory": 8 * 2**30}]).replicas == 1
 
 
 ONE_GPU_NODE = [{"CPU": 16.0, "GPU": 1.0, "memory": 64 * 2**30}]
@@ -209,6 +205,14 @@ def test_workers_are_sized_to_the_nodes_that_hold_them_not_to_the_clusters_sum()
     assert (gpu.num_workers, gpu.cpus_per_worker) == (4, 0.75)
     # a single node plans as before
     assert session.plan_workers(_cfg("train.num_workers=2").train, TWO_CPUS, 0.5).cpus_per_worker == 1.0
+    # a 0-CPU head has no room, not negative room (it had cut the share: 8 x 0.6 where 8 x 0.75 fit)
+    head = session.plan_workers(_cfg("train.ingest=ray_data", "train.num_workers=8", "train.data_cpus_per_task=1").train,
+                                _nodes((0.0, 0.0), (4.0, 0.0), (4.0, 0.0)), 2.0)
+    assert head.cpus_per_worker == 0.75
+    # eight 1.5-CPU nodes keep 0.5 each beside 1-CPU workers: 0.25-CPU Ray Data tasks (the totals'
+    # 4 CPUs left had given 1-CPU tasks that no node could start)
+    small = session.plan_workers(_cfg("train.ingest=ray_data", "train.num_workers=8").train, _nodes(*[(1.5, 0.0)] * 8), 0.5)
+    assert (small.cpus_per_worker, small.data_cpus_per_task) == (1.0, 0.25)
 
 
 def test_a_worker_no_node_can_hold_is_refused_naming_the_nodes():
@@ -216,6 +220,10 @@ def test_a_worker_no_node_can_hold_is_refused_naming_the_nodes():
                                           r"\(1 x 16 CPU/0 GPU, 1 x 4 CPU/0 GPU, 1 x 2 CPU/0 GPU; .*they hold 0"):
         session.plan_workers(_cfg("train.num_workers=1", "train.cpus_per_worker=17").train,
                              _nodes((2.0, 0.0), (16.0, 0.0), (4.0, 0.0)), 0.5)
+    with pytest.raises(ConfigError, match=r"train.gpus_per_worker=2 GPU do not fit on the nodes \(2 x 16 CPU/1 GPU; "
+                                          r".*hold 0; lower train.gpus_per_worker \(at most 1\)"):
+        session.plan_workers(_cfg("train.use_gpu=true", "train.num_workers=1", "train.gpus_per_worker=2").train,
+                             {**_nodes((16.0, 1.0), (16.0, 1.0)), "node_cpus_per_gpu": 16.0}, 0.5)
     with pytest.raises(ConfigError, match=r"no CPU for training workers yet: add a node with CPUs"):
         session.plan_workers(_cfg().train, _nodes((0.0, 0.0)), 0.5)  # a head started with --num-cpus=0
     with pytest.raises(ConfigError, match=r"leave each worker under 0.01 of the 2 free CPUs"):

@@ -12,8 +12,10 @@ from collections import Counter
 
 import httpx
 import pytest
+import ray
 
 from stages.serve import app as serve_stage
+from stages.serve import draining
 from tests.conftest import free_port, image_bytes
 from tests.test_serve import JPEG, _save_model
 from stages.common.config import ConfigError, ServeConfig
@@ -130,6 +132,9 @@ def test_rolling_updates_on_one_gpu_lose_nothing(proxy, model_dir, tmp_path, cap
             while any(_alive(pid) for pid in old) and time.time() < deadline:
                 time.sleep(0.5)
             assert not any(_alive(pid) for pid in old), f"old replica {old} still running"
+            # the app's Drain lives on through this process's update (its second handle had ended it)
+            drain = ray.get_actor(draining.actor_name(half.app_name), namespace=draining.NAMESPACE)
+            assert isinstance(ray.get(drain.state.remote(), timeout=30), dict)
         # Another app finds the GPU held by this one: refused with the holder named, not left pending.
         from ray import serve
 
@@ -138,6 +143,13 @@ def test_rolling_updates_on_one_gpu_lose_nothing(proxy, model_dir, tmp_path, cap
                                               r"stop that work"):
             serve_stage.start(other, model_dir, route_prefix="/no-room", wait_for_room_s=2)
         assert "test-no-room" not in serve.status().applications
+        # Two updates from this process later, the app still drains (a second deploy's handle had
+        # ended its Drain actor): readiness says 503 to load balancers, liveness stays 200
+        serve_stage.drain(half)
+        health = httpx.get(f"{url}/healthz", timeout=30)
+        assert health.status_code == 503 and health.json()["error"] == "shutting_down", health.text
+        assert httpx.get(f"{url}/v2/health/ready", timeout=30).status_code == 503
+        assert httpx.get(f"{url}/v2/health/live", timeout=30).status_code == 200
     finally:
         serve_stage.shutdown(half)
 

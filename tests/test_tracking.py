@@ -413,3 +413,12 @@ def test_a_stopped_searchs_trial_runs_end_with_it(tmp_path):
     tracking._end_children(parent, "KILLED")
     assert client.get_run(running.info.run_id).info.status == "KILLED"
     assert client.get_run(done.info.run_id).info.status == "FINISHED"
+
+
+def test_the_ui_hint_can_be_pasted_for_a_path_with_a_space():
+    import shlex
+
+    from stages.common.tracking import ui_command
+
+    said = ui_command("sqlite:////tmp/tr dir ü/mlflow.db")
+    assert shlex.split(said)[:4] == ["mlflow", "ui", "--backend-store-uri", "sqlite:////tmp/tr dir ü/mlflow.db"], said

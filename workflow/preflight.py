@@ -107,7 +107,7 @@ def check_serve_room(cfg: Config) -> None:
     memory and a GPU plan are known only to Ray: the run checks those (session.plan_serve)."""
     if cfg.ray.address is not None or cfg.serve.use_gpu:
         return
-    cpus = float(cfg.ray.num_cpus or os.cpu_count() or 1)  # Ray takes no more than the machine has
+    cpus = float(cfg.ray.num_cpus or session.local_cpus())  # affinity and cgroup quota, as Ray counts them
     memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # nor more memory
     session.plan_serve(cfg.serve, [{"CPU": cpus, "GPU": 0.0, "memory": memory}], say=False)
 

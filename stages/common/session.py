@@ -15,9 +15,8 @@ from stages.common.config import ConfigError, InferConfig, ServeConfig, TrainCon
 from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noqa: F401 (re-exported)
 from stages.common.ray_start import dashboard_url, start, start_if_needed  # noqa: F401 (re-exported)
 
-__all__ = ["start", "start_if_needed", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources", "local_cpus",
-           "WorkerPlan",
-           "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS",
+__all__ = ["start", "start_if_needed", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources",
+           "local_cpus", "WorkerPlan", "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS",
            "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
@@ -90,10 +89,7 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
     if train.min_workers is not None and train.min_workers > n:
         raise ConfigError(f"train.min_workers={train.min_workers} exceeds train.num_workers="
                           f"{n}; set min_workers <= num_workers")
-    # Ray Data tasks: 1 CPU (Ray's default) with 2+ CPUs left beside the trainers, else what fits;
-    # on an H100 node's 16 cores 0.5-CPU tasks decoded 1,284 img/s, 1-CPU ones 4,372-4,788 (RESULTS gpu).
-    left = math.floor((total_cpus - cpus * workers) * 100 + 1e-6) / 100
-    data_cpus = (train.data_cpus_per_task or (1.0 if left >= 2 else min(DATA_TASK_CPUS, left))) if reserve else 0.0
+    data_cpus = _data_task_cpus(train, cpus, workers, resources) if reserve else 0.0
     plan = WorkerPlan(n, train.min_workers, cpus,
                       train.gpus_per_worker if train.use_gpu else 0.0, train.use_gpu, reserve,
                       total_cpus, _decode_processes(train, cpus), torch_threads(train, cpus), data_cpus)
@@ -104,27 +100,49 @@ def plan_workers(train: TrainConfig, resources: dict[str, float], data_reserved_
         log.info("resource plan: %d worker(s) x %.2f CPU x %.2f GPU, %s per worker, %.2f CPU kept for Ray Data",
                  plan.num_workers, plan.cpus_per_worker, plan.gpus_per_worker, decode, reserve)
         if total_gpus and not train.use_gpu:  # the default: a GPU cluster had trained on CPUs without a word
-            log.info("resource plan: the cluster's %g GPU(s) stay unused (train.use_gpu=false; set it true to train "
-                     "on them)", total_gpus)
+            log.info("resource plan: the cluster's %g GPU(s) stay unused (train.use_gpu=false)", total_gpus)
     return plan
 
 
+def _nodes(resources: dict) -> list[tuple[float, float]]:
+    """Each node's (CPUs, GPUs); one node of the totals where the shapes are not known."""
+    return list(resources.get("nodes", ((resources["CPU"], resources["GPU"]),)))
+
+
+def _data_task_cpus(train: TrainConfig, cpus: float, workers: int, resources: dict) -> float:
+    """A Ray Data task's CPUs: 1 (Ray's default; on an H100 node 1-CPU tasks decoded 3.4x what 0.5-CPU
+    ones did, RESULTS gpu) with 2+ CPUs left and a node keeping 1 once the workers are placed (fullest
+    first, as PACK places them), else what fits: totals alone gave eight 1.5-CPU nodes 1-CPU tasks."""
+    if train.data_cpus_per_task:
+        return train.data_cpus_per_task
+    left = math.floor((resources["CPU"] - cpus * workers) * 100 + 1e-6) / 100
+    gpus, most, placing = (train.gpus_per_worker if train.use_gpu else 0.0), 0.0, workers
+    for c, g in sorted(_nodes(resources), reverse=True):
+        room = [{"CPU": max(c - DATA_TASK_CPUS, 0), "GPU": g}]  # as _fit_nodes placed them: each keeps a task
+        here = min(placing, units_that_fit({"CPU": cpus, "GPU": gpus}, room))
+        placing, most = placing - here, max(most, c - here * cpus)
+    return 1.0 if left >= 2 and most >= 1 else min(DATA_TASK_CPUS, left)
+
+
 def _fit_nodes(train: TrainConfig, cpus: float, workers: int, resources: dict, keep: float) -> float:
-    """`cpus` a worker, or where the nodes cannot hold `workers` of them (each worker within one
-    node, each node keeping `keep` CPUs for a Ray Data task), the largest share that they can. Summing
-    the cluster had given 2 x 10 CPUs on nodes of 16 and 4 (one worker never placed: a capacity wait,
-    then a false error), and 3 x 0.83 on three 1-CPU nodes, which left no node room for a 0.25-CPU
-    Ray Data task (a hang). A train.cpus_per_worker or gpus_per_worker no node holds is refused."""
-    gpus = train.gpus_per_worker if train.use_gpu else 0.0
-    nodes = [(c - keep, g) for c, g in resources.get("nodes", ((resources["CPU"], resources["GPU"]),))]
+    """`cpus` a worker, or where the nodes cannot hold `workers` of them (each within one node, each
+    node keeping `keep` CPUs for a Ray Data task), the largest share they can. Summing the cluster had
+    given 2 x 10 CPUs on nodes of 16 and 4 (a capacity wait, then a false error) and 3 x 0.83 on three
+    1-CPU nodes (no room for a Ray Data task: a hang). A cpus_ or gpus_per_worker no node holds is refused."""
+    gpus, raw = (train.gpus_per_worker if train.use_gpu else 0.0), _nodes(resources)
+    nodes = [(max(c - keep, 0.0), g) for c, g in raw]  # a 0-CPU head keeps nothing: no negative room
 
     def held(share: float) -> int:
         return units_that_fit({"CPU": share, "GPU": gpus}, [{"CPU": c, "GPU": g} for c, g in nodes])
 
     if held(cpus) >= workers:
         return cpus
-    shapes = ", ".join(f"{k} x {c + keep:g} CPU/{g:g} GPU"
-                       for (c, g), k in sorted(Counter(nodes).items(), reverse=True))
+    shapes = ", ".join(f"{k} x {c:g} CPU/{g:g} GPU" for (c, g), k in sorted(Counter(raw).items(), reverse=True))
+    if gpus and (on_gpus := units_that_fit({"GPU": gpus}, [{"GPU": g} for _, g in raw])) < workers:
+        raise ConfigError(f"{workers} training worker(s) of train.gpus_per_worker={gpus:g} GPU do not fit on the nodes "
+                          f"({shapes}; a worker's GPUs are on one node): they hold {on_gpus}; lower "
+                          f"train.gpus_per_worker (at most {max(g for _, g in raw):g}) or train.num_workers, or add "
+                          f"GPU nodes")
     if not train.cpus_per_worker:  # the largest share, in hundredths, at which every worker is placed
         shares = {math.floor(c / k * 100) / 100 for c, _ in nodes for k in range(1, workers + 1)}
         if fit := max((s for s in shares if 0 < s <= cpus and held(s) >= workers), default=0.0):
@@ -152,12 +170,8 @@ def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
     """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
     one-GPU node trains on it rather than refusing a second worker). On CPUs: one worker on a
     one-node cluster, else 2 (DDP across nodes). On one node a second DDP process adds a model
-    copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not
-    (2-core AMD box, the demo: 2 workers x 1 thread trained at 511-680 img/s with a train-stage fixed
-    cost of 27-35 s, 1 x 2 threads at 433-552 with 12-16 s; a decode-heavy shape, 224 px small_cnn
-    width 4: 298-300 img/s against 249-276, yet one worker finished first; at 7 epochs of 6,000 images,
-    alternating, one worker stepped faster too: 269-278 img/s against 257-260; README "On a CPU-only
-    node")."""
+    copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not:
+    one worker finished first in every shape measured (README "On a CPU-only node" has the numbers)."""
     if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
         return train.num_workers or 1
     if train.use_gpu:

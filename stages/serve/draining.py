@@ -58,14 +58,17 @@ class Drain:
         return dict(self._in_flight)
 
 
-# The handles this process made: a named actor still ends when its owner's last handle goes
-_OWNED: dict[str, Any] = {}
+# Every handle this process got, kept until its drain: a named actor still ends when its owner's
+# handle goes, and a second deploy's get_if_exists handle had replaced (and so ended) the first
+_OWNED: dict[str, list[Any]] = {}
 
 
 def create(app_name: str) -> None:
     """The app's Drain actor, made by the process that deploys the app (or the one already made: a
-    rollout from another process keeps the endpoint owner's). It lives as long as that process."""
-    _OWNED[app_name] = Drain.options(name=actor_name(app_name), namespace=NAMESPACE, get_if_exists=True).remote()
+    rollout from another process, or a second deploy from this one, keeps the first). It lives as
+    long as the process that made it."""
+    handle = Drain.options(name=actor_name(app_name), namespace=NAMESPACE, get_if_exists=True).remote()
+    _OWNED.setdefault(app_name, []).append(handle)
 
 
 def drain(app_name: str, wait_s: float) -> None:
@@ -74,6 +77,9 @@ def drain(app_name: str, wait_s: float) -> None:
     try:
         actor = ray.get_actor(actor_name(app_name), namespace=NAMESPACE)
     except ValueError:  # deployed without one (build_app served by a library caller's own serve.run)
+        # (or its start failed before: a refused `raymill serve` says nothing more)
+        log.debug("serve: app %r has no drain (not deployed by stages.serve.start); stopping without waiting "
+                  "for requests in progress", app_name)
         return
     started = time.monotonic()
     try:

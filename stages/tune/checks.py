@@ -3,7 +3,6 @@ that `raymill run` and `raymill tune` refuse a search that cannot work before Ra
 pipeline had run ETL first: 13 s on 2 cores). Also the train config of one trial."""
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from stages.common import fingerprint, session, storage
@@ -72,7 +71,7 @@ def check_room(cfg: TuneConfig, train_cfg: TrainConfig, ray_cfg: RayConfig) -> N
     refused after Ray's start and ETL). A cluster's room, and a GPU plan, wait for Ray."""
     if ray_cfg.address is not None or train_cfg.use_gpu:
         return
-    cpus = float(ray_cfg.num_cpus or os.cpu_count() or 1)  # Ray takes no more than the machine has
+    cpus = float(ray_cfg.num_cpus or session.local_cpus())  # affinity and cgroup quota, as Ray counts them
     session.plan_trials(cfg, train_cfg, {"CPU": cpus, "GPU": 0.0}, ray_cfg.data_reserved_cpus, say=False)
 
 
