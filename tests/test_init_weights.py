@@ -303,7 +303,10 @@ def loop_setup(tmp_path_factory, ray_session):
         "max_steps": 4, "checkpoint_every_steps": 2, "decode_processes": 0, "shuffle_buffer_rows": 16})
     plan = train.check_init(tcfg, data, None)
     shards = train.check_data(tcfg, data, None)
-    workers = types.SimpleNamespace(cpus_per_worker=1.0, decode_processes=0, torch_threads=1)
+    from stages.common.session import WorkerPlan
+
+    workers = WorkerPlan(num_workers=1, min_workers=None, cpus_per_worker=1.0, gpus_per_worker=0.0, use_gpu=False,
+                         data_reserved_cpus=0.0, total_cpus=1.0, decode_processes=0, torch_threads=1)
     loop = {**train.loop_config(plan.train, data, shards, 0, None, workers), **finetune.shipped(plan),
             "fingerprint": None, "tracking": None}
     return types.SimpleNamespace(root=root, loop=loop, state=state, plan=plan)
