@@ -391,7 +391,8 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     one_block = infer.map_batches_kwargs(InferConfig(num_actors=2), infer.Plan("images", plan.items, 1, 10, {}, {}),
                                          {"CPU": 4.0, "GPU": 0.0})
     assert one_block["predict"]["compute"].max_size == 1 and one_block["predict"]["num_cpus"] == 1.0
-    assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 6.0, "GPU": 8.0})["num_actors"] == 5
+    # 6 CPUs for 8 GPUs: 5 actors would leave 1 decode task; 6 actors decoding their own do more
+    assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 6.0, "GPU": 8.0})["num_actors"] == 6
     big = InferConfig(use_gpu=True, decode="actor", cpus_per_actor=4)  # 16 CPUs hold 4 such actors, not 8
     assert session.plan_infer(big, {"CPU": 16.0, "GPU": 8.0})["num_actors"] == 4
     assert session.plan_infer(big, {"CPU": 64.0, "GPU": 8.0, "node_cpus_per_gpu": 2.0})["num_actors"] == 4
@@ -400,8 +401,13 @@ def test_gpu_plan_decodes_in_tasks_and_gives_the_gpu_pool_a_batch_size(ray_sessi
     assert session.plan_infer(InferConfig(), {"CPU": 2.0, "GPU": 0.0})["num_actors"] == 1
     two = {"CPU": 10.0, "GPU": 0.0, "nodes": ((8.0, 0.0), (2.0, 0.0))}  # 2-CPU actors, node by node
     assert session.plan_infer(InferConfig(cpus_per_actor=2), two)["num_actors"] == 4
-    # a GPU node of 1 CPU: no decode task fits beside the actor, which decodes itself (it had been refused)
+    # a GPU node of 1 CPU: no decode task fits beside the actor, which decodes itself (it had been refused);
+    # 8 GPUs, 8 CPUs: each of 8 actors decodes its own (7 actors had been fed by 1 decode task)
     assert session.plan_infer(InferConfig(use_gpu=True), {"CPU": 1.0, "GPU": 1.0})["decode"] == "actor"
+    poor = session.plan_infer(InferConfig(use_gpu=True), {"CPU": 8.0, "GPU": 8.0, "node_cpus_per_gpu": 1.0})
+    assert (poor["decode"], poor["num_actors"]) == ("actor", 8), poor
+    h100 = session.plan_infer(InferConfig(use_gpu=True), {"CPU": 16.0, "GPU": 1.0, "node_cpus_per_gpu": 16.0})
+    assert (h100["decode"], h100["num_actors"], h100["decode_tasks"]) == ("tasks", 1, 15), h100
     with pytest.raises(ConfigError, match=r"infer.num_actors=1 of infer.cpus_per_actor=2 CPU each do not fit on the "
                                           r"nodes \(1 CPU/0 GPU, 1 CPU/0 GPU, 1 CPU/0 GPU\): they hold 0"):
         session.plan_infer(InferConfig(num_actors=1, cpus_per_actor=2), {"CPU": 3.0, "GPU": 0.0,

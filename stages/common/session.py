@@ -355,6 +355,8 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
     gpus, total, per_task = (1.0 if infer.use_gpu else 0.0), resources["CPU"], infer.decode_cpus_per_task
     decode = infer.decode if infer.decode != "auto" else "tasks" if infer.use_gpu else "actor"
     actors = planned_actors(infer, resources, decode)
+    if infer.decode == "auto" and decode == "tasks" and total - actors * infer.cpus_per_actor < actors * per_task:
+        decode, actors = "actor", planned_actors(infer, resources, "actor")  # 8 GPUs, 8 CPUs: not 7 + 1 task
     named = f"infer.num_actors={actors}" if infer.num_actors else f"{actors} actor(s) (infer.num_actors unset)"
     if actors * gpus > resources["GPU"] + 1e-9:
         raise ConfigError(f"infer.use_gpu with {named} needs {actors:g} GPUs but the cluster has "
@@ -369,8 +371,6 @@ def plan_infer(infer: InferConfig, resources: dict[str, float]) -> dict:
         raise ConfigError(f"{named} of infer.cpus_per_actor={infer.cpus_per_actor:g} CPU{' and 1 GPU' if gpus else ''}"
                           f" each do not fit on the nodes ({', '.join(f'{c:g} CPU/{g:g} GPU' for c, g in nodes)}): "
                           f"they hold {fit}; lower infer.num_actors or infer.cpus_per_actor, or add nodes")
-    if decode == "tasks" and left < per_task - 1e-9 and infer.decode == "auto":
-        decode = "actor"  # no CPU for a decode task beside the pool (1 GPU, 1 CPU): each actor decodes its own
     if decode == "tasks" and left < per_task - 1e-9:
         raise ConfigError(f"infer.decode=tasks: {named} x infer.cpus_per_actor="
                           f"{infer.cpus_per_actor:g} leave {max(left, 0):g} of {total:g} CPUs, less than one decode "
