@@ -191,8 +191,10 @@ def _nodes(*shapes) -> dict:
 def test_workers_are_sized_to_the_nodes_that_hold_them_not_to_the_clusters_sum():
     # 16 + 4 CPUs: an even share of the sum (2 x 10) fit one worker, and the second waited out
     # train.capacity_timeout_s (a review, on a real 6 + 2 CPU cluster: CapacityError after the wait)
-    plan = session.plan_workers(_cfg().train, _nodes((16.0, 0.0), (4.0, 0.0)), 0.5)
+    plan = session.plan_workers(_cfg("train.num_workers=2").train, _nodes((16.0, 0.0), (4.0, 0.0)), 0.5)
     assert (plan.num_workers, plan.cpus_per_worker) == (2, 8.0)
+    # unset, one worker a node of at least half the largest's CPUs: the 16-CPU one
+    assert session.plan_workers(_cfg().train, _nodes((16.0, 0.0), (4.0, 0.0)), 0.5).cpus_per_worker == 16.0
     four = session.plan_workers(_cfg("train.num_workers=4").train, _nodes((2.0, 0.0), (16.0, 0.0), (4.0, 0.0)), 0.5)
     assert four.cpus_per_worker == 4.0  # 4 on the 16-CPU node (or 3 there and 1 on the 4-CPU one)
     # ray_data on three 1-CPU nodes: 3 x 0.83 left each node 0.17 CPU, under a 0.25-CPU Ray Data task: a hang

@@ -252,6 +252,9 @@ def test_unset_num_workers_plans_one_worker_per_gpu_one_on_a_cpu_node_and_two_ac
     assert session.plan_workers(TrainConfig(), {"CPU": 4.0, "GPU": 0.0, "cpu_nodes": 2.0}, 0.5).num_workers == 2
     eight_nodes = {"CPU": 256.0, "GPU": 0.0, "cpu_nodes": 8.0, "max_node_cpus": 32.0, "nodes": ((32.0, 0.0),) * 8}
     assert session.plan_workers(TrainConfig(), eight_nodes, 0.5).num_workers == 8  # one a node (it had been 2)
+    small_head = {**eight_nodes, "CPU": 258.0, "cpu_nodes": 9.0, "nodes": ((2.0, 0.0),) + ((32.0, 0.0),) * 8}
+    plan = session.plan_workers(TrainConfig(), small_head, 0.5)  # not 9 x 16: a worker for the head had halved all
+    assert (plan.num_workers, plan.cpus_per_worker) == (8, 32.0), plan
     with pytest.raises(ConfigError, match="train.num_workers=2 x 1 needs 2 GPUs but the cluster has 1"):
         session.plan_workers(TrainConfig(use_gpu=True, num_workers=2), gpu, 0.5)  # set by hand: refused
     with pytest.raises(ConfigError, match="needs 1 GPUs but the cluster has 0"):

@@ -167,16 +167,16 @@ def train_host(train: TrainConfig, plan: WorkerPlan, nodes: int) -> str:
 
 
 def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
-    """`train.num_workers`, or where unset one worker per GPU the cluster has (train.use_gpu: a
-    one-GPU node trains on it rather than refusing a second worker). On CPUs: one a node with CPUs
-    (2 on any cluster had left 6 of 8 nodes idle). On one node a second DDP process adds a model
-    copy, an all-reduce and Ray Train's group start, and buys nothing that intra-op threads do not:
-    one worker finished first in every shape measured (README "On a CPU-only node" has the numbers)."""
+    """`train.num_workers`, or where unset one worker per GPU (train.use_gpu: a one-GPU node trains on
+    it). On CPUs: one a node with at least half the largest node's CPUs (2 had left 6 of 8 nodes idle;
+    a 9th worker for a small head would halve every share). Never two on one node: a second DDP process
+    buys nothing that intra-op threads do not (README "On a CPU-only node" has the numbers)."""
     if train.num_workers or train.host == "tune_trial":  # that host runs one (config.TrainConfig checks)
         return train.num_workers or 1
     if train.use_gpu:
         return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9))
-    return max(1, int(resources.get("cpu_nodes", 1)))
+    cpus = [c for c, _ in resources.get("nodes", ())] or [1.0] * int(resources.get("cpu_nodes", 1))
+    return max(1, sum(1 for c in cpus if c > 0 and c >= max(cpus) / 2))
 
 
 def _cpu_share(train: TrainConfig, resources: dict[str, float], even: float) -> float:
