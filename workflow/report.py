@@ -96,7 +96,7 @@ def write(cfg: Config, data: Artifact, model: Artifact, preds: Artifact, serve: 
     train_m, infer_m = model.manifest.get("metrics", {}), preds.manifest.get("metrics", {})
     tracked = _tracking(cfg, model)
     split = _train_split(cfg, model, timings) if "train" in timings and "train" not in reused else None
-    name = cfg.run.name or cfg.run.dir.rstrip("/").rsplit("/", 1)[-1]  # unset: the run folder's
+    name = cfg.run.named(cfg.run.dir)
     report = {"run": name, "dir": cfg.run.dir, "seconds": round(seconds, 1), "stages": rows,
               "run_seconds_split": _run_split(timings, seconds, before_s, ray_s, serve is not None),
               "train_seconds_split": split,

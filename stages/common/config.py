@@ -53,6 +53,10 @@ class RunSection(Section):
     seed: int = 0
     force: bool = False  # recompute stages even when their inputs and config are unchanged
 
+    def named(self, folder: str) -> str:
+        """`name`, or where unset the last name of `folder` (the run's, or a stage command's output)."""
+        return self.name or folder.rstrip("/").rsplit("/", 1)[-1]
+
 
 class SplitFractions(Section):
     train: float = Field(0.8, ge=0, le=1)

@@ -294,8 +294,8 @@ def _tracked(cfg: Config, data: Artifact, out: str, store: str | None, stage: st
     with locks.output_lock(out, stage, cfg.s3):
         if reuse is not None and (done := reuse()) is not None:
             return done  # its MLflow run and model version stand: a new run had registered it again
-        name = cfg.run.name or (store or out).rstrip("/").rsplit("/", 1)[-1]  # unset: the folder's ("demo" had
-        handle = start(cfg.tracking, store or out, f"{name}-{stage}",  # named every user's runs)
+        # run.name unset: the folder's ("demo" had named every user's runs)
+        handle = start(cfg.tracking, store or out, f"{cfg.run.named(store or out)}-{stage}",
                        {"raymill.stage": stage, "raymill.config_hash": config_hash(section)})
         log_params(handle, {stage: section, "seed": cfg.run.seed, "data": _data_params(data),
                             "code": code_version()})
