@@ -117,8 +117,9 @@ async def follow(app_name: str, ingress: Any) -> None:
         await actor.wait.remote(me)
         ingress.draining = True
         while True:  # new image requests are refused now: the count only falls
-            await actor.report.remote(me, ingress.in_flight)
-            if ingress.in_flight == 0:
+            left = ingress.in_flight  # the value sent is the one judged: read again after the await, a 0
+            await actor.report.remote(me, left)  # had ended the loop with 3 reported (an 11 s drain in CI)
+            if left == 0:
                 return
             await asyncio.sleep(POLL_S)
     except Exception as e:  # the process that deployed the app is gone, and its Drain with it
