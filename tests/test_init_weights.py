@@ -393,6 +393,14 @@ def test_raymill_train_continues_from_a_run_and_exits_2_for_a_bad_init_file(smok
     err = capsys.readouterr().err
     assert code == 2 and "train.init_from:" in err and "not plain tensors" in err, err
     assert not (tmp_path / "bad" / "ray").exists() and not (tmp_path / "bad" / "model.pt").exists()
+    # another architecture's file, MLflow on: refused beside Ray's start, before MLflow's store (the
+    # train stage had refused it 13 s later, leaving OUT/mlflow.db)
+    torch.save(build_model("resnet18", 4).state_dict(), tmp_path / "r18.pth")
+    code = _cli_main("train", *common[:-2], "--output", str(tmp_path / "other"), "--set", "tracking.enabled=true",
+                     "--set", f"train.init_from={tmp_path / 'r18.pth'}")
+    err = capsys.readouterr().err
+    assert code == 2 and "does not fit train.model=small_cnn: missing keys features.0.weight" in err, err
+    assert not (tmp_path / "other" / "mlflow.db").exists() and not (tmp_path / "other" / "ray").exists()
     out = tmp_path / "ft"
     assert _cli_main("train", *common, "--output", str(out), "--set", f"train.init_from={source}",
                      "--set", "train.freeze_epochs=1", "--set", "train.backbone_lr_scale=0.5") == 0

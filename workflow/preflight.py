@@ -9,12 +9,13 @@ demo torch and `ray.init` took 5.0 s + 1.0 s one after the other, and 5.1 s side
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import os
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import yaml
 
@@ -60,7 +61,7 @@ def start(cfg: Config, serve: bool = False) -> Inputs:
     """Check the run's config and inputs and write config.yaml. Returns ETL's inputs; Ray is not
     started here (`RayOnDemand`). `serve`: the run ends serving its model (`raymill run --serve`)."""
     # a model that cannot take etl.image_size would fail every trainer after ETL
-    models = cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
+    models = run_models(cfg)
     check_image_size(models, cfg.etl.image_size)
     check_init_source(cfg, models)
     if cfg.tune.enabled:  # a search that cannot work: refused before Ray and ETL (it had been 13 s later)
@@ -78,6 +79,11 @@ def start(cfg: Config, serve: bool = False) -> Inputs:
     return Inputs(etl_inputs(cfg, listing), listing)
 
 
+def run_models(cfg: Config) -> list[str]:
+    """Every train.model `raymill run` trains: a search's, or train.model."""
+    return cfg.tune.models(cfg.train.model) if cfg.tune.enabled else [cfg.train.model]
+
+
 class RayOnDemand:
     """Ray, with torch imported beside it and MLflow's store warming (`beside_ray`), started once,
     when the first stage must compute: a `raymill run` whose every stage was reused had started Ray
@@ -91,7 +97,7 @@ class RayOnDemand:
     def __call__(self) -> dict[str, float]:
         if self.seconds is None:
             t = time.perf_counter()
-            self._resources = beside_ray(self.cfg, self.cfg.run.dir)
+            self._resources = beside_ray(self.cfg, self.cfg.run.dir, run_models(self.cfg))
             self.seconds = self._untaken = time.perf_counter() - t
         return self._resources
 
@@ -135,16 +141,20 @@ def check_local_gpus(cfg: Config) -> None:
                           "cluster with GPUs (ray.address)")
 
 
-def beside_ray(cfg: Config, store: str) -> dict[str, float]:
+def beside_ray(cfg: Config, store: str, models: Sequence[str] = ()) -> dict[str, float]:
     """Start Ray in this thread while torch and Ray Train import in a thread beside it, and MLflow's
     store in `store` opens in another (`raymill run` at its first stage that computes; `raymill
     train` and `tune` before their stage, which had imported torch, opened MLflow's run, then
     started Ray). Returns the cluster's resources."""
     for name in _SHARED:  # before any thread of ours imports: MLflow's below shares them too
         importlib.import_module(name)
-    tracking.warm_up(cfg.tracking, store)  # beside Ray's start (and ETL's, in `raymill run`)
+    warm = functools.partial(tracking.warm_up, cfg.tracking, store)  # beside Ray's start (and ETL's)
+    check = _backbone_check(cfg, models)
+    if check is None:
+        warm()
     failed: list[BaseException] = []
-    importer = threading.Thread(target=_import_into, args=(_BESIDE_RAY, failed), name="raymill-import-torch",
+    then = None if check is None else functools.partial(_checked_then, check, warm)
+    importer = threading.Thread(target=_import_into, args=(_BESIDE_RAY, failed, then), name="raymill-import-torch",
                                 daemon=True)
     importer.start()
     try:
@@ -156,11 +166,41 @@ def beside_ray(cfg: Config, store: str) -> dict[str, float]:
     return resources
 
 
-def _import_into(names: tuple[str, ...], failed: list[BaseException]) -> None:
-    """Import `names` in order. Only the first one's error is the run's (torch's); the rest are a
-    head start that the stage imports again where it needs them, raising there if they fail."""
+def _backbone_check(cfg: Config, models: Sequence[str]) -> Callable[[], None] | None:
+    """The tensor check of a local train.init_from weights file (init_weights.check_backbone), or
+    None: no init weights, a raymill folder (its model.json's architecture was checked before Ray:
+    check_init_source), or a remote file (its one download is the stage's)."""
+    uri = cfg.train.init_from
+    if not uri or not models or storage.is_remote(uri) or init_source.kind_of(uri, look=True) == "raymill":
+        return None
+
+    def check() -> None:
+        from stages.model.init_weights import check_backbone
+
+        check_backbone(cfg.train, models, "width" in cfg.tune.search_space)
+    return check
+
+
+def _checked_then(check: Callable[[], None], warm: Callable[[], None]) -> None:
+    """`check`, then MLflow's warm-up, which creates the store: a refused init file leaves none. Any
+    other error of the check is left to the stage's own (init_weights.prepare), which says it."""
+    try:
+        check()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001: see above
+        log.debug("preflight: init weights not checked ahead (%s); the train stage checks them", e)
+    warm()
+
+
+def _import_into(names: tuple[str, ...], failed: list[BaseException], then: Callable[[], None] | None = None) -> None:
+    """Import `names` in order, calling `then` after the first. Only the first one's error, and
+    `then`'s, are the run's (torch's, the init check's); the rest are a head start that the stage
+    imports again where it needs them, raising there if they fail."""
     try:
         importlib.import_module(names[0])
+        if then is not None:
+            then()
     except Exception as e:  # noqa: BLE001: raised in the main thread, where the CLI reports it
         failed.append(e)
         return
@@ -264,5 +304,5 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
             elif stage == "tune":
                 check_search_state(cfg.tune, cfg.train, data, out, cfg.run.seed, cfg.s3)
             check_local_gpus(cfg)
-            beside_ray(cfg, out)
+            beside_ray(cfg, out, models)
         yield

@@ -164,6 +164,19 @@ def check_keys(state: dict[str, torch.Tensor], model_name: str, classes: Sequenc
     return all(k in state and tuple(state[k].shape) == expected[k] for k in expected if k.startswith(head))
 
 
+def check_backbone(cfg: TrainConfig, model_names: Sequence[str], width_searched: bool = False) -> None:
+    """A weights file's backbone against every model that will train, before the data's classes are
+    known (`prepare` checks the head once they are). The CLI runs it beside Ray's start, ahead of
+    MLflow's store: a file of another architecture had been refused by the train stage, 13 s later
+    on 2 cores, leaving OUT/mlflow.db. `width_searched`: a search's small_cnn widths are its trials'."""
+    uri = str(cfg.init_from)
+    kind, payload, _ = read_source(uri)
+    state, _ = parse(payload, "torch" if kind == "raymill" else kind, uri)
+    for name in dict.fromkeys(model_names):
+        if not (name == "small_cnn" and width_searched):
+            check_keys(state, name, ("a", "b"), cfg.width, uri)  # any classes: the head is not checked
+
+
 def _prefix_hint(state: dict[str, torch.Tensor], expected: dict[str, tuple]) -> str | None:
     """When every key carries one prefix and the rest fits (a Lightning module's `self.model`, a
     wrapper of the user's own), the fix names it: only the wrappers' prefixes are taken off unasked."""
