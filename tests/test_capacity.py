@@ -184,7 +184,7 @@ def test_a_containers_cpu_quota_caps_the_cores_counted_without_ray(tmp_path):
 
 def _nodes(*shapes) -> dict:
     """Cluster resources as cluster.cluster_resources gives them, for nodes of (CPUs, GPUs)."""
-    return {"CPU": sum(c for c, _ in shapes), "GPU": sum(g for _, g in shapes), "cpu_nodes": float(len(shapes)),
+    return {"CPU": sum(c for c, _ in shapes), "GPU": sum(g for _, g in shapes),
             "max_node_cpus": max(c for c, _ in shapes), "nodes": shapes}
 
 

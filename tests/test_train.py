@@ -248,11 +248,11 @@ def test_unset_num_workers_plans_one_worker_per_gpu_one_on_a_cpu_node_and_two_ac
     assert session.plan_workers(TrainConfig(use_gpu=True), eight, 0.5).num_workers == 8
     assert session.plan_workers(TrainConfig(use_gpu=True, gpus_per_worker=0.5), gpu, 0.5).num_workers == 2
     assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 1.0}, 0.5).num_workers == 1  # no use_gpu: one node
-    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, 0.5).num_workers == 1
-    assert session.plan_workers(TrainConfig(), {"CPU": 4.0, "GPU": 0.0, "cpu_nodes": 2.0}, 0.5).num_workers == 2
-    eight_nodes = {"CPU": 256.0, "GPU": 0.0, "cpu_nodes": 8.0, "max_node_cpus": 32.0, "nodes": ((32.0, 0.0),) * 8}
+    assert session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0}, 0.5).num_workers == 1
+    assert session.plan_workers(TrainConfig(), {"CPU": 4.0, "GPU": 0.0, "nodes": ((2.0, 0.0),) * 2}, 0.5).num_workers == 2
+    eight_nodes = {"CPU": 256.0, "GPU": 0.0, "max_node_cpus": 32.0, "nodes": ((32.0, 0.0),) * 8}
     assert session.plan_workers(TrainConfig(), eight_nodes, 0.5).num_workers == 8  # one a node (it had been 2)
-    small_head = {**eight_nodes, "CPU": 258.0, "cpu_nodes": 9.0, "nodes": ((2.0, 0.0),) + ((32.0, 0.0),) * 8}
+    small_head = {**eight_nodes, "CPU": 258.0, "nodes": ((2.0, 0.0),) + ((32.0, 0.0),) * 8}
     plan = session.plan_workers(TrainConfig(), small_head, 0.5)  # not 9 x 16: a worker for the head had halved all
     assert (plan.num_workers, plan.cpus_per_worker) == (8, 32.0), plan
     with pytest.raises(ConfigError, match="train.num_workers=2 x 1 needs 2 GPUs but the cluster has 1"):
@@ -368,7 +368,7 @@ def test_train_host_plans_the_trial_actor_only_where_train_adds_nothing():
     two = session.plan_workers(TrainConfig(num_workers=2), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert session.train_host(TrainConfig(), two, nodes=1) == "ray_train"
     # unset on one CPU node: one worker, in the trial actor
-    unset = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0, "cpu_nodes": 1.0}, 0.5)
+    unset = session.plan_workers(TrainConfig(), {"CPU": 2.0, "GPU": 0.0}, 0.5)
     assert session.train_host(TrainConfig(), unset, nodes=1) == "tune_trial"
     # asked for by name: one worker is planned; what it cannot run is refused when the config loads
     assert session.plan_workers(TrainConfig(host="tune_trial"), {"CPU": 2.0, "GPU": 0.0}, 0.5).num_workers == 1

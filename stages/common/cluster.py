@@ -122,9 +122,9 @@ def _account(held: dict[str, dict[str, float]], most: int = 4) -> str:
 
 
 def cluster_resources() -> dict[str, Any]:
-    """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, how many nodes
-    have CPUs, the fewest CPUs per GPU on any GPU node (a GPU worker's CPUs come from its own node),
-    and under "nodes" each node's (CPUs, GPUs): a plan's workers are placed node by node."""
+    """Totals, plus the node shapes a worker must fit in: the largest node's CPUs, the fewest CPUs
+    per GPU on any GPU node (a GPU worker's CPUs come from its own node), and under "nodes" each
+    node's (CPUs, GPUs): a plan's workers are placed node by node."""
     import ray
 
     res = ray.cluster_resources()
@@ -132,7 +132,6 @@ def cluster_resources() -> dict[str, Any]:
     gpu_nodes = [n for n in nodes if n.get("GPU", 0) > 0]
     out = {"CPU": float(res.get("CPU", 0)), "GPU": float(res.get("GPU", 0)),
            "max_node_cpus": max((float(n.get("CPU", 0)) for n in nodes), default=float(res.get("CPU", 0))),
-           "cpu_nodes": float(sum(1 for n in nodes if n.get("CPU", 0) > 0) or 1),
            "nodes": tuple((float(n.get("CPU", 0)), float(n.get("GPU", 0))) for n in nodes)}
     if gpu_nodes:
         out["node_cpus_per_gpu"] = min(float(n.get("CPU", 0)) / float(n["GPU"]) for n in gpu_nodes)

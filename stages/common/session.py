@@ -175,7 +175,7 @@ def planned_workers(train: TrainConfig, resources: dict[str, float]) -> int:
         return train.num_workers or 1
     if train.use_gpu:
         return max(1, int(resources["GPU"] / train.gpus_per_worker + 1e-9))
-    cpus = [c for c, _ in resources.get("nodes", ())] or [1.0] * int(resources.get("cpu_nodes", 1))
+    cpus = [c for c, _ in _nodes(resources)]
     return max(1, sum(1 for c in cpus if c > 0 and c >= max(cpus) / 2))
 
 
