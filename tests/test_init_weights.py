@@ -58,6 +58,8 @@ def test_in_repo_resnets_carry_torchvisions_keys_and_shapes():
 def _imagenet_file(tmp_path: Path, arch: str, suffix: str = ".pth") -> tuple[Path, dict]:
     torch.manual_seed(1)
     state = build_model(arch, 1000).state_dict()  # a torchvision-format ImageNet state dict
+    if suffix.startswith("-old"):  # torchvision's files from before torch 0.4.1: no BatchNorm step counters
+        state = {k: v for k, v in state.items() if not k.endswith(".num_batches_tracked")}
     path = tmp_path / f"{arch}-imagenet{suffix}"
     if suffix == ".safetensors":
         from safetensors.torch import save_file
@@ -68,10 +70,12 @@ def _imagenet_file(tmp_path: Path, arch: str, suffix: str = ".pth") -> tuple[Pat
 
 
 def _backbone_equal(model: torch.nn.Module, state: dict) -> bool:
-    return all(torch.equal(v, state[k]) for k, v in model.state_dict().items() if not k.startswith("fc."))
+    return all(torch.equal(v, state.get(k, torch.tensor(0))) for k, v in model.state_dict().items()
+               if not k.startswith("fc."))
 
 
-@pytest.mark.parametrize("arch,suffix", [("resnet18", ".pth"), ("resnet50", ".pt"), ("resnet18", ".safetensors")])
+@pytest.mark.parametrize("arch,suffix", [("resnet18", ".pth"), ("resnet50", ".pt"), ("resnet18", ".safetensors"),
+                                         ("resnet18", "-old.pth")])
 def test_torchvision_format_weights_load_strictly_with_a_new_head(tmp_path, arch, suffix):
     path, state = _imagenet_file(tmp_path, arch, suffix)
     plan = init_weights.prepare(TrainConfig(model=arch, init_from=str(path)), CLASSES)
@@ -151,6 +155,15 @@ def test_a_wrong_key_a_wrong_shape_and_another_architecture_are_refused_naming_t
     torch.save({f"model.{k}": v for k, v in state.items()}, tmp_path / "lightning.pt")  # self.model's keys
     with pytest.raises(ConfigError, match=r"every key carries the prefix 'model\.'.*model\.model\.state_dict\(\)"):
         init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / "lightning.pt")}), CLASSES)
+    torch.save({f"model.encoder.{k}": v for k, v in state.items()}, tmp_path / "deep.pt")  # two levels
+    with pytest.raises(ConfigError, match=r"prefix 'model\.encoder\.'.*model\.model\.encoder\.state_dict\(\)"):
+        init_weights.prepare(cfg.model_copy(update={"init_from": str(tmp_path / "deep.pt")}), CLASSES)
+    diverged = {k: v.clone() for k, v in state.items()}
+    diverged["features.0.weight"][0, 0, 0, 0] = float("nan")  # had passed, then failed epoch 1 as "lower train.lr"
+    torch.save(diverged, tmp_path / "nan.pt")
+    for check in (lambda c: init_weights.prepare(c, CLASSES), lambda c: init_weights.check_backbone(c, ["small_cnn"])):
+        with pytest.raises(ConfigError, match=r"holds NaN or inf values in features\.0\.weight"):
+            check(cfg.model_copy(update={"init_from": str(tmp_path / "nan.pt")}))
 
 
 def test_checkpoints_and_wrapped_keys_are_unwrapped_to_the_same_weights(tmp_path):

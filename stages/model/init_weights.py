@@ -48,6 +48,10 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # The classifier head's parameter prefix per architecture (zoo.py: `self.fc` in each)
 HEAD_PREFIX = {"small_cnn": "fc.", "resnet18": "fc.", "resnet50": "fc."}
 _SHOWN = 5  # keys named in a refusal; the count says how many more
+# BatchNorm's step counter, a buffer no weight depends on: torchvision's ImageNet files from before
+# torch 0.4.1 lack it (resnet18-5c106cde.pth has 102 of the 122 keys), and torch's BatchNorm loads
+# such a dict strictly, counting from 0; so does a run started from one.
+COUNTERS = ".num_batches_tracked"
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ def check_keys(state: dict[str, torch.Tensor], model_name: str, classes: Sequenc
     with torch.device("meta"):  # names and shapes only: no memory, no init cost
         expected = {k: tuple(v.shape) for k, v in build_model(model_name, len(classes), width).state_dict().items()}
     head = HEAD_PREFIX[model_name]
-    missing = [k for k in expected if not k.startswith(head) and k not in state]
+    missing = [k for k in expected if not k.startswith(head) and k not in state and not k.endswith(COUNTERS)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         parts = ([f"missing keys {_names(missing)}"] if missing else []) + \
@@ -155,7 +159,7 @@ def check_keys(state: dict[str, torch.Tensor], model_name: str, classes: Sequenc
         raise ConfigError(f"train.init_from: '{uri}' does not fit train.model={model_name}: "
                           f"{'; '.join(parts)}; {hint}")
     wrong = [f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in expected
-             if not k.startswith(head) and tuple(state[k].shape) != expected[k]]
+             if not k.startswith(head) and k in state and tuple(state[k].shape) != expected[k]]
     if wrong:
         fix = ("set train.width to the width the weights were trained with" if model_name == "small_cnn"
                else f"pass weights of train.model={model_name}")
@@ -175,19 +179,30 @@ def check_backbone(cfg: TrainConfig, model_names: Sequence[str], width_searched:
     for name in dict.fromkeys(model_names):
         if not (name == "small_cnn" and width_searched):
             check_keys(state, name, ("a", "b"), cfg.width, uri)  # any classes: the head is not checked
+    check_finite(state, HEAD_PREFIX[cfg.model], uri)
 
 
 def _prefix_hint(state: dict[str, torch.Tensor], expected: dict[str, tuple]) -> str | None:
-    """When every key carries one prefix and the rest fits (a Lightning module's `self.model`, a
-    wrapper of the user's own), the fix names it: only the wrappers' prefixes are taken off unasked."""
-    first = {k.split(".", 1)[0] for k in state}
-    if len(first) != 1 or not all("." in k for k in state):
-        return None
-    prefix = f"{first.pop()}."
-    if not all(k[len(prefix):] in expected for k in state):
-        return None
-    return (f"every key carries the prefix '{prefix}' (a wrapper module's attribute?): save "
-            f"model.{prefix[:-1]}.state_dict() instead, or strip the prefix from the keys")
+    """When every key carries one prefix (of any depth) and the rest fits (a Lightning module's
+    `self.model`, a wrapper of the user's own), the fix names it: only the wrappers' prefixes are taken
+    off unasked."""
+    parts = next(iter(state), "").split(".")
+    for depth in range(1, len(parts)):
+        prefix = ".".join(parts[:depth]) + "."
+        if all(k.startswith(prefix) and k[len(prefix):] in expected for k in state):
+            return (f"every key carries the prefix '{prefix}' (a wrapper module's attribute?): save "
+                    f"model.{prefix[:-1]}.state_dict() instead, or strip the prefix from the keys")
+    return None
+
+
+def check_finite(state: dict[str, torch.Tensor], head: str, uri: str) -> None:
+    """Refuse a backbone tensor holding NaN or inf (a diverged run's, a damaged file's): it had passed
+    the checks and failed the first epoch as "loss became NaN/inf ... lower train.lr"."""
+    bad = [k for k, v in state.items() if not k.startswith(head) and v.is_floating_point()
+           and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ConfigError(f"train.init_from: '{uri}' holds NaN or inf values in {_names(bad)}: weights of a "
+                          f"diverged run or a damaged file; pass other weights")
 
 
 def _normalisation(augment: AugmentConfig, expected: tuple | None, uri: str) -> tuple[AugmentConfig, str]:
@@ -215,6 +230,7 @@ def prepare(cfg: TrainConfig, classes: Sequence[str], s3: Any | None = None,
         if info is not None:
             fits(uri, info, (name,))
         heads_fit.append(check_keys(state, name, classes, cfg.width, uri))
+    check_finite(state, HEAD_PREFIX[cfg.model], uri)
     same_classes = info is not None and list(info.get("classes", [])) == list(classes)
     head = "kept" if all(heads_fit) and same_classes else "replaced"
     expected = None
@@ -251,5 +267,6 @@ def apply(model: torch.nn.Module, payload: bytes, record: dict[str, Any], model_
     head = HEAD_PREFIX[model_name]
     keep = record["head"] == "kept"
     own = model.state_dict()
-    merged = {k: (state[k] if keep or not k.startswith(head) else v) for k, v in own.items()}
+    taken = [k for k in own if (keep or not k.startswith(head)) and (k in state or not k.endswith(COUNTERS))]
+    merged = {**own, **{k: state[k] for k in taken}}  # a counter the source lacks stays the model's own 0
     model.load_state_dict(merged, strict=True)
