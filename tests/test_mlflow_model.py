@@ -22,8 +22,13 @@ from stages.common.config import load_config
 
 # Runs in the fresh process: argv = model URI, then files of image bytes; prints one JSON line.
 LOADER = """
-import json, sys
+import importlib.abc, json, os, sys
 from pathlib import Path
+class Absent(importlib.abc.MetaPathFinder):  # what the model's logged requirements would not install
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in os.environ["RAYMILL_TEST_ABSENT"].split(","):
+            raise ModuleNotFoundError(f"No module named '{name}'", name=name)
+sys.meta_path.insert(0, Absent())
 import mlflow
 import pandas as pd
 model = mlflow.pyfunc.load_model(sys.argv[1])
@@ -41,15 +46,42 @@ print(json.dumps({"frame": rows(frame), "index": frame.index.tolist(), "list": r
 """
 
 
+def _absent() -> list[str]:
+    """Installed top-level modules that a fresh environment made from the model's requirements (and
+    MLflow) would lack: no distribution in their dependency closure provides them (psutil had been
+    imported by the model's code through stages.etl's package: a fresh env failed to load it)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo, closure = ["mlflow", *tracking_model.REQUIREMENTS], set()
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in closure:
+            continue
+        try:
+            requires = md.distribution(name).requires or []
+        except md.PackageNotFoundError:
+            continue
+        closure.add(name)
+        todo += [r.name for r in map(Requirement, requires) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    owners = md.packages_distributions()
+    return sorted(m for m, dists in owners.items() if m.isidentifier() and m != "stages"
+                  and not any(canonicalize_name(d) in closure for d in dists))
+
+
 def _predict_fresh(uri: str, model_uri: str, images: list[bytes], folder: Path) -> dict:
-    """`model_uri` loaded and run on `images` in a new Python process pointed at the store `uri`."""
+    """`model_uri` loaded and run on `images` in a new Python process pointed at the store `uri`,
+    where only what the model's requirements install can be imported."""
     paths = []
     for index, data in enumerate(images):
         paths.append(folder / f"image-{index}.bin")
         paths[-1].write_bytes(data)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PYTHONPATH"))}
     done = subprocess.run([sys.executable, "-c", LOADER, model_uri, *map(str, paths)], cwd=folder, text=True,
-                          capture_output=True, timeout=300, env={**env, "MLFLOW_TRACKING_URI": uri})
+                          capture_output=True, timeout=300,
+                          env={**env, "MLFLOW_TRACKING_URI": uri, "RAYMILL_TEST_ABSENT": ",".join(_absent())})
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
