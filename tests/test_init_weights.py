@@ -416,8 +416,14 @@ def test_raymill_train_continues_from_a_run_and_exits_2_for_a_bad_init_file(smok
     assert not (tmp_path / "other" / "mlflow.db").exists() and not (tmp_path / "other" / "ray").exists()
     out = tmp_path / "ft"
     assert _cli_main("train", *common, "--output", str(out), "--set", f"train.init_from={source}",
-                     "--set", "train.freeze_epochs=1", "--set", "train.backbone_lr_scale=0.5") == 0
+                     "--set", "train.freeze_epochs=1", "--set", "train.backbone_lr_scale=0.5",
+                     "--set", "tracking.enabled=true") == 0
     theirs, mine = (json.loads((p / "model.json").read_text()) for p in (source, out))
+    from mlflow import MlflowClient  # the mean/std training used are logged (train.augment's are as given)
+
+    store = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
+    params = store.search_runs([e.experiment_id for e in store.search_experiments()])[0].data.params
+    assert (params["init.mean"], params["init.std"]) == (str(theirs["mean"]), str(theirs["std"])), params
     init = mine["lineage"]["init"]
     assert init["sha256"] == theirs["weights_sha256"] and init["head"] == "kept" and init["kind"] == "raymill"
     assert (mine["mean"], mine["std"]) == (theirs["mean"], theirs["std"])

@@ -266,7 +266,9 @@ def _run_locked(cfg: TrainConfig, data: Artifact, out: str, *, seed: int, ray_cf
     loop = {**loop_config(trained, data, shards, seed, s3, plan), "fingerprint": made_by.as_dict(),
             **finetune.shipped(init)}
     if init and tracking:
-        log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation")}})
+        # the mean/std the workers use: train.augment's params are the config as given
+        log_params(tracking, {"init": {k: init.record[k] for k in ("sha256", "kind", "head", "normalisation",
+                                                                   "mean", "std")}})
     host = _host(cfg, plan, state_uri, name, resumes, s3)
     if host == "tune_trial":
         attempt = solo.Attempt(cfg, loop, plan, state_uri, name, s3)
