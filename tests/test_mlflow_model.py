@@ -7,6 +7,8 @@ shipped with the model (code_paths), which the test checks. One test logs a smal
 """
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import subprocess
@@ -41,8 +43,11 @@ try:  # MLflow hands an unnamed signature only the first column: 'image' second 
     second = str(model.predict(pd.DataFrame({"other": images[:2], "image": images[:2]})))
 except Exception as e:
     second = f"{type(e).__name__}: {e}"
+from mlflow.pyfunc.scoring_server import predictions_to_json  # what `mlflow models serve` answers
+rest = __import__("io").StringIO()
+predictions_to_json(frame, rest)
 print(json.dumps({"frame": rows(frame), "index": frame.index.tolist(), "list": rows(listed), "second": second,
-                  "stages": stages.__file__}, default=str))
+                  "stages": stages.__file__, "rest": rest.getvalue()}, default=str))
 """
 
 
@@ -87,10 +92,13 @@ def _predict_fresh(uri: str, model_uri: str, images: list[bytes], folder: Path) 
 
 
 def _expected(model_dir: str, images: list[bytes]) -> list[dict]:
+    from stages.etl.sources import read_rules
     from stages.model.predict import load_model, predict_arrays, preprocess
 
     model, info = load_model(model_dir)
-    return predict_arrays(model, info, [preprocess(data, info) for data in images], top_k=1)
+    rules = read_rules(info)  # the model's own ETL read settings, as infer reads files
+    return predict_arrays(model, info, [preprocess(data, info, tuple(rules["allowed_formats"]),
+                                                   rules["max_image_pixels"]) for data in images], top_k=1)
 
 
 def _check_rows(rows: list[dict], expected: list[dict], bad: dict[int, str]) -> None:
@@ -115,7 +123,8 @@ def test_a_logged_model_loads_in_a_fresh_process_and_answers_per_image(tmp_path)
     from stages.model.zoo import build_model
 
     info = {"architecture": "small_cnn", "width": 8, "dropout": 0.0, "classes": ["bird", "cat", "dog"],
-            "image_size": 32, "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "unit"}
+            "image_size": 32, "resize": "crop", "mean": [0.5] * 3, "std": [0.25] * 3, "version": "unit",
+            "read": {"allowed_formats": ["JPEG", "PNG", "GIF"], "max_image_pixels": 5000}}  # its ETL's rules
     model_dir = tmp_path / "model"
     save_model(str(model_dir), build_model("small_cnn", 3, width=8).state_dict(), info)
     files = {name: (model_dir / name).read_bytes() for name in tracking_model.ARTIFACT_NAMES}
@@ -139,15 +148,29 @@ def test_a_logged_model_loads_in_a_fresh_process_and_answers_per_image(tmp_path)
     signature = mlflow.models.Model.load(str(logged)).signature
     assert [c.name for c in signature.outputs.inputs] == list(OUTPUT_COLUMNS)
 
-    images = [image_bytes(1), b"this is not an image", image_bytes(2, fmt="png"), image_bytes(3, size=(20, 90))]
+    gif, webp = (_encoded(image_bytes(4), fmt) for fmt in ("GIF", "WEBP"))
+    images = [image_bytes(1), b"this is not an image", image_bytes(2, fmt="png"), image_bytes(3, size=(20, 90)),
+              gif, webp, image_bytes(5, size=(100, 100)), base64.b64encode(image_bytes(1))]  # REST's base64 text
     answer = _predict_fresh(handle["uri"], "models:/unit-model/2", images, tmp_path)
     assert answer["stages"] == str(logged / "code" / "stages" / "__init__.py")  # the model's own copy of the code
-    good = [images[0], images[2], images[3]]
-    _check_rows(answer["frame"], _expected(str(model_dir), good), bad={1: "not_an_image"})
+    # read as the model's ETL read (GIF allowed, WEBP not, 5000 px at most): it had used serve's defaults
+    good = [images[0], images[2], images[3], gif, images[0]]
+    _check_rows(answer["frame"], _expected(str(model_dir), good),
+                bad={1: "not_an_image", 5: "unsupported_format", 6: "decompression_bomb"})
     _check_rows(answer["list"], _expected(str(model_dir), good[:1]), bad={1: "not_an_image"})
-    assert len(answer["frame"]) == 4 and set(answer["frame"][0]) == set(OUTPUT_COLUMNS)
-    assert answer["index"] == [10, 20, 30, 40]  # the input's row labels stay on the answers
+    assert len(answer["frame"]) == 8 and set(answer["frame"][0]) == set(OUTPUT_COLUMNS)
+    assert answer["index"] == [10 * (i + 1) for i in range(8)]  # the input's row labels stay on the answers
+    rest = json.loads(answer["rest"], parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["predictions"]
+    assert [r["probability"] for r in rest][1] is None and rest[0]["probability"] > 0  # NaN had broken strict parsers
     assert "column named 'image'" in answer["second"] and "['other']" in answer["second"], answer["second"]
+
+
+def _encoded(jpeg: bytes, fmt: str) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(jpeg)).save(buf, format=fmt)
+    return buf.getvalue()
 
 
 def _test_split_images(run_dir: Path, count: int) -> list[bytes]:

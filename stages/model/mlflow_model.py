@@ -9,11 +9,14 @@ this file, the `stages` package shipped beside it (code_paths) and the two artif
     model.predict(pd.DataFrame({"image": [jpeg_bytes, png_bytes]}))  # or a list of bytes
 
 One row out per image: class_name, class_index, probability (top-1) and error. An image that does
-not decode gets its reason in `error` (class_index -1), as serve answers it, and the batch goes on.
+not decode gets its reason in `error` (class_index -1, probability NA), as serve answers it, and the
+batch goes on. Base64 text is taken for the bytes it encodes (`mlflow models serve`'s JSON).
 """
 from __future__ import annotations
 
+import base64
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ import torch
 from mlflow.pyfunc import PythonModel
 
 from stages.etl.images import BadImage
+from stages.etl.sources import read_rules
 from stages.model.predict import load_model, predict_arrays, preprocess
 
 __all__ = ["Classifier", "COLUMN", "OUTPUT_COLUMNS", "WEIGHTS", "INFO", "to_images", "decode"]
@@ -59,18 +63,39 @@ def to_images(model_input: Any) -> list[Any]:
                      f"'{COLUMN}' column of JPEG/PNG bytes, or a list of bytes")
 
 
-def decode(data: Any, info: dict) -> tuple[np.ndarray | None, str | None]:
-    """(pixels, None), or (None, "<reason>: <detail>") for an input that is not a usable image."""
+def decode(data: Any, info: dict, rules: dict | None = None) -> tuple[np.ndarray | None, str | None]:
+    """(pixels, None), or (None, "<reason>: <detail>") for an input that is not a usable image. Read
+    with the model's own ETL rules (`rules`: model.json `read`), as `raymill infer` reads a file: the
+    pyfunc had classified GIFs, oversized and too-many-pixel images its infer refuses, and refused
+    formats its ETL allowed. Base64 text (a REST client's `instances`/`inputs`) is decoded first."""
+    rules = rules or read_rules(info)
+    if isinstance(data, str):
+        data = data.encode("ascii", "replace")
     if isinstance(data, bytearray):
         data = bytes(data)
     if not isinstance(data, bytes):
         return None, f"not_bytes: got {type(data).__name__}; pass the encoded file's bytes (JPEG/PNG)"
+    data = _unbase64(data)
+    if len(data) > (cap := int(rules["max_file_mb"] * 1e6)):
+        return None, f"too_large: {len(data)} bytes > {cap} (the model's etl.max_file_mb)"
     try:
-        return preprocess(data, info), None
+        return preprocess(data, info, tuple(rules["allowed_formats"]), rules["max_image_pixels"]), None
     except BadImage as e:
         return None, str(e)
     except Exception as e:  # hostile bytes can trip any decoder path: still this row's fault only
         return None, f"bad_image: the decoder failed ({type(e).__name__})"
+
+
+_BASE64 = re.compile(rb"[A-Za-z0-9+/]+={0,2}")
+
+
+def _unbase64(data: bytes) -> bytes:
+    """`data` itself, or what it encodes when it is base64 text: no image format's bytes are (each
+    begins with a byte or a length outside the alphabet), so an image is never taken for text."""
+    text = data.strip()
+    if len(text) % 4 or not _BASE64.fullmatch(text):
+        return data
+    return base64.b64decode(text)
 
 
 class Classifier(PythonModel):
@@ -84,6 +109,7 @@ class Classifier(PythonModel):
                              "log them with stages.common.tracking_model.log_model")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, self.info = load_model(str(folder))
+        self.rules = read_rules(self.info)  # the model's own ETL read settings (model.json `read`)
         self.model = model.to(self.device)
 
     # The DataFrame hint: MLflow infers no schema from it and so warns of nothing; the logged
@@ -97,16 +123,19 @@ class Classifier(PythonModel):
         frame = pd.DataFrame(rows, columns=list(OUTPUT_COLUMNS), index=index)  # a row per input row, its label kept
         for name in ("class_name", "error"):  # None stays None: pandas had made it NaN beside a string
             frame[name] = pd.Series([row[name] for row in rows], dtype=object, index=frame.index)
+        # nullable: an error row's is null in `mlflow models serve`'s JSON (NaN there is no JSON: strict
+        # parsers, JavaScript's JSON.parse, refused the whole answer), and NA in pandas
+        frame["probability"] = pd.Series([row["probability"] for row in rows], dtype="Float64", index=frame.index)
         return frame
 
     def _predict_batch(self, images: list[Any]) -> list[dict[str, Any]]:
-        decoded = [decode(data, self.info) for data in images]
+        decoded = [decode(data, self.info, self.rules) for data in images]
         good = [pixels for pixels, error in decoded if error is None]
         answers = iter(predict_arrays(self.model, self.info, good, top_k=1, device=self.device))
         rows = []
         for pixels, error in decoded:
             if error is not None:
-                rows.append({"class_name": None, "class_index": -1, "probability": float("nan"), "error": error})
+                rows.append({"class_name": None, "class_index": -1, "probability": None, "error": error})
                 continue
             top = next(answers)
             rows.append({"class_name": top["class_name"], "class_index": top["class_index"],
