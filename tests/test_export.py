@@ -83,7 +83,8 @@ def test_onnx_predicts_from_uint8_pixels_at_batch_1_and_17(trained, onnx_repo):
     assert manifest["input"] == {"name": "pixels", "dtype": "uint8", "shape": [-1, 32, 32, 3], "layout": "NHWC RGB",
                                  "resize": info["resize"], "image_size": 32, "read": {
                                      "allowed_formats": info["read"]["allowed_formats"],
-                                     "max_image_pixels": info["read"]["max_image_pixels"]}}
+                                     "max_image_pixels": info["read"]["max_image_pixels"],
+                                     "max_file_mb": info["read"]["max_file_mb"]}}
     # the oldest graph torch builds, stamped with its oldest IR: onnxruntime 1.16 refused IR 10 / opset 20
     stamped = onnx.load(str(out / "flowers/1/model.onnx"))
     assert manifest["onnx"] == {"opset": 18, "ir_version": 8} == {
@@ -137,6 +138,10 @@ def test_the_exported_preprocess_gives_a_client_raymills_own_pixels(trained, onn
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "refused unsupported_format\n", proc.stdout + proc.stderr[-2000:]
     client = np.load(tmp_path / "client.npy")
+    from stages.etl.pixels import BadImage, pixels  # the size limit too, as infer refuses a file (it had read it)
+
+    with pytest.raises(BadImage, match="too_large"):
+        pixels(photo.read_bytes(), size, resize, {**manifest["input"]["read"], "max_file_mb": 1e-3})
     ours = np.stack([decode_rgb(p.read_bytes(), size, resize=resize) for p in (photo, rgba, deep)])
     assert client.dtype == np.uint8 and np.array_equal(client, ours)
     # the old recipe (no draft, alpha dropped, 16 bit clipped) differs on each: the test tells them apart
@@ -293,3 +298,21 @@ def test_the_pipeline_export_stage_publishes_and_reuses(trained, tmp_path):
     [row] = report._export_row(again, {"export": 0.7})
     assert row["stage"] == "export" and row["rows"] == again.manifest["check"]["images"] > 0, row
     assert row["note"].startswith("torchscript, logits within") and "classes agree 100.0%" in row["note"], row
+
+
+def test_logits_far_from_1_are_checked_against_their_scale(trained, tmp_path, capsys):
+    """A model whose logits reach ~1e4 (trained briefly at a high lr): float32 rounds them by ~1e-3,
+    so two correct runtimes differ by that; an absolute 1e-3 had refused raymill's own model."""
+    from stages.model import publish, runtime
+
+    run_dir, model, info = trained
+    state = {k: (v * 3e4 if k.startswith("fc.") else v) for k, v in model.state_dict().items()}
+    publish.save_model(str(tmp_path / "loud"), state, info)
+    loud, _ = predict.load_model(str(tmp_path / "loud"))
+    assert main(["export", "--model", str(tmp_path / "loud"), "--output", str(tmp_path / "repo"),
+                 "--config", SMOKE]) == 0, capsys.readouterr().err
+    check = json.loads((tmp_path / "repo" / "manifest.json").read_text())["check"]
+    assert check["logits_scale"] > 1e3 and check["logits_max_rel_diff"] <= 1e-3
+    # the engines' own check (serve and infer with engine=onnxruntime) measures the same way: it had raised
+    forward = runtime.for_device(loud.eval(), info, "onnxruntime", torch.device("cpu"), 1, str(tmp_path / "cache"))
+    assert isinstance(forward, runtime.OnnxForward)

@@ -11,8 +11,10 @@ class flipped), transparent pixels (dropped, not white) and 16-bit PNGs (clipped
     batch = np.stack([pixels(open("cat.jpg", "rb").read(), 224, "crop", read)])   # uint8 [N, 224, 224, 3]
 
 (image_size, resize and read are in the export's manifest.json `input`; model.json has them too.)
-With `read`, a file raymill refuses (a GIF, a decompression bomb, a JPEG of endless scans) raises
-BadImage with raymill's reason, before any pixel is decoded; without it, Pillow decodes what it can.
+With `read`, a file raymill refuses (a GIF, a decompression bomb, a JPEG of endless scans, a file
+over max_file_mb) raises BadImage with raymill's reason, before any pixel is decoded; without it,
+Pillow decodes what it can. Pillow's own guard refuses images over 2 x Image.MAX_IMAGE_PIXELS (179 MP)
+whatever `read` says: raymill sets it to None; a client reading larger images must too.
 """
 from __future__ import annotations
 
@@ -26,8 +28,11 @@ __all__ = ["pixels", "checked", "draft", "load", "square", "open_image", "BadIma
 
 def pixels(data: bytes, size: int, resize: str = "crop", read: dict | None = None) -> np.ndarray:
     """Encoded image bytes -> uint8 RGB (size, size, 3). `read`: model.json's read rules (at least
-    allowed_formats and max_image_pixels), checked first (BadImage); Pillow's errors propagate."""
+    allowed_formats and max_image_pixels; max_file_mb where given), checked first (BadImage); Pillow's
+    errors propagate."""
     if read is not None:
+        if "max_file_mb" in read and len(data) > (cap := int(read["max_file_mb"] * 1e6)):
+            raise BadImage("too_large", f"{len(data)} bytes > {cap} (max_file_mb)")  # as infer refuses it
         return checked(data, size, resize, tuple(read["allowed_formats"]), int(read["max_image_pixels"]))
     img = Image.open(io.BytesIO(data))
     load(img, size)

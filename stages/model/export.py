@@ -33,7 +33,7 @@ from stages.etl import pixels, sources
 from stages.etl.images import BadImage
 from stages.feed import streaming
 from stages.model import predict, triton
-from stages.model.runtime import EXAMPLE_BATCH, Pixels, quiet_exporter, save_onnx
+from stages.model.runtime import EXAMPLE_BATCH, Pixels, logits_scale, quiet_exporter, save_onnx
 
 __all__ = ["run", "Pixels", "ExportError", "ExportRefusedError", "check_images", "compare"]
 
@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 # the graph the pixels raymill computes (a README-style decode disagreed on JPEG draft, alpha, 16 bit).
 PREPROCESS = "preprocess.py"
 
-READ_KEYS = ("allowed_formats", "max_image_pixels")  # model.json `read` keys preprocess.pixels checks
+READ_KEYS = ("allowed_formats", "max_image_pixels")  # model.json `read` keys preprocess.pixels needs
+READ_OPTIONAL = ("max_file_mb",)  # ...and checks where given (a model published before it had none)
 PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
 
 
@@ -312,20 +313,24 @@ def _runtime_name(fmt: str) -> str:
 
 @torch.no_grad()
 def compare(model: torch.nn.Module, info: dict, images: np.ndarray, runner, tolerance: float) -> dict[str, Any]:
-    """The exported file against the model in torch on the same uint8 images: max |logits diff|,
-    max |probabilities diff| (when exported), and the fraction of images whose predicted classes agree.
-    A different class counts as agreeing when torch's logits for the two are within 2 x tolerance
-    (each may move by tolerance): a tie the export cannot be blamed for. Run at batch 1 and at N."""
+    """The exported file against the model in torch on the same uint8 images: max |logits diff|, and
+    relative to the logits' scale (runtime.logits_scale: float32 rounds logits of 3e4 by 4e-3, which an
+    absolute 1e-3 had refused), max |probabilities diff| (when exported), and the fraction of images
+    whose predicted classes agree. A different class counts as agreeing when torch's logits for the
+    two are within 2 x tolerance x scale (each may move by that): a tie the export cannot be blamed
+    for. Run at batch 1 and at N."""
     expected = model(predict.to_batch(images, info["mean"], info["std"], torch.device("cpu"), False, False)).numpy()
     single = runner(images[:1])
     outputs = runner(images)
     logits = outputs[0]
     diff = float(np.max(np.abs(np.concatenate([single[0] - expected[:1], logits - expected]))))
+    scale = logits_scale(expected)
     got, want = logits.argmax(1), expected.argmax(1)
     rows = np.arange(len(images))
-    tie = np.abs(expected[rows, want] - expected[rows, got]) <= 2 * tolerance
+    tie = np.abs(expected[rows, want] - expected[rows, got]) <= 2 * tolerance * scale
     check = {"images": int(len(images)), "batch_sizes": [1, int(len(images))], "tolerance": tolerance,
-             "logits_max_abs_diff": diff, "class_agreement": float(np.mean((got == want) | tie))}
+             "logits_max_abs_diff": diff, "logits_scale": scale, "logits_max_rel_diff": diff / scale,
+             "class_agreement": float(np.mean((got == want) | tie))}
     if len(outputs) > 1:
         probabilities = torch.softmax(torch.from_numpy(expected), dim=1).numpy()
         check["probabilities_max_abs_diff"] = float(np.max(np.abs(outputs[1] - probabilities)))
@@ -333,13 +338,14 @@ def compare(model: torch.nn.Module, info: dict, images: np.ndarray, runner, tole
 
 
 def _refuse_if_off(check: dict[str, Any], cfg: ExportConfig) -> None:
-    diffs = [check["logits_max_abs_diff"], check.get("probabilities_max_abs_diff", 0.0)]
+    diffs = [check["logits_max_rel_diff"], check.get("probabilities_max_abs_diff", 0.0)]
     # a NaN compares false, so an export that produces NaN is refused too
     if all(d <= cfg.tolerance for d in diffs) and check["class_agreement"] == 1.0:
         return
     raise ExportRefusedError(
         f"the {cfg.format} export differs from the model in torch on {check['images']} {check['split']} images: "
-        f"logits max |diff| {check['logits_max_abs_diff']:.3g}, probabilities max |diff| "
+        f"logits max |diff| {check['logits_max_abs_diff']:.3g} ({check['logits_max_rel_diff']:.3g} of their scale "
+        f"{check['logits_scale']:.3g}), probabilities max |diff| "
         f"{check.get('probabilities_max_abs_diff', 0.0):.3g} (export.tolerance={cfg.tolerance:g}), class agreement "
         f"{check['class_agreement']:.3f}; nothing was published. Raise export.tolerance if that difference is "
         f"acceptable, or try --format {'torchscript' if cfg.format == 'onnx' else 'onnx'}")
@@ -356,8 +362,8 @@ def _manifest(cfg: ExportConfig, model_path: str, info: dict, name: str, lay: tr
         "input": {"name": lay.input_name, "dtype": "uint8", "shape": [-1, size, size, 3], "layout": "NHWC RGB",
                   "resize": info.get("resize", "crop"), "image_size": size,
                   # preprocess.pixels(..., read): the files raymill refuses, refused by a client too
-                  **({"read": {k: read[k] for k in READ_KEYS}} if all(k in (read := info.get("read") or {})
-                                                                      for k in READ_KEYS) else {})},
+                  **({"read": {k: read[k] for k in READ_KEYS + READ_OPTIONAL if k in read}}
+                     if all(k in (read := info.get("read") or {}) for k in READ_KEYS) else {})},
         "outputs": [{"name": n, "dtype": "float32", "shape": [-1, len(classes)]} for n in lay.output_names],
         "preprocessing_in_graph": {"scale": "1/255", "mean": info["mean"], "std": info["std"]},
         "classes": classes, "check": check,
