@@ -251,6 +251,15 @@ def test_a_gpu_asked_of_a_local_ray_with_none_exits_2_before_mlflows_store(tmp_p
                      "--set", "train.use_gpu=true"]) == 2
         assert "train.use_gpu=true, but this machine has no GPU torch can use" in capsys.readouterr().err
         assert not (tmp_path / command / "mlflow.db").exists()
+    # someone's folder (their own model.pt, their notes): refused, untouched (train had overwritten model.pt)
+    for command, files in (("train", {"model.pt": "my weights"}), ("tune", {"notes.txt": "mine", "model.pt": "w"})):
+        theirs = tmp_path / f"theirs-{command}"
+        theirs.mkdir()
+        for name, text in files.items():
+            (theirs / name).write_text(text)
+        assert main([command, "--data", str(ds), "--output", str(theirs), "--config", smoke]) == 2
+        assert f"holds files that raymill {command} did not write" in capsys.readouterr().err
+        assert {p.name: p.read_text() for p in theirs.iterdir()} == files  # nothing written there, nothing replaced
 
 
 def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_session, capsys):

@@ -69,6 +69,10 @@ def test_a_run_never_deletes_or_writes_beside_files_it_did_not_make(tmp_path):
     cfg = load_config(REPO / "configs/smoke.yaml", [f"run.source={src}", f"run.dir={run}"])
     with pytest.raises(ConfigError, match="no raymill run wrote"):
         pipeline.run(cfg)
+    (run / "config.yaml").write_text("my: important\n")  # a project's own: it had been replaced, the run gone on
+    with pytest.raises(ConfigError, match="holds a config.yaml that no raymill run wrote"):
+        pipeline.run(cfg)
+    assert (run / "config.yaml").read_text() == "my: important\n"
     (run / "config.yaml").write_text("{}")  # a run.dir of an earlier run: its stage folders are checked one by one
     with pytest.raises(ConfigError, match="did not write"):
         pipeline.stage("etl", cfg, cfg.etl, preflight.etl_inputs(cfg), lambda out: None)

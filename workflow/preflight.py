@@ -249,6 +249,20 @@ def _check_run_dir(cfg: Config) -> None:
     if entries and not fs.exists(storage.join(root, "config.yaml")):
         raise ConfigError(f"run.dir '{cfg.run.dir}' holds files that no raymill run wrote (no config.yaml), "
                           f"e.g. '{entries[0]}'; choose an empty or new run.dir")
+    if entries and not _written_by_a_run(fs, storage.join(root, "config.yaml")):  # a project's own config.yaml
+        raise ConfigError(f"run.dir '{cfg.run.dir}' holds a config.yaml that no raymill run wrote (it is not a "
+                          f"raymill config); a run would replace it: choose an empty or new run.dir")
+
+
+def _written_by_a_run(fs, path: str) -> bool:
+    """Whether `path` is a config.yaml a raymill run wrote (`_write_config`: every section of the
+    config tree; an older raymill's had fewer): any config.yaml had made a folder a run's, and the
+    run replaced a project's own."""
+    try:
+        data = yaml.safe_load(fs.cat_file(path))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"run", "etl", "train"} <= set(data) <= set(Config.model_fields)
 
 
 def _write_config(cfg: Config) -> None:
@@ -291,11 +305,12 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
     (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
     lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
-    from stages.train.checks import check_rows, check_state  # neither torch nor Ray: before both
+    from stages.train.checks import check_output_files, check_rows, check_state  # neither torch nor Ray
     from stages.tune.checks import check_state as check_search_state
 
     check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
     check_init_source(cfg, models)
+    check_output_files(out, stage, cfg.s3)  # a folder of someone's files, before MLflow's store opens there
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:

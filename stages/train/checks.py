@@ -8,12 +8,13 @@ from typing import Any, Sequence
 
 from stages.common import fingerprint, storage
 from stages.common.artifacts import Artifact
+from stages.common.locks import foreign_files
 from stages.common.config import ConfigError, TrainConfig, section_dict
 from stages.etl.checks import check_format
 from stages.etl.layout import more_rows_fix
 from stages.model.sizes import check_image_size
 
-__all__ = ["check_rows", "check_state", "run_name", "state_location"]
+__all__ = ["check_rows", "check_state", "check_output_files", "run_name", "state_location"]
 
 log = logging.getLogger("stages.train.stage")  # the stage's lines
 
@@ -75,3 +76,28 @@ def check_state(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any |
     if not cfg.init_from:
         state_uri, name = state_location(cfg, out)
         fingerprint.refuse_foreign(state_uri, name, fingerprint.for_train(section_dict(cfg), seed, data.manifest), s3)
+
+
+# What a train or tune output holds (stages.model.publish, stages.tune.results, the run state, MLflow's
+# SQLite store and its artifacts); model.pt counts as one only beside model.json or the run state.
+OUTPUT_FILES = frozenset({"manifest.json", "model.json", "curves.png", "metrics.jsonl", "mlflow.db", "tracking.json",
+                          "best.json", "search.png", "trials.csv", "trials.md"})
+OUTPUT_FOLDERS = frozenset({"ray", "mlartifacts"})
+
+
+def check_output_files(out: str, stage: str, s3: Any | None = None) -> None:
+    """Refuse an output folder holding files that raymill `stage` (train or tune) did not write: a
+    project folder's notes, or a model.pt of the user's own, which publishing had overwritten (etl
+    and infer refused such a folder; train and tune wrote beside and over its files)."""
+    fs, root = storage.filesystem(out, s3)
+    if not fs.isdir(root):
+        return
+    top = {p.rstrip("/").rsplit("/", 1)[-1] for p in storage.children(fs, root)}
+
+    def own(rel: str) -> bool:
+        first = rel.split("/", 1)[0]
+        return first in OUTPUT_FOLDERS or rel in OUTPUT_FILES or (rel == "model.pt" and bool({"model.json", "ray"} & top))
+
+    if foreign := foreign_files(out, own, s3):
+        raise ConfigError(f"output '{out}' holds files that raymill {stage} did not write (e.g. '{foreign[0]}'); "
+                          f"choose an empty or new --output")

@@ -20,7 +20,8 @@ from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
 from stages.model.checkpoint_io import refusal_in
 from stages.train import finetune, solo
-from stages.train.checks import check_rows, check_state, run_name, state_location  # noqa: F401 (API)
+from stages.train.checks import (check_output_files, check_rows, check_state, run_name,  # noqa: F401 (API)
+                                 state_location)
 from stages.train.epoch_log import EpochLog
 from stages.train.loop import train_loop
 from stages.common import cluster, console, fingerprint, session, storage
@@ -145,6 +146,7 @@ def run(cfg: TrainConfig, data: Artifact, out: str, *, seed: int = 0, ray_cfg: R
     `overwrite` discards that state first. One run per output: the output is locked for the run.
     `tracking` is the MLflow run that each epoch's metrics go to (stages.train.epoch_log), or None.
     """
+    check_output_files(out, "train", s3)  # someone's folder, not a train output
     with output_lock(out, "train", s3):  # one run per output; refuses another stage's folder
         return _run_locked(cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, overwrite=overwrite,
                            tracking=tracking)

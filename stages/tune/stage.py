@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 from stages.train import finetune
 from stages.train import stage as train
+from stages.train.checks import check_output_files
 from stages.tune import results as tune_results
 from stages.train.run_hooks import TuneHooks
 from stages.train.loop import train_loop
@@ -174,6 +175,7 @@ def run(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: str, *, se
     `stages.common.tracking_tune`'s MLflow callback); a restored search keeps those it started with.
     One search per output: the output is locked for the search, as train locks its run.
     """
+    check_output_files(out, "tune", s3)  # someone's folder, not a tune output
     with output_lock(out, "tune", s3):
         return _run_locked(cfg, train_cfg, data, out, seed=seed, ray_cfg=ray_cfg, s3=s3, callbacks=callbacks)
 
