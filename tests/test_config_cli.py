@@ -66,6 +66,9 @@ def test_every_shipped_config_loads(path):
     ("etl.allowed_formats=gif", "write etl.allowed_formats=[gif], items separated by commas"),
     ("run.source=", "config key 'run.source': Value error, is empty"),
     ("train.init_from=", "null for random weights"),  # had started Ray, then looked for '/model.json'
+    ("train.lr=[1", "override 'train.lr=[1': the value is not valid YAML"),  # these three had been tracebacks
+    ("run.name=*x", "quote it as a string"),
+    ("tune.max_epochs=null", "tune.max_epochs must be a whole number of epochs"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
@@ -105,6 +108,10 @@ def test_config_files_that_say_less_than_they_seem_to(tmp_path, caplog):
         (tmp_path / name).write_text(text)
         with pytest.raises(ConfigError, match=re.escape(fragment)):
             load_config(tmp_path / name)
+    (tmp_path / "utf16.yaml").write_bytes("train:\n  lr: 0.1\n".encode("utf-16"))  # had been a traceback
+    for path, fragment in ((tmp_path / "utf16.yaml", "is not UTF-8 text"), (tmp_path, "is a folder")):
+        with pytest.raises(ConfigError, match=fragment):
+            load_config(path)
     (tmp_path / "empty.yaml").write_text("# nothing set yet\n")
     assert load_config(tmp_path / "empty.yaml") == load_config(None)
     assert "config file" in caplog.text and "is empty: every key has its default" in caplog.text

@@ -89,11 +89,20 @@ def tune_defaults(data: dict[str, Any]) -> dict[str, Any]:
     data = {**({"mode": "min"} if data.get("metric") == "val_loss" else {}), **data,
             "search_space": flat_space(data.get("search_space"))}
     if not data["search_space"]:
-        space = default_search_space(int(data.get("max_epochs", 6)))
+        space = default_search_space(_max_epochs(data.get("max_epochs", 6)))
         if data.get("scheduler") == "pbt":  # PBT clones trials at equal epochs: one length for all
             space.pop("epochs")
         data["search_space"] = space
     return data
+
+
+def _max_epochs(value: Any) -> int:
+    """tune.max_epochs read before pydantic checks it (the default space needs it): `null`, `[1]` or
+    `bad` had raised TypeError or named only the section."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise ValueError(f"tune.max_epochs must be a whole number of epochs (got {value!r}); set e.g. "
+                         f"tune.max_epochs=6")
+    return int(value)
 
 
 def flat_space(space: Any, prefix: str = "") -> Any:

@@ -32,7 +32,12 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}' conflicts with an earlier override of '{part}'")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:  # `[1`, `*x`, `@x`: a traceback had come before any error handling
+            first = str(e).splitlines()[0]
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({first}); quote it as a string "
+                              f"(--set '{key.strip()}=\"...\"') or close its brackets") from None
     return nested
 
 
@@ -74,9 +79,15 @@ _SAID_EMPTY: set[str] = set()
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """A YAML config file's sections; ConfigError naming the file and the fix."""
+    if path.is_dir():
+        raise ConfigError(f"config file '{path}' is a folder; pass --config with a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found; pass --config with an existing YAML file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                          f"UTF-8 YAML") from None
     try:
         tree = yaml.compose(text, Loader=yaml.SafeLoader)
         if tree is not None:
