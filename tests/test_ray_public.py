@@ -241,3 +241,6 @@ print("ACTORS", len(list_actors(address=ray.get_runtime_context().gcs_address)))
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines() if line.startswith(("DRIVER", "WORKER", "ACTORS")))
     assert lines["DRIVER"] == "None" and lines["WORKER"].startswith("http://127.0.0.1:"), lines
     assert lines["ACTORS"].isdigit(), lines
+    # below the kernel's ephemeral range, where Ray's own binds to port 0 (and its fixed exporter
+    # ports 44217, 44227) had taken the port first, once in ~40 starts
+    assert 20000 <= int(lines["WORKER"].rsplit(":", 1)[1]) < 32768, lines

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from stages.common.cluster import cluster_resources
 from stages.common.config import RayConfig
@@ -168,15 +169,45 @@ def _point_state_api_at_own_dashboard(host: str) -> int:
     API client given no address (Train's placement-group cleaner, `ray.util.state`) scans this
     machine's processes and fails with "Found multiple active Ray instances" beside another
     local Ray; the placement groups of stopped trials then stay reserved, and new trials wait.
-    Any free port (logged), not Ray's usual 8265: two commands started together both found 8265
-    free, and the second one's dashboard then failed to bind it (exit 1 after 62 s)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        port = probe.getsockname()[1]
+    A free port, not Ray's usual 8265: two commands started together both found 8265 free, and the
+    second one's dashboard then failed to bind it (exit 1 after 62 s)."""
+    port = _free_port(host)
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
     return port
+
+
+# Where the dashboard's port is drawn from: above Ray's worker ports (10002-19999) and below the
+# kernel's ephemeral range (Linux: 32768-60999), which the OS hands to every bind to port 0, Ray's
+# own processes' included, and which holds Ray's fixed exporter ports 44217 and 44227. A port the
+# OS had picked there was taken by Ray's own start before the dashboard bound it (exit 1 after 60 s,
+# once in ~40 starts on a shared box).
+_PORTS = range(20000, 32768)
+
+
+def _free_port(host: str) -> int:
+    import random
+    import socket
+
+    low = _ephemeral_low()
+    for port in random.sample(_PORTS, 64):
+        if port >= low:
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as probe:  # the range is taken (or ephemeral): any free port, as before
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the range is the OS's own
+        return _PORTS.stop
 
 
 def dashboard_url() -> str | None:
