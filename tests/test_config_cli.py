@@ -69,6 +69,8 @@ def test_every_shipped_config_loads(path):
     ("train.lr=[1", "override 'train.lr=[1': the value is not valid YAML"),  # these three had been tracebacks
     ("run.name=*x", "quote it as a string"),
     ("tune.max_epochs=null", "tune.max_epochs must be a whole number of epochs"),
+    ("ray.address=bad", "config key 'ray.address': Value error, not a cluster address"),  # had failed in ray.init
+    ("ray.object_store_memory_mb=-1", "config key 'ray.object_store_memory_mb'"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
@@ -463,3 +465,16 @@ def test_a_set_key_the_command_does_not_read_is_said():
     assert unread_overrides(parse(["serve", "--model", "m", "--set", "serve.port=8100"])) is None
     assert "infer.batch_size" in unread_overrides(parse(["export", "--model", "m", "--output", "o",
                                                          "--set", "infer.batch_size=8"]))
+
+
+def test_a_cluster_address_where_nothing_answers_exits_2_at_once(tmp_path):
+    """ray.init retries a GCS that is not there for good: `raymill etl --set ray.address=127.0.0.1:1`
+    had printed Ray's "Failed to connect to GCS" lines for 10 minutes, and nothing of its own."""
+    from tests.conftest import free_port
+
+    make_tree(tmp_path / "src", per_class=2, bad=False)
+    done = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(tmp_path / "src"), "--output",
+                           str(tmp_path / "out"), "--set", f"ray.address=127.0.0.1:{free_port()}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nothing answers there" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()

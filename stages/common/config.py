@@ -6,6 +6,7 @@ with the full key path and the fix; the CLI turns that into exit code 2.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,10 +26,11 @@ __all__ = [
 
 
 class RayConfig(Section):
-    address: str | None = None  # None: embedded local Ray; "auto" or "host:port" joins a cluster
+    # None: embedded local Ray; "auto", "host:port" or "ray://host:port" joins a cluster
+    address: str | None = None
     num_cpus: int | None = Field(None, ge=1)  # local Ray only; None = all cores; Ray takes whole CPUs only
     num_gpus: int | None = Field(None, ge=0)  # local Ray only
-    object_store_memory_mb: int | None = None  # local Ray only; None = Ray's default
+    object_store_memory_mb: int | None = Field(None, ge=75)  # local Ray only; None = Ray's default; its least
     # On: Ray Train frees the placement groups of stopped runs through the State API, which the
     # dashboard process serves. Safe by default: loopback only, and Ray 2.60's token auth is on
     # (anyone reaching an open dashboard can run code: CVE-2023-48022).
@@ -37,6 +39,16 @@ class RayConfig(Section):
     # CPUs kept free for Ray Data read/decode tasks while trainers or trials hold the rest;
     # without it 2 workers x 1 CPU on 2 CPUs deadlocks (see README, "Resource plan").
     data_reserved_cpus: float = Field(0.5, gt=0)
+
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        """A form ray.init takes: `bad` had failed after the run began (ValueError, exit 1)."""
+        if value is not None and not re.fullmatch(r"auto|(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}", value):
+            raise ValueError("not a cluster address: write auto, host:port (the GCS, e.g. 10.0.0.5:6379) or "
+                             "ray://host:port (Ray Client), or leave it unset for a local Ray")
+        return value
 
 
 class S3Config(Section):

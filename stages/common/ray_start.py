@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from stages.common.cluster import cluster_resources
-from stages.common.config import RayConfig
+from stages.common.config import ConfigError, RayConfig
 from stages.common.exposure import check_loopback, keep_local_on_loopback
 
 __all__ = ["start", "start_if_needed", "dashboard_url"]
@@ -109,6 +109,7 @@ def start(cfg: RayConfig) -> dict[str, float]:
         # No job runtime_env on a local Ray: with one, the first tasks cannot use the workers
         # Ray starts beside the node and wait for fresh ones (0.85 s on 2 cores)
         if cfg.address:
+            _check_reachable(cfg.address)
             env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
             kwargs.update(address=cfg.address, runtime_env={"env_vars": env} if env else None)
         else:
@@ -208,6 +209,23 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):  # not Linux: the range is the OS's own
         return _PORTS.stop
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """ConfigError when nothing answers at ray.address's host:port: ray.init retries a GCS that is not
+    there for good, printing "Failed to connect to GCS" lines (a run had hung for 10 minutes). Only a
+    connect is tried: Ray's own handshake and token check follow in ray.init."""
+    import socket
+
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ConfigError(f"ray.address={address}: nothing answers there ({type(e).__name__}: {e}); start the "
+                          f"cluster (`ray start --head`, `ray up cluster.yaml`) or fix ray.address (the head's "
+                          f"GCS, port 6379 unless set; unset: a local Ray)") from None
 
 
 def dashboard_url() -> str | None:
