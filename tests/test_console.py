@@ -259,3 +259,26 @@ def test_verbose_keeps_raymills_own_lines_in_a_worker(monkeypatch):
         monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
     console.quiet_train_worker()
     assert logging.getLogger("raymill.train").getEffectiveLevel() == logging.INFO
+
+
+def test_sigterm_stops_a_training_run_as_ctrl_c_does_with_exit_143(smoke_run, tmp_path):
+    """Ray's core worker had taken SIGTERM: a "*** SIGTERM received" dump, three `E ... logging.cc`
+    lines, then exit 130 as for Ctrl-C (kill, systemd and Kubernetes expect 143)."""
+    import signal
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "workflow", "train", "--data", str(smoke_run.run_dir / "etl"),
+                             "--output", str(tmp_path / "t"), "--config", str(REPO / "configs/smoke.yaml"),
+                             "--set", "train.epochs=1000", "--set", "tracking.enabled=false"],
+                            cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    for line in proc.stdout:  # the loop runs: Ray is up, its handlers installed
+        lines.append(line)
+        if "epoch 2/1000" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, _ = proc.communicate(timeout=120)
+    said = "".join(lines) + out
+    assert proc.returncode == 143, said[-3000:]
+    assert "raymill train: terminated (SIGTERM); rerun the same command to resume" in said, said[-3000:]
+    assert not [line for line in said.splitlines() if ERRORISH.search(line) or "SIGTERM received" in line], said

@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _first_interrupt)
+    if argv is None:  # the command itself, not a caller of main([...]): SIGTERM as Ctrl-C, once Ray is up
+        from workflow import preflight
+
+        preflight.AFTER_RAY_START.append(_take_sigterm)
     try:
         return _command(args)
     finally:
@@ -75,6 +79,25 @@ def _first_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+_TERMINATED: list[int] = []
+
+
+def _take_sigterm() -> None:
+    """SIGTERM (kill, systemd, Kubernetes) stops the command as Ctrl-C does, exit 143. Installed once
+    Ray is up: ray.init's core worker takes SIGTERM with a handler that dumps "*** SIGTERM received"
+    and three `E ... logging.cc` lines, arms a 3 s abort (absl), and exits 130 through Ray's own."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame) -> None:
+    _TERMINATED.append(signum)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # a second one: at once, as a second Ctrl-C
+    if signal.getsignal(signal.SIGINT) is _first_interrupt:
+        signal.signal(signal.SIGINT, _second_interrupt)
+    raise KeyboardInterrupt
+
+
 def _second_interrupt(signum, frame) -> None:
     print("raymill: interrupted again; exiting now", file=sys.stderr, flush=True)
     os._exit(130)
@@ -90,8 +113,9 @@ def _command(args) -> int:
         if signal.getsignal(signal.SIGINT) is _first_interrupt:  # restored by a fit that caught the first one
             signal.signal(signal.SIGINT, _second_interrupt)
         console.worker_lines_first()  # an epoch line in flight had followed this one
-        print(f"raymill {args.command}: interrupted{f'; {e}' if str(e) else ''}", file=sys.stderr)
-        return 130
+        said = "terminated (SIGTERM)" if _TERMINATED else "interrupted"
+        print(f"raymill {args.command}: {said}{f'; {e}' if str(e) else ''}", file=sys.stderr)
+        return 143 if _TERMINATED else 130
     except Exception as e:  # the message carries the fix; --verbose adds the traceback
         log.debug("traceback", exc_info=True)
         hint = _object_store_hint(e) + ("" if args.verbose else " (--verbose shows the traceback)")
@@ -128,6 +152,7 @@ def cmd_etl(args) -> int:
         etl.check_output(args.output, cfg.s3, args.overwrite)  # and one that holds other files
         listing = etl.discover(args.input, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)  # and no images
         session.start(cfg.ray)
+        _take_sigterm()
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite, listing=listing)
     t = artifact.manifest["totals"]  # the stage has logged its full summary: stdout says where it went
     print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} -> {artifact.path}")
@@ -211,7 +236,7 @@ def cmd_infer(args) -> int:
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
-                             start_ray=lambda: session.start(cfg.ray), cpus=cfg.ray.num_cpus)
+                             start_ray=lambda: (session.start(cfg.ray), _take_sigterm()), cpus=cfg.ray.num_cpus)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {_pairs(artifact.manifest.get('metrics', {}))} -> {artifact.path}")
     return 0
