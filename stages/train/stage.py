@@ -8,6 +8,7 @@ folder, or Tune's experiment).
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 import time
@@ -217,6 +218,25 @@ def _data_replaced(data: Artifact, s3: Any | None) -> str | None:
             f"gone); train again on the new data with --overwrite")
 
 
+FULL_BELOW = 64 * 2**20  # free bytes under which a failed run's disk is called full
+
+
+def _disk_full(cfg: TrainConfig, out: str) -> str | None:
+    """Why resuming cannot help yet when the disk holding the run state (local) is full: a run there
+    had ended in "UnpicklingError: pickle data was truncated" after its retries, no word of the disk."""
+    place = cfg.storage_path or out
+    if storage.is_remote(place):
+        return None
+    try:
+        free = shutil.disk_usage(storage.local_path(place)).free
+    except OSError:
+        return None
+    if free >= FULL_BELOW:
+        return None
+    return (f"the disk holding '{place}' is full ({free / 2**20:.0f} MiB free; checkpoints need room): free "
+            f"space there (or set train.storage_path elsewhere), then rerun the same command to resume")
+
+
 def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, data: Artifact, s3: Any | None = None):
     """`fit()`'s result, or the error a user acts on: where the last good checkpoint is, what a
     refused checkpoint or a missing node needs, how to resume after Ctrl-C."""
@@ -237,7 +257,7 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, data: Artifa
             raise capacity.capacity_error(plan, cfg.capacity_timeout_s, out,
                                           worker_resources=cfg.worker_resources) from e
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries; "
-                         f"{_data_replaced(data, s3) or resume}: {solo.first_line(e)}") from e
+                         f"{_data_replaced(data, s3) or _disk_full(cfg, out) or resume}: {solo.first_line(e)}") from e
     finally:
         if main and handler is not None:
             signal.signal(signal.SIGINT, handler)
@@ -245,9 +265,9 @@ def _fit(cfg: TrainConfig, fit, plan: session.WorkerPlan, out: str, data: Artifa
         if refusal := refusal_in(result.error):
             raise TrainError(refusal) from result.error
         last = result.checkpoint.path if result.checkpoint else "none"
+        why = _data_replaced(data, s3) or _disk_full(cfg, out) or resume
         raise TrainError(f"training failed after train.max_failures={cfg.max_failures} retries "
-                         f"(last good checkpoint: {last}); {_data_replaced(data, s3) or resume}: "
-                         f"{solo.first_line(result.error)}") from result.error
+                         f"(last good checkpoint: {last}); {why}: {solo.first_line(result.error)}") from result.error
     return result
 
 
