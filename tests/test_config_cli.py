@@ -71,6 +71,9 @@ def test_every_shipped_config_loads(path):
     ("tune.max_epochs=null", "tune.max_epochs must be a whole number of epochs"),
     ("ray.address=bad", "config key 'ray.address': Value error, not a cluster address"),  # had failed in ray.init
     ("ray.object_store_memory_mb=-1", "config key 'ray.object_store_memory_mb'"),
+    ("serve.app_name=", "config key 'serve.app_name'"),  # these had been refused after Ray's start, or untracked
+    ("tracking.experiment=", "config key 'tracking.experiment': Value error, is empty"),
+    ("tracking.model_name=a/b", "which MLflow refuses in a model's name"),
 ])
 def test_bad_keys_name_the_path(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace(".", r"\.")):
@@ -478,3 +481,8 @@ def test_a_cluster_address_where_nothing_answers_exits_2_at_once(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "nothing answers there" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+    # a dashboard host this machine does not have: it had been a gaierror from Ray's start, exit 1
+    done = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(tmp_path / "src"), "--output",
+                           str(tmp_path / "out"), "--set", "ray.dashboard_host=no-such-host.invalid"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "ray.dashboard_host='no-such-host.invalid'" in done.stderr, done.stderr[-2000:]

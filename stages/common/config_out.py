@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from stages.common.config_parts import ImageFormats, RunsModel, Section
 
@@ -53,7 +53,7 @@ class ServeConfig(RunsModel):  # use_gpu, engine
     # ETL's default list: a model trained on BMP files answers for BMP uploads too
     allowed_formats: ImageFormats = ("JPEG", "PNG", "WEBP", "BMP")
     top_k: int = Field(3, ge=1)
-    app_name: str = "raymill"
+    app_name: str = Field("raymill", min_length=1)  # Serve refuses an empty one, after Ray's start
     # The Open Inference Protocol's model name: /v2/models/<model_name>/infer (stages/serve/v2.py).
     model_name: str = Field("raymill", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     # Images one /v2 infer request may carry; they go through one forward pass together.
@@ -89,6 +89,17 @@ class TrackingConfig(Section):
     experiment: str = "raymill"
     model_name: str = "raymill"  # registered model name; each trained model becomes a new version
     timeout_s: float = Field(5.0, gt=0)  # per HTTP request to a tracking server, no retries
+
+    @field_validator("experiment", "model_name")
+    @classmethod
+    def _mlflow_name(cls, value: str, info: ValidationInfo) -> str:
+        """Names MLflow refuses (empty; '/' or ':' in a registered model's, an experiment's may be a
+        path): the stage had run untracked, its warning blaming tracking.uri."""
+        if not value.strip():
+            raise ValueError("is empty; name it (MLflow refuses an empty name)")
+        if info.field_name == "model_name" and (bad := {"/", ":"} & set(value)):
+            raise ValueError(f"holds {' and '.join(sorted(bad))}, which MLflow refuses in a model's name; drop it")
+        return value
 
 
 ONNX_OPSET = 18  # export.opset's default and least (stages.model.runtime exports at it too)

@@ -172,6 +172,13 @@ def _point_state_api_at_own_dashboard(host: str) -> int:
     local Ray; the placement groups of stopped trials then stay reserved, and new trials wait.
     A free port, not Ray's usual 8265: two commands started together both found 8265 free, and the
     second one's dashboard then failed to bind it (exit 1 after 62 s)."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:  # had been a gaierror from Ray's start, exit 1
+        raise ConfigError(f"ray.dashboard_host={host!r} is no address of this machine ({e}); set it to 127.0.0.1 "
+                          f"(the default), or an interface's address") from None
     port = _free_port(host)
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
     return port
@@ -200,7 +207,11 @@ def _free_port(host: str) -> int:
                 continue
         return port
     with socket.socket() as probe:  # the range is taken (or ephemeral): any free port, as before
-        probe.bind((host, 0))
+        try:
+            probe.bind((host, 0))
+        except OSError as e:  # 10.9.9.9 on a machine without it: EADDRNOTAVAIL
+            raise ConfigError(f"ray.dashboard_host={host!r}: cannot listen there ({e}); set it to 127.0.0.1 (the "
+                              f"default), or an address of this machine's interfaces") from None
         return probe.getsockname()[1]
 
 
