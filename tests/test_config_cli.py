@@ -6,6 +6,7 @@ import json
 import os
 import logging
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -272,6 +273,14 @@ def test_a_gpu_asked_of_a_local_ray_with_none_exits_2_before_mlflows_store(tmp_p
         assert main([command, "--data", str(ds), "--output", str(theirs), "--config", smoke]) == 2
         assert f"holds files that raymill {command} did not write" in capsys.readouterr().err
         assert {p.name: p.read_text() for p in theirs.iterdir()} == files  # nothing written there, nothing replaced
+    # a damaged shard: refused before Ray and MLflow's store (it had been 9 s later, leaving a FAILED run)
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ds, damaged)
+    shard = next((damaged / "shards").rglob("train-*.parquet"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert main(["train", "--data", str(damaged), "--output", str(tmp_path / "dt"), "--config", smoke]) == 1
+    assert f"refusing to train on '{damaged}'" in capsys.readouterr().err
+    assert not (tmp_path / "dt" / "mlflow.db").exists()
 
 
 def test_a_missing_output_bucket_says_where_to_look(tmp_path, s3_bucket, ray_session, capsys):

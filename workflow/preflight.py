@@ -312,12 +312,13 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
     (exit 2), before anything starts or is written there (MLflow's store). The stage takes the same
     lock again inside (it nests); a locked output had waited for Ray's start (4-6 s) to be refused."""
     from stages.common.artifacts import manifest_kind
-    from stages.train.checks import check_output_files, check_rows, check_state  # neither torch nor Ray
+    from stages.train.checks import check_output_files, check_rows, check_shards, check_state  # no torch, Ray
     from stages.tune.checks import check_state as check_search_state
 
     check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
     check_init_source(cfg, models)
     check_output_files(out, stage, cfg.s3)  # a folder of someone's files, before MLflow's store opens there
+    check_shards(data, cfg.s3)  # a damaged shard: before Ray and MLflow's store (a stamp makes it instant again)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)
         if overwrite or manifest_kind(fs, root) is None:

@@ -10,16 +10,32 @@ from stages.common import fingerprint, storage
 from stages.common.artifacts import Artifact
 from stages.common.locks import foreign_files
 from stages.common.config import ConfigError, TrainConfig, section_dict
+from stages.etl import integrity
 from stages.etl.checks import check_format
 from stages.etl.layout import more_rows_fix
 from stages.model.sizes import check_image_size
 
-__all__ = ["check_rows", "check_state", "check_output_files", "run_name", "state_location"]
+__all__ = ["TrainError", "check_rows", "check_shards", "check_state", "check_output_files", "run_name", "state_location"]
 
 log = logging.getLogger("stages.train.stage")  # the stage's lines
 
 
 _SAID: set[tuple[str, int]] = set()
+
+
+class TrainError(RuntimeError):
+    """Training failed or diverged; the message says where the last good checkpoint is."""
+
+
+def check_shards(data: Artifact, s3: Any | None = None) -> None:
+    """A local ETL output's shards as its manifest lists them (integrity.verify_once: re-hashed only
+    where changed since a clean check); TrainError naming each damaged one. Remote shards are checked
+    as the cache fetches them. The CLI checks before Ray's start and MLflow's store (a damaged shard
+    had been refused 9 s later, leaving OUT/mlflow.db with a FAILED run); the stage again (a stamp)."""
+    if not storage.is_remote(data.path):
+        if problems := integrity.verify_once(data.path, s3):
+            raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
+                             f"Re-run ETL (raymill etl --overwrite)")
 
 
 def check_rows(cfg: TrainConfig, data: Artifact, model_names: Sequence[str] = ()) -> None:

@@ -15,14 +15,13 @@ import time
 from typing import Any, Sequence
 
 from stages.train import capacity
-from stages.etl import integrity
 from stages.feed import ray_data as ingest_ray
 from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
 from stages.model.checkpoint_io import refusal_in
 from stages.train import finetune, solo
-from stages.train.checks import (check_output_files, check_rows, check_state, run_name,  # noqa: F401 (API)
-                                 state_location)
+from stages.train.checks import (TrainError, check_output_files, check_rows, check_shards, check_state,  # noqa: F401
+                                 run_name, state_location)
 from stages.train.epoch_log import EpochLog
 from stages.train.loop import train_loop
 from stages.common import cluster, console, fingerprint, session, storage
@@ -37,21 +36,13 @@ __all__ = ["run", "published", "TrainError", "check_rows", "check_state", "check
 log = logging.getLogger(__name__)
 
 
-class TrainError(RuntimeError):
-    """Training failed or diverged; the message says where the last good checkpoint is."""
-
-
 def check_data(cfg: TrainConfig, data: Artifact, s3, model_names: Sequence[str] = ()) -> dict[str, list[dict]]:
     """check_rows, then verify the ETL output (local: re-hashed unless a stamp shows it unchanged
     since a clean check) and list its shards per split.
     `model_names`: the models that will train on it (a search's), train.model when empty."""
     manifest = data.manifest
     check_rows(cfg, data, model_names)
-    if not storage.is_remote(data.path):  # remote shards are verified as the cache fetches them
-        problems = integrity.verify_once(data.path, s3)  # re-hashes only what changed since a clean check
-        if problems:
-            raise TrainError(f"refusing to train on '{data.path}': {'; '.join(problems)}. "
-                             f"Re-run ETL (raymill etl --overwrite)")
+    check_shards(data, s3)
     # Absolute: Ray Train workers run in their own working directory, not the driver's.
     root = data.path if storage.is_remote(data.path) else storage.local_path(data.path)
     shards = {}
