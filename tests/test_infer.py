@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 from collections import Counter
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -107,6 +108,14 @@ def test_a_folder_of_someone_elses_files_is_refused_as_an_output_by_infer_and_by
     with pytest.raises(OutputExistsError, match="holds files that raymill etl did not write .*--overwrite replaces only"):
         etl.run(EtlConfig(image_size=32), data.manifest["inputs"]["source"], str(photos), overwrite=True)
     assert sorted(p.name for p in photos.rglob("*")) == ["a.jpg", "b.jpg", "cat"]
+    # a model folder without its model.pt: exit 2 at once, as serve says it (FileNotFoundError, exit 1, before)
+    from workflow.__main__ import main
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(Path(model_path) / "model.json", bare / "model.json")
+    assert main(["infer", "--model", str(bare), "--data", data.path, "--output", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_folder_where_no_file_is_an_image_fails_naming_the_fix(setup, tmp_path):

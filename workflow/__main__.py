@@ -229,9 +229,12 @@ def cmd_infer(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from stages import infer
     from stages.common import session, tracking
+    from stages.common.artifacts import check_model_folder
     from stages.common.locks import output_lock
     from workflow.preflight import warn_unused_read_keys
 
+    # no model.pt: exit 2 at once, as serve (it had been FileNotFoundError, exit 1); the load hashes it
+    check_model_folder(args.model, cfg.s3, weights="present")
     warn_unused_read_keys(cfg, args.model, "infer")
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process

@@ -223,10 +223,11 @@ def checksum_mismatch(path: str) -> ValueError:
                       f"was published); copy the folder again, or train again (`raymill train --overwrite`)")
 
 
-def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", weights: bool = False) -> None:
+def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", weights: bool | str = False) -> None:
     """ModelNotFoundError (exit 2) unless `path` holds an exported model's model.json; with `weights`,
-    ValueError unless its model.pt is there and matches model.json's checksum (streamed: ~0.3 s for
-    resnet50's 98 MB). Needs neither torch nor Ray, so a command checks it before starting either:
+    unless its model.pt is there too, and (unless `weights` is "present": the command hashes it as
+    it loads it) ValueError unless it matches model.json's checksum (streamed: ~0.3 s for resnet50's
+    98 MB). Needs neither torch nor Ray, so a command checks it before starting either:
     `raymill serve --model` with a wrong path, or a damaged model.pt, had started Ray and Serve and
     failed the deploy after 42-43 s with "Failed to update the deployments", exit 1 (2-core box)."""
     fs, root = storage.filesystem(path, s3)
@@ -250,5 +251,7 @@ def check_model_folder(path: str, s3: Any | None = None, flag: str = "--model", 
     if not fs.exists(storage.join(root, "model.pt")):
         raise ModelNotFoundError(f"'{path}' holds model.json but no model.pt; pass a train or tune output folder "
                                  f"as {flag}")
+    if weights == "present":
+        return
     if storage.sha256_file(fs, storage.join(root, "model.pt"))[0] != info.get("weights_sha256"):
         raise checksum_mismatch(path)
