@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import io
 import json
-from collections import Counter
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
