@@ -298,3 +298,25 @@ def test_an_output_that_is_a_file_or_another_tools_is_refused_before_anything_st
     # nothing written into the other tool's folder: not even MLflow's store, which opens beside Ray's start
     assert sorted(p.name for p in (tmp_path / "theirs").iterdir()) == ["manifest.json"]
     assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_a_best_checkpoint_without_a_test_score_is_scored_while_its_output_is_unpublished(smoke_run, tmp_path):
+    """A search ranked by val_loss whose best epoch was no best val_acc had no test score in its
+    checkpoint; the driver's fallback loaded the model through the published-output check, which
+    refused the folder (run state, no manifest yet): exit 2, and every rerun the same."""
+    from stages.common.artifacts import load_artifact
+
+    assert smoke_run.returncode == 0, smoke_run.stderr[-3000:]
+    cfg = load_config(REPO / "configs/smoke.yaml")
+    data = load_artifact(str(smoke_run.run_dir / "etl"), "etl")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ray").mkdir()  # the search's run state beside the model being published
+    for name in ("model.pt", "model.json"):
+        shutil.copy(smoke_run.run_dir / "train" / name, out / name)
+    loop = {"shards": train.check_data(cfg.train, data, None), "s3": None,
+            "raw": storage.stored_raw(data.manifest, cfg.train.data_format)}
+    scored = publish.test_metrics({"val_loss": 1.0}, str(out), loop, str(tmp_path / "cache"))
+    assert scored["where"] == "driver" and scored["rows"] == sum(r["rows"] for r in loop["shards"]["test"])
+    assert scored["acc"] == pytest.approx(json.loads((smoke_run.run_dir / "train" / "manifest.json").read_text())
+                                          ["metrics"]["test_acc"]), scored

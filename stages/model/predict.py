@@ -55,9 +55,11 @@ def _affine(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor
     return scale.view(1, 3, 1, 1).to(device), bias.view(1, 3, 1, 1).to(device)
 
 
-def load_model(path: str, s3: Any | None = None) -> tuple[torch.nn.Module, dict]:
-    """Load an exported model folder (a train/tune output, or any folder with model.pt+model.json)."""
-    check_model_folder(path, s3)  # a usage error (exit 2), as a wrong --data is
+def load_model(path: str, s3: Any | None = None, publishing: bool = False) -> tuple[torch.nn.Module, dict]:
+    """Load an exported model folder (a train/tune output, or any folder with model.pt+model.json).
+    `publishing`: the stage publishing `path` reads its model before the manifest exists."""
+    if not publishing:
+        check_model_folder(path, s3)  # a usage error (exit 2), as a wrong --data is
     fs, root = storage.filesystem(path, s3)
     info = json.loads(fs.cat_file(storage.join(root, "model.json")))
     data = fs.cat_file(storage.join(root, "model.pt"))

@@ -68,7 +68,7 @@ def test_metrics(best_metrics: dict, out: str, loop_config: dict, cache_dir: str
     if "test_acc" in best_metrics:  # no test image scores nothing: None, not an accuracy of 0
         return {"acc": best_metrics["test_acc"] if best_metrics["test_rows"] else None,
                 "rows": best_metrics["test_rows"], "where": "workers", "seconds": best_metrics.get("test_seconds")}
-    model, info = load_model(out, s3)
+    model, info = load_model(out, s3, publishing=True)  # no manifest yet: a tune output had been refused here
     refs = [streaming.ShardRef(**r) for r in loop_config["shards"]["test"]]
     log.warning("train: the best checkpoint has no test score; scoring the test split on the driver's CPU")
     scored = evaluate_split(model, refs, info, loop_config["raw"], loop_config["s3"], cache_dir)

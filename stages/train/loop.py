@@ -327,9 +327,11 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
         row = {"epoch": epoch + 1, **metrics, **w.val, "eval_s": time.perf_counter() - evaluated,
                "report_s": w.report_s, **w.startup()}  # report_s: its mid-epoch checkpoints
         # The test split is scored here, in the workers on their device, whenever this epoch's
-        # checkpoint may be the one published (the best val_acc so far, ties included): publish
-        # then reads test_acc from the best checkpoint's metrics instead of re-scoring on the driver.
-        if w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0):
+        # checkpoint may be the one published (the best val_acc so far, ties included, or the best
+        # val_loss: a search may rank by it): publish then reads test_acc from the best checkpoint's
+        # metrics instead of re-scoring on the driver.
+        if w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0) or \
+                w.val["val_loss"] <= min((h["val_loss"] for h in w.history), default=math.inf):
             started = time.perf_counter()
             row.update(w.evaluate("test"), test_seconds=time.perf_counter() - started)
         # cache counters after evaluation, so each epoch's row covers all of its reads
