@@ -13,9 +13,11 @@ costs seconds and the module runs three small searches:
 """
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ from ray.tune import Callback
 from stages.etl import stage as etl
 from stages.etl import integrity
 from stages.model import predict
+from stages.tune import checks as tune_checks
 from stages.tune import stage as tune
 from stages.feed import streaming
 from workflow import demo_data
@@ -378,6 +381,13 @@ def test_a_search_that_would_rank_or_share_wrongly_is_refused_before_it_runs():
         with pytest.raises(ConfigError, match=rf"tune\.search_space\.{key}: every trial of a search shares "
                                               rf"train\.{key}.*--set train\.{key}="):
             tune.check_search(cfg.tune, cfg.train)
+    # a uniform range over a whole-number key: its ends passed, every draw failed every trial, with a
+    # TypeError of Ray's copy of the error ("missing 1 required positional argument: 'problems'")
+    cfg = _cfg("tune.search_space={width: {type: uniform, lower: 4, upper: 12}}")
+    with pytest.raises(ConfigError, match=r"train\.width takes whole numbers.*\{type: randint, lower: 4, upper: 12\}"):
+        tune.check_search(cfg.tune, cfg.train)
+    refused = tune_checks._InvalidTrialConfig({"width": 4.5}, "width: not an integer")
+    assert copy.copy(refused).problems == pickle.loads(pickle.dumps(refused)).problems == "width: not an integer"
 
 
 @pytest.mark.parametrize("override, fix", [("tune.handoff=retrain", "raymill train")])

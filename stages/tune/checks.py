@@ -3,6 +3,7 @@ that `raymill run` and `raymill tune` refuse a search that cannot work before Ra
 pipeline had run ETL first: 13 s on 2 cores). Also the train config of one trial."""
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from stages.common import fingerprint, session, storage
@@ -28,7 +29,10 @@ def searched_keys(cfg: TuneConfig) -> list[str]:
 class _InvalidTrialConfig(ConfigError):
     def __init__(self, params: dict, problems: str):
         super().__init__(f"sampled params {params} make an invalid train config: {problems}")
-        self.problems = problems
+        self.params, self.problems = params, problems
+
+    def __reduce__(self):  # copied and pickled whole: Ray's copy had called it with the message alone
+        return type(self), (self.params, self.problems)
 
 
 def _set_nested(data: dict, key: str, value: Any) -> None:
@@ -63,6 +67,12 @@ def _probe_values(dist) -> list[Any]:
     if dist.type == "randint":
         return [int(dist.lower), int(dist.upper)]
     return [dist.lower, dist.upper]
+
+
+def _whole_numbers(key: str) -> bool:
+    """Whether train.<key> (top level) is an integer field."""
+    field = TrainConfig.model_fields.get(key)
+    return field is not None and int in (typing.get_args(field.annotation) or (field.annotation,))
 
 
 def check_room(cfg: TuneConfig, train_cfg: TrainConfig, ray_cfg: RayConfig) -> None:
@@ -103,6 +113,9 @@ def check_search(cfg: TuneConfig, train_cfg: TrainConfig) -> None:
         if dist.type == "randint" and (dist.lower != int(dist.lower) or dist.upper != int(dist.upper)):
             raise ConfigError(f"tune.search_space.{key}: randint needs integer lower/upper, got "
                               f"{dist.lower:g}..{dist.upper:g}")
+        if dist.type in ("uniform", "loguniform") and _whole_numbers(key):  # the ends are whole: the draws are not
+            raise ConfigError(f"tune.search_space.{key}: train.{key} takes whole numbers, and a {dist.type} range draws "
+                              f"fractions; write {{type: randint, lower: {dist.lower:g}, upper: {dist.upper:g}}}")
         for value in _probe_values(dist):  # the range ends (or every choice) must be valid values
             if key == "epochs" and isinstance(value, (int, float)) and value > cfg.max_epochs:
                 raise ConfigError(f"tune.search_space.epochs: value {value!r} exceeds tune.max_epochs="
