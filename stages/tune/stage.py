@@ -228,7 +228,7 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
         if scored := sum(bool(t["candidates"]) for t in trials if t["status"] == "TERMINATED"):
             raise TuneError(f"{scored} finished trial(s) scored epochs, but no checkpoint still holds a scored "
                             f"epoch (deleted, or reused by a later one: the log names each); see {out}/trials.md "
-                            "and run the search again with --overwrite")
+                            f"and run the search again into a new --output (or delete '{ray_dir}' to start over)")
         raise TuneError(f"all {len(trials)} trial(s) failed or reported nothing; see {out}/trials.md. "
                         + (f"{diverged} diverged (loss NaN/inf): lower tune.search_space.lr's range. "
                            if diverged else "") + f"First errors: {'; '.join(errors) or 'none recorded'}")
