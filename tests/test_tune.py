@@ -501,6 +501,12 @@ def test_the_best_entry_is_handed_on_only_from_a_checkpoint_that_still_holds_it(
                               {"epoch": 4, "value": 0.95, "checkpoint_path": str(tmp_path / "gone")}]}]
     best = results.pick_best(trials, TuneConfig(), str(tmp_path), None)
     assert best["entry"]["checkpoint_path"] == holds and best["entry"]["value"] == 0.80
+    # a tie of val_acc goes to the better val_loss, not to the earlier epoch (which had val_loss 1e7)
+    early, late = checkpoint("checkpoint_000003", 1, 0.5), checkpoint("checkpoint_000004", 3, 0.5)
+    tied = [{"trial_id": "b", "status": "TERMINATED", "candidates": [
+        {"epoch": 1, "value": 0.5, "checkpoint_path": early, "tie": results._tie({"val_loss": 1.07e7}, "val_acc")},
+        {"epoch": 3, "value": 0.5, "checkpoint_path": late, "tie": results._tie({"val_loss": 2.1}, "val_acc")}]}]
+    assert results.pick_best(tied, TuneConfig(), str(tmp_path), None)["entry"]["checkpoint_path"] == late
 
 
 def test_every_trial_recorded_finished_is_finished_not_only_the_first(tmp_path):

@@ -22,7 +22,7 @@ from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from stages.common.config import TrainConfig, TuneConfig, section_dict
 from stages.common.trials import OUTCOMES, outcome
-from stages.tune.checks import EXPERIMENT, searched_keys, trial_train_config
+from stages.tune.checks import BETTER, EXPERIMENT, METRICS, searched_keys, trial_train_config
 
 __all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish", "mark_finished"]
 
@@ -59,8 +59,19 @@ def _checkpoint_history(ray_dir: str, s3, trial_id: str, metric: str) -> list[di
                 continue
             value = meta.get("val", {}).get(metric)
             if meta.get("step") == 0 and meta.get("epoch", 0) >= 1 and value is not None and not _nan(value):
-                found.append({"epoch": int(meta["epoch"]), "value": float(value), "checkpoint_path": item.path})
+                found.append({"epoch": int(meta["epoch"]), "value": float(value), "checkpoint_path": item.path,
+                              "tie": _tie(meta.get("val", {}), metric)})
     return found
+
+
+def _tie(values: Any, metric: str) -> float:
+    """The other validation metric, oriented so that lower is better: what breaks a tie of `metric`
+    (39 validation images make val_acc ties common: an earlier epoch with val_loss 1e7 had won one)."""
+    other = next(m for m in METRICS if m != metric)
+    value = values.get(other) if hasattr(values, "get") else None
+    if value is None or _nan(value):
+        return math.inf
+    return float(value) if BETTER[other] == "min" else -float(value)
 
 
 def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
@@ -73,7 +84,7 @@ def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
         for _, r in ends.iterrows():
             if r["epoch"] >= 1 and r.get(metric) is not None and not _nan(r[metric]):
                 history.append({"epoch": int(r["epoch"]), "value": float(r[metric]),
-                                "checkpoint_path": _checkpoint_path(result, r)})
+                                "checkpoint_path": _checkpoint_path(result, r), "tie": _tie(r, metric)})
     return history, diverged
 
 
@@ -238,8 +249,9 @@ def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | N
     candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["candidates"]
                   if isinstance(h["checkpoint_path"], str)]
     sign = -1 if cfg.mode == "max" else 1
-    # best value first; ties: the earlier epoch, then the earlier trial
-    candidates.sort(key=lambda c: (sign * c[0]["value"], c[0]["epoch"], trials.index(c[1])))
+    # best value first; ties: the other metric's better value, the earlier epoch, the earlier trial
+    candidates.sort(key=lambda c: (sign * c[0]["value"], c[0].get("tie", math.inf), c[0]["epoch"],
+                                   trials.index(c[1])))
     for entry, trial in candidates:
         try:
             with fs.open_input_stream(f"{entry['checkpoint_path']}/meta.json") as f:
