@@ -320,3 +320,22 @@ def test_a_best_checkpoint_without_a_test_score_is_scored_while_its_output_is_un
     assert scored["where"] == "driver" and scored["rows"] == sum(r["rows"] for r in loop["shards"]["test"])
     assert scored["acc"] == pytest.approx(json.loads((smoke_run.run_dir / "train" / "manifest.json").read_text())
                                           ["metrics"]["test_acc"]), scored
+
+
+def test_mid_epoch_checkpoints_rank_last_and_are_never_handed_on_as_an_epoch():
+    """A mid-epoch checkpoint carries the previous epoch's validation metrics beside later weights:
+    tied with that epoch's checkpoint, retention could evict the epoch's own (a val_loss search lost
+    its best epoch), and a val_acc tie could publish its weights as the epoch's model."""
+    import types
+
+    from stages.train import checkpointing
+
+    val = {"val_acc": 0.5, "val_loss": 1.2}
+    assert checkpointing.scores(val, 0) == {"score_val_acc": 0.5, "score_val_loss": 1.2}
+    mid = checkpointing.scores(val, 7)
+    assert mid["score_val_acc"] < 0 and mid["score_val_loss"] > 1e29
+    end, later = object(), object()
+    result = types.SimpleNamespace(best_checkpoints=[(later, {"val_acc": 0.5, "position_step": 7, "epoch": 2}),
+                                                     (end, {"val_acc": 0.5, "position_step": 0, "epoch": 1})],
+                                   checkpoint=later, metrics={})
+    assert publish._best(result)[0] is end

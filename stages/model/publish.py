@@ -54,7 +54,10 @@ def save_model(out: str, state: dict, model_info: dict, s3: Any | None = None) -
 
 
 def _best(result) -> tuple[Any, dict]:
-    scored = [(m.get("val_acc", -1.0), c, m) for c, m in (result.best_checkpoints or [])]
+    """The best epoch-end checkpoint by val_acc: a mid-epoch one carries the previous epoch's val_acc
+    beside later weights, and a tie had handed it on as that epoch's model."""
+    scored = [(m.get("val_acc", -1.0), c, m) for c, m in (result.best_checkpoints or [])
+              if m.get("position_step", 0) == 0]
     scored = [s for s in scored if s[0] >= 0] or [(0, result.checkpoint, result.metrics)]
     _, checkpoint, metrics = max(scored, key=lambda s: s[0])
     return checkpoint, metrics

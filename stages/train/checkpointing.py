@@ -20,6 +20,20 @@ __all__ = ["save", "restore"]
 log = logging.getLogger(__name__)
 
 
+def score_key(metric: str) -> str:
+    """What checkpoint retention ranks by (`checkpoint_score_attribute`) for `metric`."""
+    return f"score_{metric}"
+
+
+def scores(val: dict[str, Any], step: int) -> dict[str, float]:
+    """Retention's ranking: an epoch-end checkpoint's validation metrics; a mid-epoch one carries the
+    previous epoch's values (w.val) and ranks last, or it tied with that epoch's checkpoint and could
+    evict it (a search by val_loss lost its best epoch; Ray always keeps the newest checkpoint)."""
+    if step == 0 and val:
+        return {score_key(k): float(v) for k, v in val.items() if k in ("val_acc", "val_loss")}
+    return {score_key("val_acc"): -1.0, score_key("val_loss"): 1e30}
+
+
 def save(w, epoch: int, step: int, metrics: dict[str, Any]) -> None:
     """Checkpoint position (epoch, step) and report; a barrier every rank reaches together."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,7 +50,7 @@ def save(w, epoch: int, step: int, metrics: dict[str, Any]) -> None:
             meta = {"epoch": epoch, "step": step, "world": w.world, "history": w.history, "val": w.val,
                     "fingerprint": w.fingerprint}
             (folder / "meta.json").write_text(json.dumps(meta))
-        metrics = {**w.val, **metrics, "position_epoch": epoch, "position_step": step}
+        metrics = {**w.val, **metrics, "position_epoch": epoch, "position_step": step, **scores(w.val, step)}
         w.hooks.report(metrics, tmp, f"checkpoint-e{epoch:03d}-s{step:06d}-{w.attempt}")
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from stages.common import console, session, storage
 from stages.common.config import TrainConfig
+from stages.train import checkpointing
 from stages.train.loop import train_loop
 from stages.train.run_hooks import TuneHooks
 
@@ -113,7 +114,8 @@ class Attempt:
                 name=f"{ATTEMPT}{self.index:03d}", storage_path=f"{base}/{self.name}", storage_filesystem=pafs,
                 verbose=console.tune_verbosity(), callbacks=console.tune_result_loggers(),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=cfg.num_to_keep,
-                                                        checkpoint_score_attribute="val_acc", checkpoint_score_order="max"),
+                                                        checkpoint_score_attribute=checkpointing.score_key("val_acc"),
+                                                        checkpoint_score_order="max"),
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
         return _outcome(_fit(tuner), earlier)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Sequence
 
-from stages.train import capacity
+from stages.train import capacity, checkpointing
 from stages.feed import ray_data as ingest_ray
 from stages.model import init_weights, publish
 from stages.model.sizes import check_image_size
@@ -122,7 +122,7 @@ def build_trainer(cfg: TrainConfig, loop: dict, plan: session.WorkerPlan, storag
             failure_config=ray.train.FailureConfig(**capacity.failure_config_kwargs(
                 cfg.max_failures, cfg.capacity_timeout_s)),
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=metric,
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=checkpointing.score_key(metric),
                 checkpoint_score_order=mode)))
 
 

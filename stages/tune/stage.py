@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from stages.train import finetune
+from stages.train import checkpointing, finetune
 from stages.train import stage as train
 from stages.train.checks import check_output_files
 from stages.tune import results as tune_results
@@ -294,5 +294,5 @@ def _checkpoints(cfg: TuneConfig, train_cfg: TrainConfig):
     from ray import tune
 
     keep = None if cfg.scheduler == "pbt" else train_cfg.num_to_keep
-    return tune.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=cfg.metric,
+    return tune.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute=checkpointing.score_key(cfg.metric),
                                  checkpoint_score_order=cfg.mode)
