@@ -504,8 +504,8 @@ def test_the_best_entry_is_handed_on_only_from_a_checkpoint_that_still_holds_it(
     # a tie of val_acc goes to the better val_loss, not to the earlier epoch (which had val_loss 1e7)
     early, late = checkpoint("checkpoint_000003", 1, 0.5), checkpoint("checkpoint_000004", 3, 0.5)
     tied = [{"trial_id": "b", "status": "TERMINATED", "candidates": [
-        {"epoch": 1, "value": 0.5, "checkpoint_path": early, "tie": results._tie({"val_loss": 1.07e7}, "val_acc")},
-        {"epoch": 3, "value": 0.5, "checkpoint_path": late, "tie": results._tie({"val_loss": 2.1}, "val_acc")}]}]
+        {"epoch": 1, "value": 0.5, "checkpoint_path": early, "tie": tune_checks.tie_value({"val_loss": 1.07e7}, "val_acc")},
+        {"epoch": 3, "value": 0.5, "checkpoint_path": late, "tie": tune_checks.tie_value({"val_loss": 2.1}, "val_acc")}]}]
     assert results.pick_best(tied, TuneConfig(), str(tmp_path), None)["entry"]["checkpoint_path"] == late
 
 
@@ -538,3 +538,16 @@ def test_every_trial_recorded_finished_is_finished_not_only_the_first(tmp_path):
     assert [(r["trial_id"], r["status"], r["outcome"]) for r in rows] == \
         [(t, "TERMINATED", "completed") for t in ("aaaa1", "bbbb2", "cccc3")]
     assert (rows[2]["epochs_run"], rows[2]["best_epoch"], rows[2]["best"]) == (2, 2, 0.9)
+    # an ASHA trial that ran to its end (no finished record: the scheduler stopped it at its last
+    # report) whose restore failed after a driver kill: Tune says ERROR; its checkpoints hold both
+    # epochs, so it is finished (it had been "failed", its best epoch out of the running)
+    frame = pd.DataFrame([{"epoch": 1, "position_step": 0, "val_acc": 0.6}])
+    lost = types.SimpleNamespace(path=str(ray_dir / "trial-dddd4"), config={"lr": 0.1}, metrics={"epoch": 1},
+                                 error=ValueError("Could not recover from checkpoint as it does not exist"),
+                                 metrics_dataframe=frame)
+    for epoch in (1, 2):
+        kept = ray_dir / "trial-dddd4" / f"checkpoint_00000{epoch}"
+        kept.mkdir(parents=True)
+        (kept / "meta.json").write_text(json.dumps({"epoch": epoch, "step": 0, "val": {"val_acc": 0.6 + epoch / 10}}))
+    row = results.summaries([lost], cfg, TrainConfig(epochs=2), str(ray_dir), None)[0]
+    assert (row["status"], row["outcome"], row["error"], row["best"]) == ("TERMINATED", "completed", "", 0.8), row

@@ -3,6 +3,7 @@ that `raymill run` and `raymill tune` refuse a search that cannot work before Ra
 pipeline had run ETL first: 13 s on 2 cores). Also the train config of one trial."""
 from __future__ import annotations
 
+import math
 import typing
 from typing import Any
 
@@ -12,7 +13,7 @@ from stages.common.config import ConfigError, RayConfig, TrainConfig, TuneConfig
 from stages.common.config_parts import SET_BY_TUNE, SHARED_IN_SEARCH
 
 __all__ = ["check_search", "check_room", "check_state", "state_key", "state_fix", "trial_train_config",
-           "searched_keys", "METRICS", "PBT_KEYS", "EXPERIMENT"]
+           "searched_keys", "tie_value", "METRICS", "PBT_KEYS", "EXPERIMENT"]
 
 EXPERIMENT = "tune"  # Tune experiment folder under out/ray
 
@@ -33,6 +34,16 @@ class _InvalidTrialConfig(ConfigError):
 
     def __reduce__(self):  # copied and pickled whole: Ray's copy had called it with the message alone
         return type(self), (self.params, self.problems)
+
+
+def tie_value(values: Any, metric: str) -> float:
+    """The other validation metric, lower better: it breaks a tie of `metric` (val_acc ties are
+    common on small val splits: an earlier epoch with val_loss 1e7 had won one)."""
+    other = next(m for m in METRICS if m != metric)
+    value = values.get(other) if hasattr(values, "get") else None
+    if value is None or not math.isfinite(float(value)):
+        return math.inf
+    return float(value) if BETTER[other] == "min" else -float(value)
 
 
 def _set_nested(data: dict, key: str, value: Any) -> None:

@@ -22,7 +22,7 @@ from stages.common import console, storage
 from stages.common.artifacts import Artifact, base_manifest, config_hash, data_fingerprint, write_manifest
 from stages.common.config import TrainConfig, TuneConfig, section_dict
 from stages.common.trials import OUTCOMES, outcome
-from stages.tune.checks import BETTER, EXPERIMENT, METRICS, searched_keys, trial_train_config
+from stages.tune.checks import EXPERIMENT, searched_keys, tie_value, trial_train_config
 
 __all__ = ["EXPERIMENT", "summaries", "write_tables", "pick_best", "publish", "mark_finished"]
 
@@ -60,18 +60,8 @@ def _checkpoint_history(ray_dir: str, s3, trial_id: str, metric: str) -> list[di
             value = meta.get("val", {}).get(metric)
             if meta.get("step") == 0 and meta.get("epoch", 0) >= 1 and value is not None and not _nan(value):
                 found.append({"epoch": int(meta["epoch"]), "value": float(value), "checkpoint_path": item.path,
-                              "tie": _tie(meta.get("val", {}), metric)})
+                              "tie": tie_value(meta.get("val", {}), metric)})
     return found
-
-
-def _tie(values: Any, metric: str) -> float:
-    """The other validation metric, oriented so that lower is better: what breaks a tie of `metric`
-    (39 validation images make val_acc ties common: an earlier epoch with val_loss 1e7 had won one)."""
-    other = next(m for m in METRICS if m != metric)
-    value = values.get(other) if hasattr(values, "get") else None
-    if value is None or _nan(value):
-        return math.inf
-    return float(value) if BETTER[other] == "min" else -float(value)
 
 
 def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
@@ -84,7 +74,7 @@ def _history(result, metric: str) -> tuple[list[dict[str, Any]], bool]:
         for _, r in ends.iterrows():
             if r["epoch"] >= 1 and r.get(metric) is not None and not _nan(r[metric]):
                 history.append({"epoch": int(r["epoch"]), "value": float(r[metric]),
-                                "checkpoint_path": _checkpoint_path(result, r), "tie": _tie(r, metric)})
+                                "checkpoint_path": _checkpoint_path(result, r), "tie": tie_value(r, metric)})
     return history, diverged
 
 
@@ -170,6 +160,15 @@ def _status(result, trial_id: str, ended: set[str]) -> str:
     return "TERMINATED" if (result.metrics or {}).get("done") or trial_id in ended else "UNFINISHED"
 
 
+def _ran_to_its_end(trial_id: str, epochs: int, error: str) -> str:
+    """A failed trial whose checkpoints hold every planned epoch ran to its end before a driver kill;
+    Tune's restore failed it (retention deleted the checkpoint its saved state named; ASHA stops a
+    trial at its last report, so mark_finished never ran). Counted finished: its checkpoints rank."""
+    log.info("tune: trial %s holds all %d epochs' checkpoints; restoring it failed (%s): counted as finished",
+             trial_id, epochs, error or "no error text")
+    return ""
+
+
 def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -> list[dict[str, Any]]:
     """One dict per trial: params, status, per-epoch history of the metric, best value, timing."""
     rows, ended = [], finished(ray_dir, s3)
@@ -197,8 +196,10 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         # kept epoch 1 of 3, and the row said stopped_early beside 3 epochs run). Its own name: reusing
         # `ended` had made every trial after the first UNFINISHED in a resumed search.
         ran = epochs_run if trial_id in ended else max(seen, default=0)
-        result_outcome = outcome(status, diverged, ran, planned)
         error = str(result.error).strip().splitlines()[-1][:300] if result.error else ""
+        if status == "ERROR" and not diverged and epochs_run >= planned:  # see _ran_to_its_end
+            status, ran, error = "TERMINATED", epochs_run, _ran_to_its_end(trial_id, epochs_run, error)
+        result_outcome = outcome(status, diverged, ran, planned)
         wall = (result.metrics or {}).get("time_total_s")
         rows.append({"trial_id": trial_id, "status": status, "outcome": result_outcome, "params": params,
                      "best": best["value"] if best else None, "best_epoch": best["epoch"] if best else None,
