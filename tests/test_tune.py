@@ -199,6 +199,12 @@ def test_pbt_exploits_a_donor_checkpoint_and_trains_with_its_own_explored_params
     for trial_id, row in _trials_csv(out).items():  # a trial with no report yet keeps its sampled config
         if trial_id in last:
             assert float(row["lr"]) == pytest.approx(last[trial_id]["lr"], rel=1e-5), (trial_id, row, last[trial_id])
+    # no exploit after the last epoch: it had reported epoch 4 twice, the second with a donor's weights
+    # under settings that never trained (trials.csv and best.json then named them)
+    finals = {f.parent.name: sum(1 for r in map(json.loads, f.read_text().splitlines())
+                                 if r.get("position_step") == 0 and r.get("epoch") == 4)
+              for f in (out / "ray" / "tune").glob("trial-*/result.json")}
+    assert all(n <= 1 for n in finals.values()), finals
 
 
 def test_a_loaded_optimiser_takes_this_runs_lr_momentum_and_weight_decay():

@@ -283,6 +283,9 @@ def _fit(cfg: TuneConfig, train_cfg: TrainConfig, driver, plan: session.TrialPla
                 callbacks=[*callbacks, *console.tune_result_loggers(),
                            tune_console.TrialLines(cfg.num_samples, cfg.max_epochs, cfg.metric, searched_keys(cfg))],
                 checkpoint_config=_checkpoints(cfg, train_cfg),
+                # PBT: a trial ends at its last epoch's report, before the scheduler sees it: an exploit
+                # there had cloned a donor's weights into it under settings that never trained
+                stop={"position_epoch": cfg.max_epochs} if cfg.scheduler == "pbt" else None,
                 failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
     with console.no_tensorboard():  # a restored search keeps the loggers it was given (tune_result_loggers)
         return tuner.fit()  # a trial that raises is recorded as ERROR; fit itself does not raise
