@@ -100,6 +100,7 @@ class Worker:
             raise
         self.model_at = time.time()  # the stage's timings split the worker's set-up here
         self.fingerprint = config.get("fingerprint")  # what made this run; checkpoints carry it
+        self.rank_metric = config.get("rank_metric", "val_acc")  # what picks the published checkpoint
         self.attempt_marks: dict[str, Any] | None = None  # set by train_loop; the attempt's first row carries them
 
     def build_model(self, config: dict[str, Any]) -> None:
@@ -327,11 +328,14 @@ def _epochs(w: Worker, config: dict[str, Any]) -> None:
         row = {"epoch": epoch + 1, **metrics, **w.val, "eval_s": time.perf_counter() - evaluated,
                "report_s": w.report_s, **w.startup()}  # report_s: its mid-epoch checkpoints
         # The test split is scored here, in the workers on their device, whenever this epoch's
-        # checkpoint may be the one published (the best val_acc so far, ties included, or the best
-        # val_loss: a search may rank by it): publish then reads test_acc from the best checkpoint's
-        # metrics instead of re-scoring on the driver.
-        if w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0) or \
-                w.val["val_loss"] <= min((h["val_loss"] for h in w.history), default=math.inf):
+        # checkpoint may be the one published (the best of the metric that picks it so far, ties
+        # included: val_acc, or a search's val_loss): publish then reads test_acc from the best
+        # checkpoint's metrics instead of re-scoring on the driver.
+        if w.rank_metric == "val_loss":
+            best = w.val["val_loss"] <= min((h["val_loss"] for h in w.history), default=math.inf)
+        else:
+            best = w.val["val_acc"] >= max((h["val_acc"] for h in w.history), default=-1.0)
+        if best:
             started = time.perf_counter()
             row.update(w.evaluate("test"), test_seconds=time.perf_counter() - started)
         # cache counters after evaluation, so each epoch's row covers all of its reads

@@ -204,7 +204,8 @@ def _run_locked(cfg: TuneConfig, train_cfg: TrainConfig, data: Artifact, out: st
         guard()
     ctx = {"tune": section_dict(cfg), "train": section_dict(trained), "plan": plan.workers,
            "ray_dir": ray_dir, "s3": s3, "in_function": plan.in_function,
-           "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init)}}
+           "loop": {**train.loop_config(trained, data, shards, seed, s3, plan.workers), **finetune.shipped(init),
+                    "rank_metric": cfg.metric}}  # the loop scores the test split at each best of it
     log.info("tune: %d trial(s), %s, %d at a time, %d worker(s) x %g CPU each; %g CPU kept for Ray Data",
              cfg.num_samples, cfg.scheduler, plan.concurrent_trials, plan.workers.num_workers,
              plan.workers.cpus_per_worker, ray_cfg.data_reserved_cpus)
