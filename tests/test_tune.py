@@ -557,3 +557,24 @@ def test_every_trial_recorded_finished_is_finished_not_only_the_first(tmp_path):
         (kept / "meta.json").write_text(json.dumps({"epoch": epoch, "step": 0, "val": {"val_acc": 0.6 + epoch / 10}}))
     row = results.summaries([lost], cfg, TrainConfig(epochs=2), str(ray_dir), None)[0]
     assert (row["status"], row["outcome"], row["error"], row["best"]) == ("TERMINATED", "completed", "", 0.8), row
+
+
+def test_a_trials_line_names_its_best_epoch_and_a_resumed_search_counts_on(caplog):
+    """The line had shown the last epoch's value alone (val_acc 0.1282 beside a best of 0.1538 in
+    trials.csv), and a resumed search numbered its trials from 1 again."""
+    import logging
+    import types
+
+    from stages.tune.console import TrialLines
+
+    lines = TrialLines(total=3, max_epochs=3, metric="val_acc", keys=["lr"])
+    ended = types.SimpleNamespace(status="TERMINATED")
+    trial = types.SimpleNamespace(trial_id="t1", status="RUNNING", config={"lr": 0.1}, last_result={})
+    lines.on_step_begin(0, [ended, trial])
+    for epoch, value in ((1, 0.5), (2, 0.7), (3, 0.6)):
+        trial.last_result = {"epoch": epoch, "position_step": 0, "val_acc": value}
+        lines.on_trial_result(0, [trial], trial, trial.last_result)
+    lines.on_trial_result(0, [trial], trial, {"epoch": 3, "position_step": 5, "val_acc": -1.0})  # mid-epoch
+    with caplog.at_level(logging.INFO, logger="stages.tune.console"):
+        lines.on_trial_complete(0, [trial], trial)
+    assert "tune: 2/3 trial t1 completed after 3/3 epoch(s), val_acc 0.6, best 0.7 at epoch 2; lr=0.1" in caplog.text

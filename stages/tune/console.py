@@ -24,14 +24,29 @@ class TrialLines(tune.Callback):
 
     def __init__(self, total: int, max_epochs: int, metric: str, keys: list[str]):
         self.total, self.max_epochs, self.metric, self.keys = total, max_epochs, metric, keys
-        self.done = 0
+        self.done, self.started, self.best = 0, False, {}
+
+    def on_step_begin(self, iteration: int, trials: list, **info) -> None:
+        if not self.started:  # a resumed search counts on from the trials that had ended ("1/6" again before)
+            self.started = True
+            self.done = sum(t.status in ("TERMINATED", "ERROR") for t in trials)
+
+    def on_trial_result(self, iteration: int, trials: list, trial, result: dict, **info) -> None:
+        value = result.get(self.metric)
+        if result.get("position_step") == 0 and isinstance(value, (int, float)):  # epoch ends only
+            lower = self.metric == "val_loss"
+            held = self.best.get(trial.trial_id)
+            if held is None or (value < held[0] if lower else value > held[0]):
+                self.best[trial.trial_id] = (value, result.get("epoch"))
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:
         # trials.md's rule: a trial whose loss went NaN reads "diverged" here too, not "stopped early"
         ended, epochs, planned = trial_ended(trial, False, self.max_epochs)
         last = trial.last_result or {}
+        best = self.best.get(trial.trial_id)  # the line had shown the last epoch's value alone
+        said = f", best {_number(best[0])} at epoch {best[1]}" if best and best[0] != last.get(self.metric) else ""
         self._line(trial, f"{ended.replace('_', ' ')} after {epochs}/{planned} epoch(s), "
-                          f"{self.metric} {_number(last.get(self.metric))}")
+                          f"{self.metric} {_number(last.get(self.metric))}{said}")
 
     def on_trial_error(self, iteration: int, trials: list, trial, **info) -> None:
         self._line(trial, "failed (see its error in trials.md)")
