@@ -111,6 +111,12 @@ def test_a_cluster_address_where_nothing_answers_exits_2_at_once(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "nothing answers there" in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+    # `raymill run`: before config.yaml, ETL and MLflow's store (a train had left OUT/mlflow.db)
+    done = subprocess.run([sys.executable, "-m", "workflow", "run", "--set", f"run.source={tmp_path / 'src'}",
+                           "--set", f"run.dir={tmp_path / 'run'}", "--set", f"ray.address=127.0.0.1:{free_port()}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "nothing answers there" in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
     # a dashboard host this machine does not have: it had been a gaierror from Ray's start, exit 1
     done = subprocess.run([sys.executable, "-m", "workflow", "etl", "--input", str(tmp_path / "src"), "--output",
                            str(tmp_path / "out"), "--set", "ray.dashboard_host=no-such-host.invalid"],

@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, _first_interrupt)
+    _TERMINATED.clear()
     if argv is None:  # the command itself, not a caller of main([...]): SIGTERM as Ctrl-C, once Ray is up
         from workflow import preflight
 
+        _CLI.append(True)
         preflight.AFTER_RAY_START.append(_take_sigterm)
     try:
         return _command(args)
@@ -69,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             # exit 0, and left Ray's agents running for a minute: the teardown (seconds) finishes
             # instead. Only as the CLI (argv from sys.argv): a caller of main([...]) keeps its handler.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if signal.getsignal(signal.SIGTERM) is _terminate:  # nor a KeyboardInterrupt in Ray's atexit hook
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
 
 
 def _first_interrupt(signum, frame) -> None:
@@ -80,13 +84,14 @@ def _first_interrupt(signum, frame) -> None:
 
 
 _TERMINATED: list[int] = []
+_CLI: list[bool] = []  # set by main() run as the command (argv from sys.argv), never for main([...])
 
 
 def _take_sigterm() -> None:
     """SIGTERM (kill, systemd, Kubernetes) stops the command as Ctrl-C does, exit 143. Installed once
     Ray is up: ray.init's core worker takes SIGTERM with a handler that dumps "*** SIGTERM received"
     and three `E ... logging.cc` lines, arms a 3 s abort (absl), and exits 130 through Ray's own."""
-    if threading.current_thread() is threading.main_thread():
+    if _CLI and threading.current_thread() is threading.main_thread():  # a library caller keeps its own
         signal.signal(signal.SIGTERM, _terminate)
 
 

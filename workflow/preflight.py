@@ -28,8 +28,8 @@ from stages.model import init_source
 from stages.model.sizes import check_image_size
 from stages.tune.checks import check_room, check_search
 
-__all__ = ["AFTER_RAY_START", "Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits", "etl_inputs",
-           "locked_before_ray"]
+__all__ = ["AFTER_RAY_START", "Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits",
+           "etl_inputs", "locked_before_ray"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ def start(cfg: Config, serve: bool = False) -> Inputs:
         check_room(cfg.tune, cfg.train, cfg.ray)
     if serve:
         check_serve_room(cfg)
+    session.check_ray(cfg.ray)  # before config.yaml, ETL and MLflow's store
     etl.check_apart(cfg.run.source, cfg.run.dir, "run.dir")
     image_input(cfg.run.source, cfg.s3)  # not another stage's output: had failed after Ray's start
     output_outside_outputs(cfg.run.dir, cfg.s3, "run.dir")  # had written config.yaml and mlflow.db there first
@@ -318,6 +319,7 @@ def locked_before_ray(cfg, data, out: str, overwrite: bool, stage: str, models: 
     check_rows(cfg.train, data, models)  # image size, format, classes, val rows: the manifest's facts
     check_init_source(cfg, models)
     check_output_files(out, stage, cfg.s3)  # a folder of someone's files, before MLflow's store opens there
+    session.check_ray(cfg.ray)  # ray.address answers, ray.dashboard_host is this machine's: before it too
     check_shards(data, cfg.s3)  # a damaged shard: before Ray and MLflow's store (a stamp makes it instant again)
     with output_lock(out, stage, cfg.s3):  # checks the output's kind too
         fs, root = storage.filesystem(out, cfg.s3)

@@ -44,8 +44,12 @@ class RayConfig(Section):
     @field_validator("address")
     @classmethod
     def _address(cls, value: str | None) -> str | None:
-        """A form ray.init takes: `bad` had failed after the run began (ValueError, exit 1)."""
-        if value is not None and not re.fullmatch(r"auto|(ray://)?(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}", value):
+        """A form ray.init takes: `bad` had failed after the run began (ValueError, exit 1). Empty or
+        `local` (`--set ray.address=`): a local Ray, as unset."""
+        if value is not None and value.strip() in ("", "local"):
+            return None
+        if value is not None and not re.fullmatch(
+                r"auto|ray://[^\s/]+|(\[[0-9A-Fa-f:.%\w]+\]|[^\s:/\[\]]+):[0-9]{1,5}", value):
             raise ValueError("not a cluster address: write auto, host:port (the GCS, e.g. 10.0.0.5:6379) or "
                              "ray://host:port (Ray Client), or leave it unset for a local Ray")
         return value

@@ -99,7 +99,8 @@ def tune_defaults(data: dict[str, Any]) -> dict[str, Any]:
 def _max_epochs(value: Any) -> int:
     """tune.max_epochs read before pydantic checks it (the default space needs it): `null`, `[1]` or
     `bad` had raised TypeError or named only the section."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+    whole = isinstance(value, float) and value.is_integer() and value > 0  # 6.0, as pydantic takes it
+    if not whole and (isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit()):
         raise ValueError(f"tune.max_epochs must be a whole number of epochs (got {value!r}); set e.g. "
                          f"tune.max_epochs=6")
     return int(value)

@@ -85,7 +85,11 @@ def for_train(train_section: dict[str, Any], seed: int, data_manifest: dict[str,
               init_sha256: str | None = None) -> Fingerprint:
     """What makes a training run's checkpoints: train config (minus TRAIN_RESUMABLE), seed, data
     content, and the content of its init weights (train.init_from names only where they are)."""
-    parts = {"train": train_section, "seed": seed, "data": data_fingerprint(data_manifest)}
+    parts = {"train": train_section, "seed": seed, "data": data_fingerprint(data_manifest),
+             # Ray Train's saved checkpoint list ranks by the `score_*` metrics (stages.train.checkpointing):
+             # state saved before them lacks the keys, and Ray ranks such checkpoints last (max) or first
+             # (min), deleting a run's best epoch: refused, with --overwrite as the fix
+             "checkpoints_ranked_by": "score_<metric>"}
     if init_sha256:  # absent without init weights: the fingerprints of earlier runs stay valid
         parts["init"] = {"sha256": init_sha256}
     return compute(parts, ignore=[f"train.{k}" for k in TRAIN_RESUMABLE])

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 from stages.common.cluster import cluster_resources
 from stages.common.config import ConfigError, RayConfig
 from stages.common.exposure import check_loopback, keep_local_on_loopback
 
-__all__ = ["start", "start_if_needed", "dashboard_url"]
+__all__ = ["start", "start_if_needed", "dashboard_url", "check"]
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,8 @@ def start(cfg: RayConfig) -> dict[str, float]:
         os.environ.update(console.quiet_torch_cpp())  # local workers inherit this process's env
         # No job runtime_env on a local Ray: with one, the first tasks cannot use the workers
         # Ray starts beside the node and wait for fresh ones (0.85 s on 2 cores)
+        check(cfg)  # the address answers; the dashboard's host is this machine's
         if cfg.address:
-            _check_reachable(cfg.address)
             env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
             kwargs.update(address=cfg.address, runtime_env={"env_vars": env} if env else None)
         else:
@@ -172,16 +173,32 @@ def _point_state_api_at_own_dashboard(host: str) -> int:
     local Ray; the placement groups of stopped trials then stay reserved, and new trials wait.
     A free port, not Ray's usual 8265: two commands started together both found 8265 free, and the
     second one's dashboard then failed to bind it (exit 1 after 62 s)."""
-    import socket
-
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError as e:  # had been a gaierror from Ray's start, exit 1
-        raise ConfigError(f"ray.dashboard_host={host!r} is no address of this machine ({e}); set it to 127.0.0.1 "
-                          f"(the default), or an interface's address") from None
     port = _free_port(host)
     os.environ["RAY_API_SERVER_ADDRESS"] = f"http://{host}:{port}"
     return port
+
+
+def check(cfg: RayConfig) -> None:
+    """What can be known of ray.address and ray.dashboard_host before Ray starts, with sockets alone
+    (ConfigError, exit 2): the CLI checks it before MLflow's store opens, and `start` again."""
+    import socket
+
+    if cfg.address:
+        _check_reachable(cfg.address)
+        return
+    if not cfg.include_dashboard:
+        return
+    try:
+        socket.getaddrinfo(cfg.dashboard_host, None)
+    except OSError as e:  # had been a gaierror from Ray's start, exit 1
+        raise ConfigError(f"ray.dashboard_host={cfg.dashboard_host!r} is no address of this machine ({e}); set it "
+                          f"to 127.0.0.1 (the default), or an interface's address") from None
+    with socket.socket() as probe:
+        try:
+            probe.bind((cfg.dashboard_host, 0))
+        except OSError as e:  # 10.9.9.9 on a machine without it: EADDRNOTAVAIL
+            raise ConfigError(f"ray.dashboard_host={cfg.dashboard_host!r}: cannot listen there ({e}); set it to "
+                              f"127.0.0.1 (the default), or an address of this machine's interfaces") from None
 
 
 # Where the dashboard's port is drawn from: above Ray's worker ports (10002-19999) and below the
@@ -207,11 +224,7 @@ def _free_port(host: str) -> int:
                 continue
         return port
     with socket.socket() as probe:  # the range is taken (or ephemeral): any free port, as before
-        try:
-            probe.bind((host, 0))
-        except OSError as e:  # 10.9.9.9 on a machine without it: EADDRNOTAVAIL
-            raise ConfigError(f"ray.dashboard_host={host!r}: cannot listen there ({e}); set it to 127.0.0.1 (the "
-                              f"default), or an address of this machine's interfaces") from None
+        probe.bind((host, 0))  # `check` made sure it can
         return probe.getsockname()[1]
 
 
@@ -230,11 +243,21 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
 
     if address == "auto":
         return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise ConfigError(f"ray.address={address}: nothing answers there ({type(e).__name__}: {e}); start the "
+    where = address.removeprefix("ray://")
+    host, _, port = where.rpartition(":") if not where.endswith("]") and ":" in where else (where, "", "10001")
+    deadline = time.monotonic() + timeout_s
+    while True:  # a head started with this command may still be starting: refused connects are retried
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+            return
+        except ConnectionRefusedError as e:
+            if time.monotonic() < deadline:
+                time.sleep(0.5)
+                continue
+            error = e
+        except OSError as e:
+            error = e
+        raise ConfigError(f"ray.address={address}: nothing answers there ({type(error).__name__}: {error}); start the "
                           f"cluster (`ray start --head`, `ray up cluster.yaml`) or fix ray.address (the head's "
                           f"GCS, port 6379 unless set; unset: a local Ray)") from None
 

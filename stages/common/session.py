@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass
 from stages.common.cluster import cluster_resources, local_cpus, units_that_fit
 from stages.common.config import ConfigError, InferConfig, ServeConfig, TrainConfig, TuneConfig
 from stages.common.exposure import LOCAL_ONLY_ENV, keep_local_on_loopback  # noqa: F401 (re-exported)
-from stages.common.ray_start import dashboard_url, start, start_if_needed  # noqa: F401 (re-exported)
+from stages.common.ray_start import check as check_ray, dashboard_url, start, start_if_needed  # noqa: F401 (API)
 
-__all__ = ["start", "start_if_needed", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url", "cluster_resources",
-           "local_cpus", "WorkerPlan", "plan_workers", "train_host", "plan_trials", "TrialPlan", "TRIAL_DRIVER_CPUS",
-           "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
+__all__ = ["start", "start_if_needed", "check_ray", "keep_local_on_loopback", "LOCAL_ONLY_ENV", "dashboard_url",
+           "cluster_resources", "local_cpus", "WorkerPlan", "plan_workers", "train_host", "plan_trials", "TrialPlan",
+           "TRIAL_DRIVER_CPUS", "ServePlan", "plan_serve", "plan_infer", "planned_actors"]
 
 log = logging.getLogger(__name__)
 DATA_TASK_CPUS = 0.25  # a Ray Data task's CPUs on a small node (train.data_cpus_per_task unset)

@@ -15,7 +15,8 @@ from stages.etl.checks import check_format
 from stages.etl.layout import more_rows_fix
 from stages.model.sizes import check_image_size
 
-__all__ = ["TrainError", "check_rows", "check_shards", "check_state", "check_output_files", "run_name", "state_location"]
+__all__ = ["TrainError", "check_rows", "check_shards", "check_state", "check_output_files", "run_name",
+           "state_location"]
 
 log = logging.getLogger("stages.train.stage")  # the stage's lines
 
@@ -96,8 +97,9 @@ def check_state(cfg: TrainConfig, data: Artifact, out: str, seed: int, s3: Any |
 
 # What a train or tune output holds (stages.model.publish, stages.tune.results, the run state, MLflow's
 # SQLite store and its artifacts); model.pt counts as one only beside model.json or the run state.
-OUTPUT_FILES = frozenset({"manifest.json", "model.json", "curves.png", "metrics.jsonl", "mlflow.db", "tracking.json",
-                          "best.json", "search.png", "trials.csv", "trials.md"})
+OUTPUT_FILES = frozenset({"manifest.json", "model.json", "curves.png", "metrics.jsonl", "ledger.json", "tracking.json",
+                          "best.json", "search.png", "trials.csv", "trials.md",
+                          "mlflow.db", "mlflow.db-journal", "mlflow.db-wal", "mlflow.db-shm"})  # SQLite's own too
 OUTPUT_FOLDERS = frozenset({"ray", "mlartifacts"})
 
 
@@ -109,10 +111,13 @@ def check_output_files(out: str, stage: str, s3: Any | None = None) -> None:
     if not fs.isdir(root):
         return
     top = {p.rstrip("/").rsplit("/", 1)[-1] for p in storage.children(fs, root)}
+    if "manifest.json" in top:  # a published output: the lock's kind check names whose (another stage's)
+        return
 
     def own(rel: str) -> bool:
         first = rel.split("/", 1)[0]
-        return first in OUTPUT_FOLDERS or rel in OUTPUT_FILES or (rel == "model.pt" and bool({"model.json", "ray"} & top))
+        return first in OUTPUT_FOLDERS or rel in OUTPUT_FILES or \
+            (rel == "model.pt" and bool({"model.json", "ray"} & top))
 
     if foreign := foreign_files(out, own, s3):
         raise ConfigError(f"output '{out}' holds files that raymill {stage} did not write (e.g. '{foreign[0]}'); "

@@ -22,6 +22,11 @@ log = logging.getLogger(__name__)
 class TrialLines(tune.Callback):
     """`tune: trial <id> <outcome> after <n>/<max> epochs, val_acc ..., <params>` per finished trial."""
 
+    # Class-level defaults: a search resumed from an older raymill unpickles an instance (Tuner.restore
+    # restores its RunConfig's callbacks) whose __dict__ lacks the later attributes.
+    started = False
+    best: dict | None = None
+
     def __init__(self, total: int, max_epochs: int, metric: str, keys: list[str]):
         self.total, self.max_epochs, self.metric, self.keys = total, max_epochs, metric, keys
         self.done, self.started, self.best = 0, False, {}
@@ -35,6 +40,7 @@ class TrialLines(tune.Callback):
         value = result.get(self.metric)
         if result.get("position_step") == 0 and isinstance(value, (int, float)):  # epoch ends only
             lower = self.metric == "val_loss"
+            self.best = self.best if self.best is not None else {}
             held = self.best.get(trial.trial_id)
             if held is None or (value < held[0] if lower else value > held[0]):
                 self.best[trial.trial_id] = (value, result.get("epoch"))
@@ -43,7 +49,7 @@ class TrialLines(tune.Callback):
         # trials.md's rule: a trial whose loss went NaN reads "diverged" here too, not "stopped early"
         ended, epochs, planned = trial_ended(trial, False, self.max_epochs)
         last = trial.last_result or {}
-        best = self.best.get(trial.trial_id)  # the line had shown the last epoch's value alone
+        best = (self.best or {}).get(trial.trial_id)  # the line had shown the last epoch's value alone
         said = f", best {_number(best[0])} at epoch {best[1]}" if best and best[0] != last.get(self.metric) else ""
         self._line(trial, f"{ended.replace('_', ' ')} after {epochs}/{planned} epoch(s), "
                           f"{self.metric} {_number(last.get(self.metric))}{said}")

@@ -184,8 +184,9 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         kept = [h for h in _checkpoint_history(ray_dir, s3, trial_id, cfg.metric) if h["epoch"] not in seen]
         candidates = sorted(history + kept, key=lambda h: h["epoch"])
         epochs_run = max((h["epoch"] for h in candidates), default=0)
-        pick = max if cfg.mode == "max" else min
-        best = pick(candidates, key=lambda h: h["value"]) if candidates else None  # as pick_best ranks
+        sign = -1 if cfg.mode == "max" else 1  # as pick_best ranks, ties included
+        best = min(candidates, key=lambda h: (sign * h["value"], h.get("tie", math.inf), h["epoch"])) \
+            if candidates else None
         status = _status(result, trial_id, ended)
         try:
             planned = trial_train_config(train_cfg, params, cfg).epochs
