@@ -199,6 +199,13 @@ def test_a_gpu_asked_of_a_local_ray_with_none_exits_2_before_mlflows_store(tmp_p
         assert main([command, "--data", str(ds), "--output", str(theirs), "--config", smoke]) == 2
         assert f"holds files that raymill {command} did not write" in capsys.readouterr().err
         assert {p.name: p.read_text() for p in theirs.iterdir()} == files  # nothing written there, nothing replaced
+    from stages.train.checks import check_output_files
+
+    ours = tmp_path / "ours"  # a train output's own names pass (ledger.json, SQLite's journal had been refused)
+    ours.mkdir()
+    for name in ("ledger.json", "mlflow.db", "mlflow.db-journal", "metrics.jsonl", "model.json", "model.pt"):
+        (ours / name).write_text("x")
+    check_output_files(str(ours), "train")
     # a damaged shard: refused before Ray and MLflow's store (it had been 9 s later, leaving a FAILED run)
     damaged = tmp_path / "damaged"
     shutil.copytree(ds, damaged)
