@@ -15,6 +15,7 @@ import time
 
 from stages.common import console, storage
 from stages.common.config import ConfigError, load_config
+from workflow import signals
 from workflow.cli_args import build_parser, unread_overrides
 
 __all__ = ["main"]
@@ -52,60 +53,27 @@ def main(argv: list[str] | None = None) -> int:
     # Python's own handler only: a background job (nohup, `&`) inherits SIGINT ignored, and keeps it so
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _first_interrupt)
-    _TERMINATED.clear()
+        signal.signal(signal.SIGINT, signals.first_interrupt)
+    signals.TERMINATED.clear()
     if argv is None:  # the command itself, not a caller of main([...]): SIGTERM as Ctrl-C, once Ray is up
         from workflow import preflight
 
-        _CLI.append(True)
-        preflight.AFTER_RAY_START.append(_take_sigterm)
+        signals.CLI.append(True)
+        preflight.AFTER_RAY_START.append(signals.take_sigterm)
     try:
         return _command(args)
     finally:
         if (tracking := sys.modules.get("stages.common.tracking")) is not None:
             tracking.settle()  # a run that failed early leaves no half-created MLflow store
         console.before_exit()
-        if argv is None and signal.getsignal(signal.SIGINT) in (_first_interrupt, _second_interrupt):
+        if argv is None and signal.getsignal(signal.SIGINT) in (signals.first_interrupt, signals.second_interrupt):
             # The process's command has ended (its output published, or its error said); Ray's own
             # shutdown at exit follows. A Ctrl-C there had printed a traceback from Ray's atexit hook,
             # exit 0, and left Ray's agents running for a minute: the teardown (seconds) finishes
             # instead. Only as the CLI (argv from sys.argv): a caller of main([...]) keeps its handler.
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            if signal.getsignal(signal.SIGTERM) is _terminate:  # nor a KeyboardInterrupt in Ray's atexit hook
+            if signal.getsignal(signal.SIGTERM) is signals.terminate:  # nor a KeyboardInterrupt in Ray's atexit hook
                 signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
-
-
-def _first_interrupt(signum, frame) -> None:
-    """Ctrl-C stops the command cleanly (KeyboardInterrupt: Ray shut down, the output unlocked, one
-    line); a second one while that runs exits at once, also with one line: it had printed a
-    traceback for each frame the two interrupts hit (three, in `raymill serve`'s shutdown)."""
-    signal.signal(signal.SIGINT, _second_interrupt)
-    raise KeyboardInterrupt
-
-
-_TERMINATED: list[int] = []
-_CLI: list[bool] = []  # set by main() run as the command (argv from sys.argv), never for main([...])
-
-
-def _take_sigterm() -> None:
-    """SIGTERM (kill, systemd, Kubernetes) stops the command as Ctrl-C does, exit 143. Installed once
-    Ray is up: ray.init's core worker takes SIGTERM with a handler that dumps "*** SIGTERM received"
-    and three `E ... logging.cc` lines, arms a 3 s abort (absl), and exits 130 through Ray's own."""
-    if _CLI and threading.current_thread() is threading.main_thread():  # a library caller keeps its own
-        signal.signal(signal.SIGTERM, _terminate)
-
-
-def _terminate(signum, frame) -> None:
-    _TERMINATED.append(signum)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))  # a second one: at once, as a second Ctrl-C
-    if signal.getsignal(signal.SIGINT) is _first_interrupt:
-        signal.signal(signal.SIGINT, _second_interrupt)
-    raise KeyboardInterrupt
-
-
-def _second_interrupt(signum, frame) -> None:
-    print("raymill: interrupted again; exiting now", file=sys.stderr, flush=True)
-    os._exit(130)
 
 
 def _command(args) -> int:
@@ -115,12 +83,12 @@ def _command(args) -> int:
         print(f"raymill {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        if signal.getsignal(signal.SIGINT) is _first_interrupt:  # restored by a fit that caught the first one
-            signal.signal(signal.SIGINT, _second_interrupt)
+        if signal.getsignal(signal.SIGINT) is signals.first_interrupt:  # restored by a fit that caught the first one
+            signal.signal(signal.SIGINT, signals.second_interrupt)
         console.worker_lines_first()  # an epoch line in flight had followed this one
-        said = "terminated (SIGTERM)" if _TERMINATED else "interrupted"
+        said = "terminated (SIGTERM)" if signals.TERMINATED else "interrupted"
         print(f"raymill {args.command}: {said}{f'; {e}' if str(e) else ''}", file=sys.stderr)
-        return 143 if _TERMINATED else 130
+        return 143 if signals.TERMINATED else 130
     except Exception as e:  # the message carries the fix; --verbose adds the traceback
         log.debug("traceback", exc_info=True)
         hint = _object_store_hint(e) + ("" if args.verbose else " (--verbose shows the traceback)")
@@ -157,7 +125,7 @@ def cmd_etl(args) -> int:
         etl.check_output(args.output, cfg.s3, args.overwrite)  # and one that holds other files
         listing = etl.discover(args.input, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)  # and no images
         session.start(cfg.ray)
-        _take_sigterm()
+        signals.take_sigterm()
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite, listing=listing)
     t = artifact.manifest["totals"]  # the stage has logged its full summary: stdout says where it went
     print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} -> {artifact.path}")
@@ -244,7 +212,7 @@ def cmd_infer(args) -> int:
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
-                             start_ray=lambda: (session.start(cfg.ray), _take_sigterm()), cpus=cfg.ray.num_cpus)
+                             start_ray=lambda: (session.start(cfg.ray), signals.take_sigterm()), cpus=cfg.ray.num_cpus)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {_pairs(artifact.manifest.get('metrics', {}))} -> {artifact.path}")
     return 0

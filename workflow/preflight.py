@@ -49,7 +49,7 @@ _BESIDE_RAY = ("torch", "ray.train.torch")
 
 
 # Called in the main thread once `beside_ray` has started Ray: the CLI takes SIGTERM back from Ray's
-# handler there (workflow.__main__._take_sigterm); a library caller keeps Ray's.
+# handler there (workflow.signals.take_sigterm); a library caller keeps Ray's.
 AFTER_RAY_START: list[Callable[[], None]] = []
 
 

@@ -41,9 +41,7 @@ log = logging.getLogger(__name__)
 # Beside config.pbtxt: stages/etl/pixels.py, which needs only Pillow and numpy, so a client feeds
 # the graph the pixels raymill computes (a README-style decode disagreed on JPEG draft, alpha, 16 bit).
 PREPROCESS = "preprocess.py"
-
-READ_KEYS = ("allowed_formats", "max_image_pixels")  # model.json `read` keys preprocess.pixels needs
-READ_OPTIONAL = ("max_file_mb",)  # ...and checks where given (a model published before it had none)
+READ_KEYS, READ_OPTIONAL = ("allowed_formats", "max_image_pixels"), ("max_file_mb",)  # preprocess.pixels's
 PIPELINE_MARKER = "stage.json"  # `raymill run` keeps its stage marker in the stage folder
 
 
@@ -313,12 +311,10 @@ def _runtime_name(fmt: str) -> str:
 
 @torch.no_grad()
 def compare(model: torch.nn.Module, info: dict, images: np.ndarray, runner, tolerance: float) -> dict[str, Any]:
-    """The exported file against the model in torch on the same uint8 images: max |logits diff|, and
-    relative to the logits' scale (runtime.logits_scale: float32 rounds logits of 3e4 by 4e-3, which an
-    absolute 1e-3 had refused), max |probabilities diff| (when exported), and the fraction of images
-    whose predicted classes agree. A different class counts as agreeing when torch's logits for the
-    two are within 2 x tolerance x scale (each may move by that): a tie the export cannot be blamed
-    for. Run at batch 1 and at N."""
+    """The export against torch on the same uint8 images, at batch 1 and N: max |logits diff|, also over
+    the logits' scale (runtime.logits_scale: float32 rounds logits of 3e4 by 4e-3), max |probabilities
+    diff| (when exported), and the share of images whose classes agree (a tie within 2 x tolerance x
+    scale counts as agreeing: the export cannot be blamed for it)."""
     expected = model(predict.to_batch(images, info["mean"], info["std"], torch.device("cpu"), False, False)).numpy()
     single = runner(images[:1])
     outputs = runner(images)
