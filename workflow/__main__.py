@@ -56,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signals.first_interrupt)
     signals.TERMINATED.clear()
     if argv is None:  # the command itself, not a caller of main([...]): SIGTERM as Ctrl-C, once Ray is up
-        from workflow import preflight
+        from stages.common import ray_start
 
         signals.CLI.append(True)
-        preflight.AFTER_RAY_START.append(signals.take_sigterm)
+        ray_start.AFTER_START.append(signals.take_sigterm)  # whichever command starts Ray
     try:
         return _command(args)
     finally:
@@ -125,7 +125,6 @@ def cmd_etl(args) -> int:
         etl.check_output(args.output, cfg.s3, args.overwrite)  # and one that holds other files
         listing = etl.discover(args.input, cfg.s3, cfg.etl.follow_symlinks, cfg.etl.layout)  # and no images
         session.start(cfg.ray)
-        signals.take_sigterm()
         artifact = etl.run(cfg.etl, args.input, args.output, s3=cfg.s3, overwrite=args.overwrite, listing=listing)
     t = artifact.manifest["totals"]  # the stage has logged its full summary: stdout says where it went
     print(f"etl: files_in={t['files_in']} rows_out={t['rows_out']} quarantined={t['quarantined']} -> {artifact.path}")
@@ -212,7 +211,7 @@ def cmd_infer(args) -> int:
     with output_lock(args.output, "infer", cfg.s3):  # before Ray: a locked output is refused at once
         # Ray starts only for a job that needs it: a few hundred images run in this process
         artifact = infer.run(cfg.infer, args.model, args.data, args.output, s3=cfg.s3,
-                             start_ray=lambda: (session.start(cfg.ray), signals.take_sigterm()), cpus=cfg.ray.num_cpus)
+                             start_ray=lambda: session.start(cfg.ray), cpus=cfg.ray.num_cpus)
     tracking.log_infer(cfg, args.model, artifact, own_run=True)  # a child of the model's MLflow run
     print(f"infer: {_pairs(artifact.manifest.get('metrics', {}))} -> {artifact.path}")
     return 0

@@ -28,7 +28,7 @@ from stages.model import init_source
 from stages.model.sizes import check_image_size
 from stages.tune.checks import check_room, check_search
 
-__all__ = ["AFTER_RAY_START", "Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits",
+__all__ = ["Inputs", "start", "RayOnDemand", "check_init_source", "beside_ray", "needed_splits",
            "etl_inputs", "locked_before_ray"]
 
 log = logging.getLogger(__name__)
@@ -46,11 +46,6 @@ _SHARED = ("numpy", "ray", "argparse", "cmath", "email.parser", "gettext", "grp"
 # MLflow's warm-up: no module of either imports the other's, so neither can wait on the other in a
 # cycle, and were one to fail anyway, only torch's error is the run's (`_import_into`).
 _BESIDE_RAY = ("torch", "ray.train.torch")
-
-
-# Called in the main thread once `beside_ray` has started Ray: the CLI takes SIGTERM back from Ray's
-# handler there (workflow.signals.take_sigterm); a library caller keeps Ray's.
-AFTER_RAY_START: list[Callable[[], None]] = []
 
 
 class Inputs(NamedTuple):
@@ -165,8 +160,6 @@ def beside_ray(cfg: Config, store: str, models: Sequence[str] = ()) -> dict[str,
     importer.start()
     try:
         resources = session.start(cfg.ray)
-        for hook in AFTER_RAY_START:
-            hook()
     finally:  # never leave the interpreter to exit in the middle of torch's import
         importer.join()
     if failed:  # torch's own error, not a later import's of a half-loaded package

@@ -8,6 +8,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from stages.common.cluster import cluster_resources
 from stages.common.config import ConfigError, RayConfig
@@ -134,11 +135,18 @@ def start(cfg: RayConfig) -> dict[str, float]:
             _DASHBOARD["url"] = f"http://{context.dashboard_url}"
             log.info("ray dashboard: %s (token: `ray get-auth-token`)", _DASHBOARD["url"])
         console.quiet_tune()
+        for hook in AFTER_START:
+            hook()
     resources = cluster_resources()
     log.log(logging.INFO if first else logging.DEBUG, "ray: %s CPUs, %s GPUs (address=%s)",
             resources["CPU"], resources["GPU"], cfg.address or "local")
     return resources
 
+
+# Called once this process's Ray is up (ray.init has installed its own signal handlers): the CLI takes
+# SIGTERM back there (workflow.signals.take_sigterm), whichever command started Ray; a library caller
+# registers none and keeps Ray's.
+AFTER_START: list[Callable[[], None]] = []
 
 # Set for Ray's own processes, which take this process's environment when a local Ray starts. The
 # driver drops them after: a library caller's own later `ray.init` (after `ray.shutdown`) had
