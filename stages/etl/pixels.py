@@ -32,7 +32,7 @@ def pixels(data: bytes, size: int, resize: str = "crop", read: dict | None = Non
     errors propagate."""
     if read is not None:
         if "max_file_mb" in read and len(data) > (cap := int(read["max_file_mb"] * 1e6)):
-            raise BadImage("too_large", f"{len(data)} bytes > {cap} (max_file_mb)")  # as infer refuses it
+            raise BadImage("too_large", f"{len(data)} bytes > {cap} (the model's etl.max_file_mb)")  # as infer does
         return checked(data, size, resize, tuple(read["allowed_formats"]), int(read["max_image_pixels"]))
     img = Image.open(io.BytesIO(data))
     load(img, size)

@@ -27,8 +27,9 @@ import torch
 from mlflow.pyfunc import PythonModel
 
 from stages.etl.images import BadImage
+from stages.etl import pixels as image_pixels
 from stages.etl.sources import read_rules
-from stages.model.predict import load_model, predict_arrays, preprocess
+from stages.model.predict import load_model, predict_arrays
 
 __all__ = ["Classifier", "COLUMN", "OUTPUT_COLUMNS", "WEIGHTS", "INFO", "to_images", "decode"]
 
@@ -75,11 +76,8 @@ def decode(data: Any, info: dict, rules: dict | None = None) -> tuple[np.ndarray
         data = bytes(data)
     if not isinstance(data, bytes):
         return None, f"not_bytes: got {type(data).__name__}; pass the encoded file's bytes (JPEG/PNG)"
-    data = _unbase64(data)
-    if len(data) > (cap := int(rules["max_file_mb"] * 1e6)):
-        return None, f"too_large: {len(data)} bytes > {cap} (the model's etl.max_file_mb)"
-    try:
-        return preprocess(data, info, tuple(rules["allowed_formats"]), rules["max_image_pixels"]), None
+    try:  # the size limit, then the formats and pixel limit: export clients' preprocess.py does the same
+        return image_pixels.pixels(_unbase64(data), info["image_size"], info.get("resize", "crop"), rules), None
     except BadImage as e:
         return None, str(e)
     except Exception as e:  # hostile bytes can trip any decoder path: still this row's fault only
