@@ -184,9 +184,7 @@ def summaries(grid, cfg: TuneConfig, train_cfg: TrainConfig, ray_dir: str, s3) -
         kept = [h for h in _checkpoint_history(ray_dir, s3, trial_id, cfg.metric) if h["epoch"] not in seen]
         candidates = sorted(history + kept, key=lambda h: h["epoch"])
         epochs_run = max((h["epoch"] for h in candidates), default=0)
-        sign = -1 if cfg.mode == "max" else 1  # as pick_best ranks, ties included
-        best = min(candidates, key=lambda h: (sign * h["value"], h.get("tie", math.inf), h["epoch"])) \
-            if candidates else None
+        best = min(candidates, key=_rank(cfg)) if candidates else None  # as pick_best ranks
         status = _status(result, trial_id, ended)
         try:
             planned = trial_train_config(train_cfg, params, cfg).epochs
@@ -239,6 +237,13 @@ def write_tables(fs, root: str, trials: list[dict], cfg: TuneConfig) -> None:
     storage.write_bytes_atomic(fs, storage.join(root, "trials.md"), "\n".join(md).encode())
 
 
+def _rank(cfg: TuneConfig):
+    """A history entry's sort key, best first: the metric, then the other one (tie_value), then the
+    earlier epoch. pick_best hands on by it; a trial's best_epoch (trials.md) is chosen by it too."""
+    sign = -1 if cfg.mode == "max" else 1
+    return lambda h: (sign * h["value"], h.get("tie", math.inf), h["epoch"])
+
+
 def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | None:
     """{"trial", "entry"}: the best epoch over all finished trials whose checkpoint still holds it.
 
@@ -250,10 +255,8 @@ def pick_best(trials: list[dict], cfg: TuneConfig, ray_dir: str, s3) -> dict | N
     fs, _ = _fs(ray_dir, s3)
     candidates = [(h, t) for t in trials if t["status"] == "TERMINATED" for h in t["candidates"]
                   if isinstance(h["checkpoint_path"], str)]
-    sign = -1 if cfg.mode == "max" else 1
-    # best value first; ties: the other metric's better value, the earlier epoch, the earlier trial
-    candidates.sort(key=lambda c: (sign * c[0]["value"], c[0].get("tie", math.inf), c[0]["epoch"],
-                                   trials.index(c[1])))
+    rank = _rank(cfg)
+    candidates.sort(key=lambda c: (*rank(c[0]), trials.index(c[1])))  # then the earlier trial
     for entry, trial in candidates:
         try:
             with fs.open_input_stream(f"{entry['checkpoint_path']}/meta.json") as f:
